@@ -1,0 +1,134 @@
+"""Backend ``torch``: the vectorized PyTorch reference of the op contract.
+
+Runs on any torch device, float16 / bfloat16 / float32 inputs, float32 math, output in
+the input dtype. No Python loop over batch, heads or tokens. It is the default on the
+CPU and the fallback elsewhere; it is *not* the conformance oracle (that one is float64
+numpy code in :mod:`topth_ops.conformance.oracle`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..contract import DecodeInputs, DecodeStats
+from ..registry import Backend
+
+
+def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
+    """Thresholded decode attention, formulas of docs/semantics.md (paper sections 3.1-3.2).
+
+    Parameters
+    ----------
+    inputs : DecodeInputs
+        Validated inputs (see :func:`topth_ops.contract.make_inputs`).
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``[batch, num_q_heads, head_dim]`` in the input dtype.
+    stats : DecodeStats
+        kept ``[batch, num_q_heads]`` int32, v_rows ``[batch, num_kv_heads]`` int32,
+        dropped_mass ``[batch, num_q_heads]`` float32.
+
+    Notes
+    -----
+    Memory is O(batch x num_q_heads x max_seq_len) for the scores plus a float32 copy of
+    the caches: a reference, not a fast path.
+    """
+    B, Hq, D = inputs.query.shape
+    Hkv, S, G = inputs.num_kv_heads, inputs.max_seq_len, inputs.group_size
+    dev = inputs.device
+    f32 = torch.float32
+
+    n = inputs.seq_lens.to(torch.int64).clamp(0, S)  # [B]; the contract allows clamping only
+    pos = torch.arange(S, device=dev)
+    valid = (pos[None, :] < n[:, None])[:, None, :]  # [B, 1, S]
+
+    q = inputs.query.to(f32).view(B, Hkv, G, D)
+    k = inputs.key_cache.to(f32)
+    # a_j = scale * <q, k_j> in fp32 (semantics step 1); tail positions are masked out below.
+    a = torch.einsum("bkgd,bksd->bkgs", q, k).reshape(B, Hq, S) * inputs.scale
+    a = torch.where(valid, a, float("-inf"))
+    m = a.amax(dim=-1, keepdim=True)  # NaN if a valid score is NaN; -inf when n = 0
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    e = torch.where(valid, torch.exp(a - m_safe), 0.0)  # exp(a_j - m); NaN propagates
+
+    row = (n.clamp(min=1).clamp(max=inputs.max_row_id) - 1)  # [B] column of the row id
+    theta = inputs.thresholds[:, row].transpose(0, 1).unsqueeze(-1)  # [B, Hq, 1]
+
+    if inputs.placement == "pre_softmax":
+        kept = valid & (a > theta)
+        R = (e * kept).sum(-1, keepdim=True)
+        k_tilde = kept.sum(-1, keepdim=True)
+        if inputs.sdc == "none":
+            E = torch.zeros_like(R)
+        elif inputs.sdc == "exact":
+            E = (e * (valid & ~kept)).sum(-1, keepdim=True)
+        elif inputs.sdc == "exp_threshold":
+            dropped = (n[:, None, None] - k_tilde).to(f32)
+            E = inputs.sdc_gamma * dropped * torch.exp(theta - m_safe)
+            E = torch.where(dropped > 0, E, torch.zeros_like(E))  # 0 x inf when nothing dropped
+        else:  # offline
+            E = inputs.sdc_table[:, row].transpose(0, 1).unsqueeze(-1)
+        w = torch.where(kept, e / (R + E), 0.0)
+    else:
+        Z = e.sum(-1, keepdim=True)
+        log_s = a - m_safe - torch.log(Z)  # log of s_j; compared in the log domain
+        # theta <= 0 keeps every finite score (s_j > 0); a NaN theta keeps nothing.
+        log_theta = torch.where(theta > 0, torch.log(theta), float("-inf"))
+        log_theta = torch.where(torch.isnan(theta), theta, log_theta)
+        kept = valid & (log_s > log_theta)
+        w = torch.where(kept, e / Z, 0.0)
+
+    beta = (1.0 - w.sum(-1)).clamp(0.0, 1.0)  # [B, Hq]; NaN stays NaN
+    v = inputs.value_cache.to(f32)
+    union = kept.view(B, Hkv, G, S).any(dim=2)  # [B, Hkv, S]
+    # Rows kept by no head of the group are never read: zero them so that NaN or inf in
+    # a dropped row (or in the tail) cannot leak through 0 * NaN.
+    v_read = torch.where(union.unsqueeze(-1), v, 0.0)
+    out = torch.einsum("bkgs,bksd->bkgd", w.view(B, Hkv, G, S), v_read).reshape(B, Hq, D)
+    if inputs.vmc:
+        if inputs.value_mean is not None:
+            mu = inputs.value_mean.to(f32)
+        else:
+            v_valid = torch.where(valid.view(B, 1, S, 1), v, 0.0)
+            mu = v_valid.sum(2) / n.clamp(min=1).to(f32).view(B, 1, 1)
+        out = out.view(B, Hkv, G, D) + beta.view(B, Hkv, G, 1) * mu.view(B, Hkv, 1, D)
+        out = out.reshape(B, Hq, D)
+
+    # A NaN or +inf score makes the whole head NaN (semantics: non-finite inputs).
+    poisoned = torch.isnan(m) | (m == float("inf"))  # [B, Hq, 1]
+    out = torch.where(poisoned, float("nan"), out)
+    empty = (n == 0).view(B, 1)
+    out = torch.where(empty.unsqueeze(-1), 0.0, out)
+    beta = torch.where(empty, 0.0, beta)
+    stats = DecodeStats(
+        kept=kept.sum(-1).to(torch.int32),
+        v_rows=union.sum(-1).to(torch.int32),
+        dropped_mass=beta.to(f32),
+    )
+    return out.to(inputs.dtype), stats
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    device_type = "any"
+    description = "vectorized PyTorch reference (fp32 math), any torch device"
+
+    def devices(self) -> list[torch.device]:
+        devs = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            devs.append(torch.device("cuda"))
+        return devs
+
+    def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
+        result, st = reference_decode(inputs)
+        out.copy_(result)
+        if stats is not None:
+            for dst, src in zip(stats, st):
+                dst.copy_(src)
+
+
+BACKENDS = [TorchBackend()]
