@@ -1,0 +1,38 @@
+"""The ``topth-ops`` command line. Each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``run(args) -> int`` and keeps heavy imports inside ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("topth_ops.info", "list every backend, available or not, and why"),
+    "conformance": ("topth_ops.conformance.cli", "run the conformance suite against one backend"),
+    "demo": ("topth_ops.demo", "synthetic decode demo: error vs dense attention and V rows read"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="topth-ops", description="Top-Theta thresholded sparse decode attention"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
