@@ -31,8 +31,8 @@ def _inputs(args, gen, dtype):
     # a few "heavy hitter" keys per KV head that the queries align with
     hot = torch.randint(0, S, (B, Hkv, 16), generator=gen)
     direction = torch.randn(B, Hkv, 1, D, generator=gen)
-    k.scatter_add_(2, hot[..., None].expand(-1, -1, -1, D), 2.5 * direction.expand(-1, -1, 16, -1))
-    q = torch.randn(B, Hq, D, generator=gen) + 2.5 * direction[:, :, 0].repeat_interleave(Hq // Hkv, 1)
+    k.scatter_add_(2, hot[..., None].expand(-1, -1, -1, D), 1.0 * direction.expand(-1, -1, 16, -1))
+    q = torch.randn(B, Hq, D, generator=gen) + 1.5 * direction[:, :, 0].repeat_interleave(Hq // Hkv, 1)
     v = torch.randn(B, Hkv, S, D, generator=gen)
     lens = torch.full((B,), S, dtype=torch.int64)
     return q.to(dtype), k.to(dtype), v.to(dtype), lens
