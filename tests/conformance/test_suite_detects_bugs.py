@@ -80,6 +80,11 @@ def _nan_to_zero(orig, res, st, out, stats):
         dst.copy_(src)
 
 
+def _assume_contiguous(inp):
+    k = inp.key_cache
+    return torch.as_strided(k, k.shape, k.new_empty(k.shape).stride(), k.storage_offset())
+
+
 MUTANTS = [
     # (mutant, rule that must catch it)
     (Mutant("ge-instead-of-gt", _replace(thresholds=lambda i: torch.nextafter(
@@ -98,6 +103,7 @@ MUTANTS = [
     (Mutant("v-rows-summed-not-union", edit_outputs=_v_rows_sum), "pre_softmax"),
     (Mutant("swallows-nan", edit_outputs=_nan_to_zero), "nan_propagation"),
     (Mutant("batch-coupled-row-id", _replace(thresholds=_first_sequence_row)), "batch_independence"),
+    (Mutant("assumes-contiguous-cache", _replace(key_cache=_assume_contiguous)), "strided_inputs"),
     (Mutant("post-as-pre", _replace(placement=lambda i: "pre_softmax")), "dense_equivalence"),
 ]
 

@@ -87,8 +87,15 @@ class Case:
         return oracle_decode(**self.kwargs)
 
     def to(self, device: torch.device) -> "Case":
-        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.kwargs.items()}
+        """The same call on ``device``, every tensor keeping its exact strides."""
+        kw = {k: (_move(v, device) if isinstance(v, torch.Tensor) else v) for k, v in self.kwargs.items()}
         return Case(self.name, kw)
+
+
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == torch.device(device) or t.is_contiguous():
+        return t.to(device)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
 
 
 def random_tensors(shape: Shape, dtype: torch.dtype, rng: np.random.Generator, *,

@@ -383,6 +383,27 @@ def _batch(h: Harness) -> None:
                 h.fail(case.name, rep)
 
 
+@rule("strided_inputs", "non-contiguous query and caches (slices of larger buffers) give the same result")
+def _strided(h: Harness) -> None:
+    for shape in h.shapes[:3]:
+        for placement in ("pre_softmax", "post_softmax"):
+            case = random_case(f"strided_{placement}", shape, h.dtype, placement=placement,
+                               vmc=True, seed=h.seed("strided", shape.id, placement))
+            kw = case.kwargs
+            B, Hkv, S, D = kw["key_cache"].shape
+            # caches inside a longer, head-interleaved buffer; query inside a wider one
+            for name in ("key_cache", "value_cache"):
+                big = torch.full((B, S + 5, Hkv, D + 3), float("nan"), dtype=h.dtype)
+                big[:, :S, :, :D] = kw[name].transpose(1, 2)
+                kw[name] = big[:, :S, :, :D].transpose(1, 2)
+            q = kw["query"]
+            wide = torch.full((q.shape[0], q.shape[1], D * 2), float("nan"), dtype=h.dtype)
+            wide[..., ::2] = q
+            kw["query"] = wide[..., ::2]
+            assert not kw["key_cache"].is_contiguous() and not kw["query"].is_contiguous()
+            h.check(case)
+
+
 # ------------------------------------------------------------------------------ the API
 
 @contextmanager
