@@ -133,27 +133,28 @@ def rule(name: str, description: str):
 
 
 def _random_rule(h: Harness, name: str, **opts) -> None:
-    for i, shape in enumerate(h.shapes):
+    for shape in h.shapes:
         case = random_case(name, shape, h.dtype, seed=h.seed(name, shape.id), **opts)
         h.check(case)
 
 
 # ----------------------------------------------------------------------------- selection
 
-@rule("pre_softmax", "keep a_j > theta, w = exp(a - m) / R; output and stats vs oracle")
-def _pre_softmax(h: Harness) -> None:
+def _placement_rule(h: Harness, placement: str) -> None:
     for i, shape in enumerate(h.shapes):
         scale = 0.37 if i % 2 else None  # a non-default scale on every other shape
-        h.check(random_case("pre_softmax", shape, h.dtype, placement="pre_softmax", scale=scale,
-                            seed=h.seed("pre", shape.id)))
+        h.check(random_case(placement, shape, h.dtype, placement=placement, scale=scale,
+                            seed=h.seed(placement, shape.id)))
+
+
+@rule("pre_softmax", "keep a_j > theta, w = exp(a - m) / R; output and stats vs oracle")
+def _pre_softmax(h: Harness) -> None:
+    _placement_rule(h, "pre_softmax")
 
 
 @rule("post_softmax", "keep s_j > theta with s = softmax(a), w = s; output and stats vs oracle")
 def _post_softmax(h: Harness) -> None:
-    for i, shape in enumerate(h.shapes):
-        scale = 0.37 if i % 2 else None
-        h.check(random_case("post_softmax", shape, h.dtype, placement="post_softmax", scale=scale,
-                            seed=h.seed("post", shape.id)))
+    _placement_rule(h, "post_softmax")
 
 
 @rule("sdc_exact", "pre_softmax with E~ = sum of the dropped exp(a_j - m)")
