@@ -464,8 +464,10 @@ private:
         for (uint32_t c0 = 0; c0 < Dp; c0 += 64) {
             BinaryRepeatParams p(1, 1, 0, rowBlocks, rowBlocks, 2);
             Mul(rows[c0], rows[c0], bcast, Min32(64, Dp - c0), static_cast<uint8_t>(G), p);
+            // Chunks touch disjoint columns; the barrier is conservative (the CPU model
+            // tracks a strided operand by its whole address span).
+            PipeBarrier<PIPE_V>();
         }
-        PipeBarrier<PIPE_V>();
     }
 
     // post_softmax pass A: Z = Z * P_F + sum_j exp(a_j - m) (Z kept in P_R).
@@ -697,8 +699,8 @@ private:
             for (uint32_t c0 = 0; c0 < Dp; c0 += 64) {
                 BinaryRepeatParams p(1, 1, 0, rowBlocks, rowBlocks, 1);
                 Mul(prod[c0], vf[c0], wb, Min32(64, Dp - c0), static_cast<uint8_t>(nb), p);
+                PipeBarrier<PIPE_V>();  // disjoint columns; conservative (see ScaleRows)
             }
-            PipeBarrier<PIPE_V>();
             for (uint32_t rowsLeft = nb; rowsLeft > 1;) {  // sum the nb weighted rows into row 0
                 const uint32_t h = rowsLeft / 2;
                 Add(prod, prod, prod[(rowsLeft - h) * Dp], h * Dp);

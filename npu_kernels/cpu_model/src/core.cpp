@@ -46,105 +46,100 @@ std::string AccessInfo::Describe() const {
 // IntervalSet / HazardTracker
 
 void IntervalSet::Add(uint64_t lo, uint64_t hi, uint64_t seq, const AccessInfo& info) {
-    // A newer access covering an older one makes the older one redundant (same pair).
     v_.erase(std::remove_if(v_.begin(), v_.end(),
                             [&](const Interval& x) { return x.lo >= lo && x.hi <= hi; }),
              v_.end());
     v_.push_back(Interval{lo, hi, seq, info});
-    if (v_.size() > 20000) {
-        Fail("internal: more than 20000 unsynchronised accesses are pending between two pipes; "
-             "the kernel never synchronises them (last: " + info.Describe() + ")");
-    }
 }
 
-const Interval* IntervalSet::Overlap(uint64_t lo, uint64_t hi) const {
+const Interval* IntervalSet::OverlapAfter(uint64_t lo, uint64_t hi, uint64_t after) const {
     for (auto it = v_.rbegin(); it != v_.rend(); ++it) {
-        if (it->lo < hi && lo < it->hi) return &*it;
+        if (it->seq > after && it->lo < hi && lo < it->hi) return &*it;
     }
     return nullptr;
 }
 
-void IntervalSet::ClearUpTo(uint64_t seq) {
-    v_.erase(std::remove_if(v_.begin(), v_.end(), [&](const Interval& x) { return x.seq <= seq; }),
-             v_.end());
-}
-
-void IntervalSet::ClearRange(uint64_t lo, uint64_t hi) {
-    v_.erase(std::remove_if(v_.begin(), v_.end(),
-                            [&](const Interval& x) { return x.lo < hi && lo < x.hi; }),
-             v_.end());
+void IntervalSet::PruneUpTo(uint64_t seq) {
+    v_.erase(std::remove_if(v_.begin(), v_.end(), [&](const Interval& x) { return x.seq <= seq; }), v_.end());
 }
 
 namespace {
-const char* SyncHint(Pipe src, Pipe dst) {
-    // The synchronisation Ascend C offers for src -> dst.
+std::string SyncHint(Pipe src, Pipe dst) {
     if (src == Pipe::V && dst == Pipe::V) return "PipeBarrier<PIPE_V>()";
-    static thread_local std::string s;
-    s = std::string("SetFlag/WaitFlag<HardEvent::") + PipeName(src) + "_" + PipeName(dst) +
-        "> (or a TQue EnQue/DeQue, AllocTensor/FreeTensor pair)";
-    return s.c_str();
+    return std::string("SetFlag/WaitFlag<HardEvent::") + PipeName(src) + "_" + PipeName(dst) +
+           ">, or a TQue EnQue/DeQue or FreeTensor/AllocTensor pair between them";
 }
 }  // namespace
 
-void HazardTracker::Access(Pipe p, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info) {
+void HazardTracker::Access(Space space, Pipe p, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info) {
     if (hi <= lo) return;
-    const int q = static_cast<int>(p);
+    const int q = static_cast<int>(p), sp = static_cast<int>(space);
+    auto range = [&](uint64_t a, uint64_t b) {
+        if (space == Space::GM && describeGm) return describeGm(a, b);
+        return std::string(space == Space::UB ? "UB [" : "GM [") + std::to_string(a) + ", " + std::to_string(b) + ")";
+    };
     for (int s = 0; s < kPipes; ++s) {
         const bool same = (s == q);
-        if (same && p != Pipe::V) continue;
-        if (const Interval* w = w_[s][q].Overlap(lo, hi)) {
+        if (same && p != Pipe::V) continue;  // MTE2, MTE3 and S execute in order
+        const uint64_t seen = clk_[q][s];
+        const Interval* w = log_[sp][s][1].OverlapAfter(lo, hi, seen);
+        const Interval* r = (write && !same) ? log_[sp][s][0].OverlapAfter(lo, hi, seen) : nullptr;
+        if (w || r) {
+            const Interval* x = w ? w : r;
             std::ostringstream os;
-            os << "data hazard in " << space_ << ": " << PipeName(p) << (write ? " writes" : " reads")
-               << " [" << lo << ", " << hi << ") in " << info.Describe() << ", which "
-               << PipeName(static_cast<Pipe>(s)) << " wrote in " << w->info.Describe()
-               << " with no " << PipeName(static_cast<Pipe>(s)) << "->" << PipeName(p)
-               << " synchronisation in between (" << SyncHint(static_cast<Pipe>(s), p) << ")";
+            os << "data hazard: " << PipeName(p) << (write ? " writes " : " reads ") << range(lo, hi) << " in "
+               << info.Describe() << ", which " << PipeName(static_cast<Pipe>(s)) << (w ? " wrote" : " reads")
+               << " in " << x->info.Describe() << ", with no " << PipeName(static_cast<Pipe>(s)) << "->"
+               << PipeName(p) << " synchronisation in between (" << SyncHint(static_cast<Pipe>(s), p) << ")";
             Fail(os.str());
-        }
-        if (write && !same) {
-            if (const Interval* r = r_[s][q].Overlap(lo, hi)) {
-                std::ostringstream os;
-                os << "data hazard in " << space_ << ": " << PipeName(p) << " writes [" << lo << ", "
-                   << hi << ") in " << info.Describe() << " while " << PipeName(static_cast<Pipe>(s))
-                   << " may still read it (" << r->info.Describe() << ") with no "
-                   << PipeName(static_cast<Pipe>(s)) << "->" << PipeName(p)
-                   << " synchronisation in between (" << SyncHint(static_cast<Pipe>(s), p) << ")";
-                Fail(os.str());
-            }
         }
     }
     const uint64_t seq = ++seq_[q];
-    for (int d = 0; d < kPipes; ++d) {
-        if (d == q) {
-            if (p == Pipe::V && write) w_[q][q].Add(lo, hi, seq, info);
-            continue;
+    if (p != Pipe::V) clk_[q][q] = seq;
+    log_[sp][q][write ? 1 : 0].Add(lo, hi, seq, info);
+    if (++accesses_ % 4096 == 0) Prune();
+}
+
+void HazardTracker::Prune() {
+    // An access every other pipe is ordered after can never conflict again.
+    for (int p = 0; p < kPipes; ++p) {
+        uint64_t minSeen = UINT64_MAX;
+        for (int q = 0; q < kPipes; ++q) {
+            if (q == p && p != static_cast<int>(Pipe::V)) continue;
+            minSeen = std::min(minSeen, clk_[q][p]);
         }
-        (write ? w_[q][d] : r_[q][d]).Add(lo, hi, seq, info);
+        for (int sp = 0; sp < 2; ++sp)
+            for (int k = 0; k < 2; ++k) log_[sp][p][k].PruneUpTo(minSeen);
     }
+    for (int sp = 0; sp < 2; ++sp)
+        for (int p = 0; p < kPipes; ++p)
+            for (int k = 0; k < 2; ++k)
+                if (log_[sp][p][k].Size() > 50000) {
+                    Fail("internal: more than 50000 accesses by one pipe are never synchronised with the others");
+                }
 }
 
-void HazardTracker::Sync(Pipe src, Pipe dst, uint64_t seq) {
-    const int s = static_cast<int>(src), d = static_cast<int>(dst);
-    w_[s][d].ClearUpTo(seq);
-    r_[s][d].ClearUpTo(seq);
+PipeClock HazardTracker::Capture(Pipe p) const {
+    PipeClock c;
+    const int q = static_cast<int>(p);
+    for (int i = 0; i < kPipes; ++i) c.c[i] = clk_[q][i];
+    c.c[q] = seq_[q];  // a flag is set after every earlier operation of its pipe completes
+    return c;
 }
 
-void HazardTracker::SyncRange(Pipe src, Pipe dst, uint64_t lo, uint64_t hi) {
-    const int s = static_cast<int>(src), d = static_cast<int>(dst);
-    w_[s][d].ClearRange(lo, hi);
-    r_[s][d].ClearRange(lo, hi);
+void HazardTracker::Observe(Pipe q, const PipeClock& c) {
+    const int x = static_cast<int>(q);
+    for (int i = 0; i < kPipes; ++i) clk_[x][i] = std::max(clk_[x][i], c.c[i]);
 }
 
 void HazardTracker::BarrierV() {
     const int v = static_cast<int>(Pipe::V);
-    w_[v][v].Clear();
+    clk_[v][v] = seq_[v];
 }
 
 void HazardTracker::BarrierAll() {
-    for (auto& row : w_)
-        for (auto& x : row) x.Clear();
-    for (auto& row : r_)
-        for (auto& x : row) x.Clear();
+    for (int q = 0; q < kPipes; ++q)
+        for (int p = 0; p < kPipes; ++p) clk_[q][p] = seq_[p];
 }
 
 // ---------------------------------------------------------------------------------------
@@ -204,6 +199,16 @@ void Launch::NoteUb(uint32_t used) {
     report_.ubPeak = std::max(report_.ubPeak, used);
 }
 
+std::string Launch::DescribeGm(uint64_t lo, uint64_t hi) const {
+    for (const auto& b : gm_) {
+        const uint64_t base = reinterpret_cast<uint64_t>(b.base);
+        if (lo >= base && lo < base + b.bytes) {
+            return "'" + b.name + "' bytes [" + std::to_string(lo - base) + ", " + std::to_string(hi - base) + ")";
+        }
+    }
+    return "GM [" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
+
 void Launch::RecordGm(uint32_t block, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info) {
     std::lock_guard<std::mutex> lk(mu_);
     for (const auto& r : epochRecords_) {
@@ -211,7 +216,7 @@ void Launch::RecordGm(uint32_t block, bool write, uint64_t lo, uint64_t hi, cons
         if (r.lo < hi && lo < r.hi) {
             std::ostringstream os;
             os << "[ascendc-cpu model] block " << block << ": race on GM: " << (write ? "write" : "read")
-               << " of [" << lo << ", " << hi << ") in " << info.Describe() << " and "
+               << " of " << DescribeGm(lo, hi) << " in " << info.Describe() << " and "
                << (r.write ? "write" : "read") << " by block " << r.block << " in " << r.info.Describe()
                << " with no SyncAll between them";
             throw ModelError(os.str());
@@ -258,7 +263,8 @@ void Launch::Barrier(uint32_t block, const std::source_location& loc) {
     cv_.wait(lk, [&] { return generation_ != gen || aborted_; });
     if (generation_ == gen) {
         throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": SyncAll at " + Where(loc) +
-                         " aborted: another block failed or returned without reaching SyncAll");
+                         " aborted: another block failed, or returned without reaching SyncAll (on the device "
+                         "this SyncAll would hang)");
     }
 }
 
@@ -285,6 +291,7 @@ void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
             ctx.idx = b;
             ctx.dim = blockDim;
             ctx.ub.assign(ubBytes_, 0xFF);
+            ctx.haz.describeGm = [this](uint64_t a, uint64_t b) { return DescribeGm(a, b); };
             g_ctx = &ctx;
             try {
                 body();

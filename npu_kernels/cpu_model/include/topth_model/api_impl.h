@@ -45,7 +45,7 @@ inline void UbTouch(const LocalTensor<T>& t, uint64_t relLo, uint64_t relHi, Pip
            << ") is outside its buffer [" << t.bufLo_ << ", " << t.bufHi_ << ") (" << BufName(t.bufIndex_) << ")";
         Fail(os.str());
     }
-    Ctx().ubHaz.Access(p, write, lo, hi, Info(op, loc));
+    Ctx().haz.Access(topth_model::Space::UB, p, write, lo, hi, Info(op, loc));
 }
 
 template <typename T>
@@ -59,7 +59,8 @@ inline void CheckAlign(const LocalTensor<T>& t, uint32_t align, const char* op, 
 // Resolve a GM range, check bounds, record hazards / races / bytes.
 template <typename T>
 inline topth_model::GmBuffer& GmTouch(const GlobalTensor<T>& g, uint64_t relLo, uint64_t relHi, bool write,
-                                      const char* op, const Loc& loc, bool countBytes = true) {
+                                      const char* op, const Loc& loc, bool countBytes = true,
+                                      Pipe pipe = Pipe::MTE2) {
     auto& ctx = Ctx();
     if (!g.addr_) Fail(std::string(op) + " at " + Where(loc) + ": GlobalTensor was never given a GM address");
     auto& buf = ctx.launch->FindGm(reinterpret_cast<const uint8_t*>(g.addr_), op, loc);
@@ -82,7 +83,7 @@ inline topth_model::GmBuffer& GmTouch(const GlobalTensor<T>& g, uint64_t relLo, 
     }
     if (buf.writable) {
         const uint64_t alo = reinterpret_cast<uint64_t>(buf.base) + lo, ahi = reinterpret_cast<uint64_t>(buf.base) + hi;
-        ctx.gmHaz.Access(write ? Pipe::MTE3 : Pipe::MTE2, write, alo, ahi, Info(op, loc));
+        ctx.haz.Access(topth_model::Space::GM, write ? Pipe::MTE3 : pipe, write, alo, ahi, Info(op, loc));
         ctx.launch->RecordGm(ctx.idx, write, alo, ahi, Info(op, loc));
     }
     if (countBytes) ctx.launch->AddBytes(buf, !write, relHi - relLo);
@@ -134,13 +135,13 @@ T GlobalTensor<T>::GetValue(uint64_t index, Loc loc) const {
     auto& ctx = topth_model::Ctx();
     GlobalTensor<T> g = (*this)[index];
     if (!g.addr_ || !addr_) topth_model::Fail("GlobalTensor::GetValue at " + topth_model::Where(loc) + ": no GM address");
-    auto& buf = detail::GmTouch(g, 0, sizeof(T), false, "GlobalTensor::GetValue", loc, false);
+    auto& buf = ctx.launch->FindGm(g.addr_, "GlobalTensor::GetValue", loc);
     if (buf.writtenByKernel) {
         topth_model::Fail("GlobalTensor::GetValue at " + topth_model::Where(loc) + ": scalar read of GM buffer '" +
                           buf.name + "', which this kernel writes: the scalar data cache may hold stale data "
                           "(copy it to UB with DataCopy instead)");
     }
-    (void)ctx;
+    detail::GmTouch(g, 0, sizeof(T), false, "GlobalTensor::GetValue", loc, false, Pipe::S);
     T v;
     std::memcpy(&v, g.addr_, sizeof(T));
     return v;
@@ -272,8 +273,8 @@ LocalTensor<T> TQue<pos, depth, mask>::AllocTensor(Loc loc) {
     s->gen++;
     Pipe prod, cons;
     if (detail::QueuePipes(q.position, prod, cons)) {
-        // AllocTensor waits for the consumer's FreeTensor of this buffer.
-        topth_model::Ctx().ubHaz.SyncRange(cons, prod, s->lo, s->hi);
+        // AllocTensor waits for the flag the consumer set at FreeTensor of this buffer.
+        topth_model::Ctx().haz.Observe(prod, s->freed);
     }
     LocalTensor<T> t;
     t.valid_ = true;
@@ -305,6 +306,8 @@ bool TQue<pos, depth, mask>::EnQue(const LocalTensor<T>& tensor, Loc loc) {
                           std::to_string(q.fifo.size()) + " tensor(s), its depth");
     }
     s->st = topth_model::SlotState::Enqueued;
+    Pipe prod, cons;
+    if (detail::QueuePipes(q.position, prod, cons)) s->enqueued = topth_model::Ctx().haz.Capture(prod);
     q.fifo.push_back(i);
     return true;
 }
@@ -323,7 +326,8 @@ LocalTensor<T> TQue<pos, depth, mask>::DeQue(Loc loc) {
     s->st = topth_model::SlotState::Dequeued;
     Pipe prod, cons;
     if (detail::QueuePipes(q.position, prod, cons)) {
-        topth_model::Ctx().ubHaz.SyncRange(prod, cons, s->lo, s->hi);
+        // DeQue waits for the flag the producer set at EnQue.
+        topth_model::Ctx().haz.Observe(cons, s->enqueued);
     }
     LocalTensor<T> t;
     t.valid_ = true;
@@ -355,6 +359,8 @@ void TQue<pos, depth, mask>::FreeTensor(LocalTensor<T>& tensor, Loc loc) {
                                                                     : " was never enqueued and dequeued"));
     }
     s->st = topth_model::SlotState::Free;
+    Pipe prod, cons;
+    if (detail::QueuePipes(q.position, prod, cons)) s->freed = topth_model::Ctx().haz.Capture(cons);
     q.freeOrder.push_back(i);
 }
 
@@ -381,7 +387,6 @@ inline void EventPipes(HardEvent e, Pipe& src, Pipe& dst) {
         case HardEvent::MTE3_S: src = Pipe::MTE3; dst = Pipe::S; return;
     }
 }
-inline uint64_t PackSeq(uint64_t ub, uint64_t gm) { return (ub << 32) | (gm & 0xffffffffu); }
 }  // namespace detail
 
 template <HardEvent evt>
@@ -395,7 +400,7 @@ inline void SetFlag(int32_t eventID, Loc loc = Loc::current()) {
                           "_" + topth_model::PipeName(dst) + " id " + std::to_string(eventID) +
                           " set twice without a WaitFlag in between");
     }
-    ctx.flags[key] = detail::PackSeq(ctx.ubHaz.Seq(src), ctx.gmHaz.Seq(src));
+    ctx.flags[key] = ctx.haz.Capture(src);
 }
 
 template <HardEvent evt>
@@ -410,8 +415,7 @@ inline void WaitFlag(int32_t eventID, Loc loc = Loc::current()) {
                           "_" + topth_model::PipeName(dst) + " id " + std::to_string(eventID) +
                           " was never set; on the device this waits forever");
     }
-    ctx.ubHaz.Sync(src, dst, it->second >> 32);
-    ctx.gmHaz.Sync(src, dst, it->second & 0xffffffffu);
+    ctx.haz.Observe(dst, it->second);
     ctx.flags.erase(it);
 }
 
@@ -419,10 +423,9 @@ template <pipe_t p>
 inline void PipeBarrier() {
     auto& ctx = topth_model::Ctx();
     if constexpr (p == PIPE_V) {
-        ctx.ubHaz.BarrierV();
+        ctx.haz.BarrierV();
     } else if constexpr (p == PIPE_ALL) {
-        ctx.ubHaz.BarrierAll();
-        ctx.gmHaz.BarrierAll();
+        ctx.haz.BarrierAll();
     }
 }
 
@@ -449,8 +452,7 @@ inline void SyncAll(const GlobalTensor<int32_t>& gmWorkspace, const LocalTensor<
         topth_model::Fail("SyncAll at " + topth_model::Where(loc) + ": gmWorkspace declares fewer than blockDim * 32 bytes");
     }
     ctx.launch->CheckSyncWorkspace(buf.base + start, need, loc);
-    ctx.ubHaz.BarrierAll();
-    ctx.gmHaz.BarrierAll();
+    ctx.haz.BarrierAll();
     ctx.syncAllCalls++;
     ctx.launch->Barrier(ctx.idx, loc);
 }

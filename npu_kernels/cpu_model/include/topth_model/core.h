@@ -62,41 +62,51 @@ struct Interval {
     AccessInfo info;
 };
 
-// Intervals accessed by one pipe and not yet synchronised towards another pipe.
+// Intervals accessed by one pipe (reads or writes), each with the pipe sequence number of
+// its latest access; an older access contained in a newer one is dropped.
 class IntervalSet {
 public:
     void Add(uint64_t lo, uint64_t hi, uint64_t seq, const AccessInfo& info);
-    const Interval* Overlap(uint64_t lo, uint64_t hi) const;
-    void ClearUpTo(uint64_t seq);
-    void ClearRange(uint64_t lo, uint64_t hi);
-    void Clear() { v_.clear(); }
+    // The most recent interval overlapping [lo, hi) with seq > after, or nullptr.
+    const Interval* OverlapAfter(uint64_t lo, uint64_t hi, uint64_t after) const;
+    void PruneUpTo(uint64_t seq);
     size_t Size() const { return v_.size(); }
 
 private:
     std::vector<Interval> v_;
 };
 
-// Per-core hazard tracking for one address space (UB offsets, or GM host addresses).
+// What one pipe has observed of the others: clk[q][p] = the last operation of pipe p
+// that pipe q is ordered after. Hardware pipes are in order except the vector pipe
+// against itself (PipeBarrier<PIPE_V>); flags (SetFlag/WaitFlag, and the flags TQue
+// EnQue/DeQue and FreeTensor/AllocTensor use) carry the setter's knowledge to the waiter.
+struct PipeClock {
+    uint64_t c[kPipes] = {0, 0, 0, 0};
+};
+
+enum class Space : int { UB = 0, GM = 1 };
+
+// Per-core ordering of the four pipes and the log of their accesses to UB and GM.
 class HazardTracker {
 public:
-    explicit HazardTracker(const char* space) : space_(space) {}
-    // Record an access of [lo, hi) by pipe p, after checking it against unsynchronised
-    // accesses of other pipes (and, for the vector pipe, against earlier vector writes
-    // not separated by PipeBarrier<PIPE_V>).
-    void Access(Pipe p, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info);
-    // src -> dst synchronisation covering every src access issued up to `seq`.
-    void Sync(Pipe src, Pipe dst, uint64_t seq);
-    // src -> dst synchronisation of one buffer range (queue EnQue/DeQue, Alloc/Free).
-    void SyncRange(Pipe src, Pipe dst, uint64_t lo, uint64_t hi);
+    // Optional: render a GM range for messages (buffer name and offsets).
+    std::function<std::string(uint64_t, uint64_t)> describeGm;
+    // Check an access of [lo, hi) by pipe p against every earlier conflicting access it is
+    // not ordered after (read-after-write, write-after-write, write-after-read), then log it.
+    void Access(Space space, Pipe p, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info);
+    // The knowledge a flag set now by pipe p carries.
+    PipeClock Capture(Pipe p) const;
+    // Pipe q waits for a flag carrying c.
+    void Observe(Pipe q, const PipeClock& c);
     void BarrierV();
     void BarrierAll();
-    uint64_t Seq(Pipe p) const { return seq_[static_cast<int>(p)]; }
 
 private:
-    const char* space_;
-    IntervalSet w_[kPipes][kPipes];
-    IntervalSet r_[kPipes][kPipes];
+    void Prune();
     uint64_t seq_[kPipes] = {0, 0, 0, 0};
+    uint64_t clk_[kPipes][kPipes] = {};
+    IntervalSet log_[2][kPipes][2];  // [space][pipe][write]
+    uint64_t accesses_ = 0;
 };
 
 // A buffer of global memory registered for one launch.
@@ -124,6 +134,8 @@ struct SlotState {
     enum St { Free, Allocated, Enqueued, Dequeued } st = Free;
     uint32_t gen = 0;
     uint32_t lo = 0, hi = 0;  // UB byte range
+    PipeClock enqueued;       // producer's knowledge at EnQue (DeQue waits for it)
+    PipeClock freed;          // consumer's knowledge at FreeTensor (AllocTensor waits for it)
 };
 
 struct QueueState {
@@ -148,14 +160,13 @@ struct BlockCtx {
     uint32_t idx = 0;
     uint32_t dim = 1;
     std::vector<uint8_t> ub;
-    HazardTracker ubHaz{"UB"};
-    HazardTracker gmHaz{"GM"};
+    HazardTracker haz;
     bool pipeAlive = false;
     void* pipePtr = nullptr;  // the live AscendC::TPipe
     uint32_t pipeCursor = 0;  // next free UB byte
     std::vector<BufferDesc> buffers;
     std::vector<std::unique_ptr<QueueState>> queues;
-    std::map<std::pair<int, int>, uint64_t> flags;  // (event, id) -> src seq at SetFlag
+    std::map<std::pair<int, int>, PipeClock> flags;  // (event, id) -> setter's knowledge
     uint32_t syncAllCalls = 0;
 };
 
@@ -183,6 +194,8 @@ public:
 
     // --- used by the API layer ---
     GmBuffer& FindGm(const void* p, const char* op, const std::source_location& loc);
+    // "'name' bytes [a, b)" for a host address range inside a registered buffer.
+    std::string DescribeGm(uint64_t lo, uint64_t hi) const;
     // Cross-block race check + record, for accesses to writable GM.
     void RecordGm(uint32_t block, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info);
     void Barrier(uint32_t block, const std::source_location& loc);
