@@ -946,7 +946,9 @@ extern "C" __global__ __aicore__ void topth_decode_attn(GM_ADDR query, GM_ADDR k
                                                          GM_ADDR out, GM_ADDR kept, GM_ADDR vRows, GM_ADDR dropped,
                                                          GM_ADDR workspace, GM_ADDR tiling)
 {
-    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);
+#ifdef KERNEL_TASK_TYPE_DEFAULT
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);  // vector cores only (no cube work)
+#endif
     TopthTilingData td;
     topth::LoadTiling(td, tiling);
     TPipe pipe;

@@ -165,6 +165,17 @@ def run_cpu_model(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[Decod
     """
     mod = _cpu_module()
     t = kernel_tensors(inputs)
+    # The model tells GM buffers apart by address: give aliased inputs (e.g. one tensor
+    # passed as both caches) their own storage.
+    seen = []
+    for name, x in t.items():
+        if x is None:
+            continue
+        lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+        if any(lo < h and l < hi for l, h in seen):
+            x = t[name] = x.clone()
+            lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+        seen.append((lo, hi))
     o, s = _outputs_for(inputs, out, stats)
     args = {name: _ptr(x) for name, x in t.items()}
     args.update({"out": _ptr(o), "kept": _ptr(s[0]), "v_rows": _ptr(s[1]), "dropped_mass": _ptr(s[2])})

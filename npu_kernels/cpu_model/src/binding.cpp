@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "topth_model/core.h"
-#include "topth_tiling.h"
+#include "topth_tiling_py.h"
 
 namespace py = pybind11;
 
@@ -27,62 +27,8 @@ void Run(const std::string& name);
 
 namespace {
 
-template <typename V>
-V Get(const py::dict& d, const char* key, V dflt) {
-    if (!d.contains(key)) return dflt;
-    return d[key].cast<V>();
-}
-
-topth::ProblemShape ShapeFrom(const py::dict& s) {
-    topth::ProblemShape p;
-    p.batch = s["batch"].cast<uint32_t>();
-    p.numQHeads = s["num_q_heads"].cast<uint32_t>();
-    p.numKvHeads = s["num_kv_heads"].cast<uint32_t>();
-    p.maxSeqLen = s["max_seq_len"].cast<uint32_t>();
-    p.headDim = s["head_dim"].cast<uint32_t>();
-    p.maxRowId = s["max_row_id"].cast<uint32_t>();
-    p.dtype = s["dtype"].cast<uint32_t>();
-    p.placement = s["placement"].cast<uint32_t>();
-    p.sdc = s["sdc"].cast<uint32_t>();
-    p.vmc = s["vmc"].cast<uint32_t>();
-    p.scale = s["scale"].cast<float>();
-    p.sdcGamma = s["sdc_gamma"].cast<float>();
-    return p;
-}
-
-topth::TargetInfo TargetFrom(const py::dict& t) {
-    topth::TargetInfo x;
-    x.name = Get<std::string>(t, "name", x.name);
-    x.ubBytes = Get<uint64_t>(t, "ub_bytes", x.ubBytes);
-    x.aivCores = Get<uint32_t>(t, "cores", x.aivCores);
-    x.minSplitLen = Get<uint32_t>(t, "min_split_len", x.minSplitLen);
-    return x;
-}
-
-py::dict TilingDict(const TopthTilingData& t) {
-    py::dict d;
-#define F(name) d[#name] = t.name
-    F(wsSyncOff); F(wsScoresOff); F(wsStatsOff); F(wsPartOff); F(wsBytes);
-    F(batch); F(numQHeads); F(numKvHeads); F(group); F(maxSeqLen); F(headDim); F(headDimPad); F(maxRowId);
-    F(dtype); F(elemBytes); F(placement); F(sdc); F(vmc); F(scale); F(sdcGamma);
-    F(blockDim); F(splitNum); F(splitLen); F(numItems); F(numPairs); F(tileK); F(tileV); F(pairWidth); F(partFloats);
-    F(ubKIn); F(ubKF32); F(ubProd); F(ubQ); F(ubAcc); F(ubTile); F(ubMask); F(ubVIn); F(ubVF32); F(ubWc); F(ubWb);
-    F(ubPair); F(ubPairB); F(ubStage); F(ubMu); F(ubCmb); F(ubMAll); F(ubSync); F(ubStat); F(ubSIn); F(ubTotal);
-#undef F
-    return d;
-}
-
-TopthTilingData TilingOrThrow(const py::dict& shape, const py::dict& target) {
-    TopthTilingData t{};
-    std::string reason;
-    if (!topth::ComputeTiling(ShapeFrom(shape), TargetFrom(target), &t, &reason)) {
-        throw py::value_error(reason);
-    }
-    return t;
-}
-
 py::dict ComputeTilingPy(const py::dict& shape, const py::dict& target) {
-    return TilingDict(TilingOrThrow(shape, target));
+    return topth::TilingToDict(topth::TilingOrThrow(topth::ShapeFromDict(shape), topth::TargetFromDict(target)));
 }
 
 struct Arg {
@@ -100,8 +46,8 @@ Arg ArgFrom(const py::dict& args, const char* name) {
 }
 
 py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& target) {
-    const TopthTilingData t = TilingOrThrow(shape, target);
-    const topth::TargetInfo tgt = TargetFrom(target);
+    const topth::TargetInfo tgt = topth::TargetFromDict(target);
+    const TopthTilingData t = topth::TilingOrThrow(topth::ShapeFromDict(shape), tgt);
     struct Named {
         const char* name;
         bool writable;
@@ -155,7 +101,7 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     report["ub_capacity"] = tgt.ubBytes;
     report["block_dim"] = launch.Report().blockDim;
     report["sync_all_calls"] = launch.Report().syncAllCalls;
-    report["tiling"] = TilingDict(t);
+    report["tiling"] = topth::TilingToDict(t);
     report["target"] = tgt.name;
     return report;
 }
