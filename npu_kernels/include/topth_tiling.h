@@ -127,14 +127,28 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     if (t.group > 255) return refuse("more than 255 query heads per KV head");
     if (uint64_t(s.maxSeqLen) * 4 > 0xffffffffull) return refuse("max_seq_len too large for 32-bit copy strides");
 
-    // Work split: batch x kv-heads over vector cores; when that is less than 40% of the
-    // cores, also split the KV sequence (flash-decoding) and combine the splits by LSE.
+    // Work split: batch x kv-heads pairs over vector cores. When that leaves cores idle
+    // (few pairs, as IncrementalFlashAttention splits below 40% of the cores, or a last
+    // round only partly filled), also split the KV sequence (flash-decoding; the splits are
+    // combined by LSE): the smallest split count whose rounds are >= 95% full, else the
+    // fullest. Lengths are not known on the host (seq_lens lives on the device), so splits
+    // are uniform over max_seq_len.
     t.numPairs = s.batch * s.numKvHeads;
+    const uint32_t cores = target.aivCores;
+    const uint32_t byLen = std::max<uint32_t>(1, (s.maxSeqLen + std::max<uint32_t>(1, target.minSplitLen) - 1) /
+                                                     std::max<uint32_t>(1, target.minSplitLen));
+    const uint32_t byCores = std::max<uint32_t>(1, static_cast<uint32_t>((4ull * cores + t.numPairs - 1) / t.numPairs));
+    const uint32_t maxSplit = std::min(byLen, byCores);
     uint32_t splitNum = 1;
-    if (uint64_t(t.numPairs) * 10 < uint64_t(target.aivCores) * 4) {
-        const uint32_t byCores = (target.aivCores + t.numPairs - 1) / t.numPairs;
-        const uint32_t byLen = std::max<uint32_t>(1, (s.maxSeqLen + target.minSplitLen - 1) / std::max<uint32_t>(1, target.minSplitLen));
-        splitNum = std::max<uint32_t>(1, std::min(byCores, byLen));
+    double bestFill = 0.0;
+    for (uint32_t c = 1; c <= maxSplit; ++c) {
+        const uint64_t items = uint64_t(t.numPairs) * c;
+        const double fill = double(items) / double((items + cores - 1) / cores * cores);
+        if (fill > bestFill + 1e-9) {
+            bestFill = fill;
+            splitNum = c;
+        }
+        if (fill >= 0.95) break;
     }
     uint32_t splitLen = static_cast<uint32_t>(Up((s.maxSeqLen + splitNum - 1) / splitNum, TOPTH_TILE_W));
     splitNum = (s.maxSeqLen + splitLen - 1) / splitLen;
