@@ -123,6 +123,8 @@ BYTE_CASES = [
     (1, 4, 1, 1500, 128, [1400], torch.float32, "pre_softmax", 48),
     (1, 4, 1, 1500, 96, [1111], torch.float16, "post_softmax", 48),
     (2, 16, 2, 130, 256, [129, 130], torch.float16, "pre_softmax", 4),
+    # rows of 144 bytes (not a whole number of 32-byte blocks): DataCopyPad, padded in UB
+    (2, 6, 3, 300, 72, [300, 211], torch.float16, "post_softmax", 48),
 ]
 
 
@@ -305,6 +307,8 @@ ORACLE_CASES = [
     ("pre_softmax", "exact", False, torch.bfloat16, 64, (8, 2), [700], 760, 48),
     ("pre_softmax", "offline", True, torch.float32, 96, (4, 4), [5, 64], 70, 4),
     ("post_softmax", "none", True, torch.float16, 128, (10, 2), [777, 1], 800, 48),
+    ("pre_softmax", "exact", True, torch.float32, 36, (4, 2), [250, 3], 260, 48),  # 144-byte rows
+    ("post_softmax", "none", False, torch.bfloat16, 72, (3, 1), [129], 140, 2),
 ]
 
 

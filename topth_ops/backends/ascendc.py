@@ -225,7 +225,8 @@ class AscendCBackend(Backend):
     name = "ascendc"
     device_type = "npu"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    description = "Ascend C kernel on an Ascend NPU (Atlas A2 / 910B); built with CANN, launched via torch_npu"
+    description = ("Ascend C kernel on an Ascend NPU (Atlas A2 / 910B), built with CANN, launched via torch_npu; "
+                   "not yet run on hardware (docs/ascendc.md)")
 
     def unavailable_reasons(self) -> list[str]:
         reasons = []

@@ -291,7 +291,7 @@ void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
             ctx.idx = b;
             ctx.dim = blockDim;
             ctx.ub.assign(ubBytes_, 0xFF);
-            ctx.haz.describeGm = [this](uint64_t a, uint64_t b) { return DescribeGm(a, b); };
+            ctx.haz.describeGm = [this](uint64_t lo, uint64_t hi) { return DescribeGm(lo, hi); };
             g_ctx = &ctx;
             try {
                 body();

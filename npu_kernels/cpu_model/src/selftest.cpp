@@ -29,7 +29,7 @@ float* In(Bufs& b) { return b.in.data(); }
 float* Out(Bufs& b) { return b.out.data(); }
 
 const std::map<std::string, std::function<void()>>& Table() {
-    static const std::map<std::string, std::function<void()>> t = {
+    static const std::map<std::string, std::function<void()>> table = {
         {"ok",
          [] {
              // The canonical copy-in / compute / copy-out pipeline with queues: no error.
@@ -302,7 +302,7 @@ const std::map<std::string, std::function<void()>>& Table() {
              });
          }},
     };
-    return t;
+    return table;
 }
 
 }  // namespace
