@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -36,6 +37,10 @@ class TritonBackend(Backend):
         if importlib.util.find_spec("triton") is None:
             return ["triton is not installed (pip install 'topth-ops[triton]')"]
         if interpreter_enabled():
+            mod = sys.modules.get("topth_ops.cuda_kernels.decode_attn")
+            if mod is not None and type(mod._decode_attn_kernel).__name__ != "InterpretedFunction":
+                return ["TRITON_INTERPRET=1 was set after topth_ops.cuda_kernels was imported "
+                        "(set it before the first Triton call)"]
             return []
         if not torch.cuda.is_available():
             return ["no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors "
