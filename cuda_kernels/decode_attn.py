@@ -562,13 +562,18 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: 
     return int(max(1, min(want, by_len, max_splits)))
 
 
+def gpu_block_n(head_dim: int) -> int:
+    """KV positions per tile on a GPU: 64, or 32 for head_dim > 128 (shared memory)."""
+    return 64 if head_dim <= 128 else 32
+
+
 def choose_config(batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                   device: torch.device) -> LaunchConfig:
-    """Default :class:`LaunchConfig` for a call (GPU: 64-row tiles, 32 for head_dim 256)."""
+    """Default :class:`LaunchConfig` for a call (GPU: :func:`gpu_block_n`; interpreter: 32)."""
     if interpreter_enabled() or device.type != "cuda":
         block_n = 32
     else:
-        block_n = 64 if head_dim <= 128 else 32
+        block_n = gpu_block_n(head_dim)
     ns = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, _num_sms(device))
     return LaunchConfig(block_n=block_n, num_splits=ns)
 
@@ -644,11 +649,14 @@ def decode_attn_fwd(
     NS_PAD = max(2, _next_pow2(ns))
     f32 = torch.float32
     pv_split = query.dtype in (torch.float16, torch.bfloat16)
-    dot_prec = "ieee"
+    # fp32 inputs: exact fp32 dot (no TF32); 16-bit inputs: the precision flag is unused
+    dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
     post = (placement == "post_softmax") and not dense
     if dense:
         sdc, vmc, stats = "none", False, None
     compute_mean = bool(vmc and value_mean is None)
+    # a tile can only be skipped when rows can be dropped and the V mean is not needed
+    tile_skip = bool(cfg.tile_skip) and not dense and not compute_mean
     if thresholds is None:
         thresholds = torch.full((Hq, 1), float("-inf"), dtype=f32, device=dev)
 
@@ -671,7 +679,7 @@ def decode_attn_fwd(
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *thresholds.stride(),
             Hkv, S, thresholds.shape[1], ns, float(scale),
             DENSE=bool(dense), TRACK_E=(sdc == "exact"), COMPUTE_MEAN=compute_mean,
-            PV_SPLIT=pv_split, TILE_SKIP=bool(cfg.tile_skip), **common,
+            PV_SPLIT=pv_split, TILE_SKIP=tile_skip, **common,
         )
     else:
         scores = torch.empty((B * Hq * S,), dtype=f32, device=dev)
@@ -687,7 +695,7 @@ def decode_attn_fwd(
             *value_cache.stride(), *thresholds.stride(),
             Hkv, S, thresholds.shape[1], ns,
             NS_PAD=NS_PAD, COMPUTE_MEAN=compute_mean, PV_SPLIT=pv_split,
-            TILE_SKIP=bool(cfg.tile_skip), **common,
+            TILE_SKIP=tile_skip, **common,
         )
 
     table = sdc_table if sdc_table is not None else thresholds
