@@ -81,10 +81,10 @@ def _split_range(n, pid_s, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _scores_tile(q, K_base, offs_n, nmask, offs_d, dmask, stride_kn, stride_kd, scale,
-                 D_PAD: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
+                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """a = scale * q k^T for one tile: [G_PAD, BLOCK_N] fp32 (fp32 accumulation)."""
     k_ptrs = K_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    if D_PAD == D:
+    if EVEN_D:
         k = tl.load(k_ptrs, mask=nmask[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
@@ -94,10 +94,10 @@ def _scores_tile(q, K_base, offs_n, nmask, offs_d, dmask, stride_kn, stride_kd, 
 
 @triton.jit
 def _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd,
-                 D_PAD: tl.constexpr, D: tl.constexpr):
+                 EVEN_D: tl.constexpr):
     """V rows of one tile where ``rmask`` (row mask: masked rows are never read)."""
     v_ptrs = V_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if D_PAD == D:
+    if EVEN_D:
         v = tl.load(v_ptrs, mask=rmask[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0)
@@ -134,7 +134,7 @@ def _decode_attn_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_th, stride_tr,
     num_kv_heads, max_seq_len, max_row_id, num_splits, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DENSE: tl.constexpr, TRACK_E: tl.constexpr,
     COMPUTE_MEAN: tl.constexpr, PV_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     TILE_SKIP: tl.constexpr,
@@ -187,7 +187,7 @@ def _decode_attn_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         s = _scores_tile(q, K_base, offs_n, nmask, offs_d, dmask, stride_kn, stride_kd, scale,
-                         D_PAD, D, DOT_PREC)
+                         EVEN_D, DOT_PREC)
         valid = gmask[:, None] & nmask[None, :]
         # NaN / +inf scores poison the head (GPU max ignores NaN, so track it explicitly);
         # they are then removed from the softmax bookkeeping of the other rows.
@@ -216,12 +216,12 @@ def _decode_attn_kernel(
         acc = acc * alpha[:, None]
         if TILE_SKIP:
             if tl.max(rmask.to(tl.int32), axis=0) > 0:
-                v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, D_PAD, D)
+                v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
                 acc += _pv(pk, v, PV_SPLIT, DOT_PREC)
                 if COMPUTE_MEAN:
                     vsum += tl.sum(v.to(tl.float32), axis=0)
         else:
-            v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, D_PAD, D)
+            v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
             acc += _pv(pk, v, PV_SPLIT, DOT_PREC)
             if COMPUTE_MEAN:
                 vsum += tl.sum(v.to(tl.float32), axis=0)
@@ -252,7 +252,7 @@ def _decode_scores_kernel(
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     num_kv_heads, max_seq_len, num_splits, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """post_softmax pass 1: a_j = scale * <q, k_j> (fp32) into SCORES [B, Hq, max_seq_len]
@@ -284,7 +284,7 @@ def _decode_scores_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         s = _scores_tile(q, K_base, offs_n, nmask, offs_d, dmask, stride_kn, stride_kd, scale,
-                         D_PAD, D, DOT_PREC)
+                         EVEN_D, DOT_PREC)
         valid = gmask[:, None] & nmask[None, :]
         nonfinite = valid & ((s != s) | (s == float("inf")))
         bad = tl.maximum(bad, tl.max(nonfinite.to(tl.int32), axis=1))
@@ -307,7 +307,7 @@ def _decode_post_select_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_th, stride_tr,
     num_kv_heads, max_seq_len, max_row_id, num_splits,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NS_PAD: tl.constexpr, COMPUTE_MEAN: tl.constexpr,
     PV_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TILE_SKIP: tl.constexpr,
 ):
@@ -370,12 +370,12 @@ def _decode_post_select_kernel(
             rmask = union
         if TILE_SKIP:
             if tl.max(rmask.to(tl.int32), axis=0) > 0:
-                v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, D_PAD, D)
+                v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
                 acc += _pv(w, v, PV_SPLIT, DOT_PREC)
                 if COMPUTE_MEAN:
                     vsum += tl.sum(v.to(tl.float32), axis=0)
         else:
-            v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, D_PAD, D)
+            v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
             acc += _pv(w, v, PV_SPLIT, DOT_PREC)
             if COMPUTE_MEAN:
                 vsum += tl.sum(v.to(tl.float32), axis=0)
@@ -404,7 +404,7 @@ def _decode_combine_kernel(
     stride_mb, stride_mh, stride_md,
     stride_ob, stride_oh, stride_od,
     num_kv_heads, max_seq_len, max_row_id, num_splits, sdc_gamma,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
     NS_PAD: tl.constexpr, POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr,
     COMPUTE_MEAN: tl.constexpr, STATS: tl.constexpr,
 ):
@@ -670,7 +670,7 @@ def decode_attn_fwd(
     P_VSUM = torch.empty((B * Hkv * ns, D_PAD), dtype=f32, device=dev) if compute_mean else P_M
 
     grid = (B * Hkv, ns)
-    common = dict(G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=block_n, DOT_PREC=dot_prec,
+    common = dict(G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, EVEN_D=(D == D_PAD), BLOCK_N=block_n, DOT_PREC=dot_prec,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not post:
         _decode_attn_kernel[grid](
@@ -711,7 +711,7 @@ def decode_attn_fwd(
         st_kept, st_vrows, st_dropped,
         *thresholds.stride(), *table.stride(), *vmean.stride(), *out.stride(),
         Hkv, S, thresholds.shape[1], ns, float(sdc_gamma),
-        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, NS_PAD=NS_PAD, POST=post,
+        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, EVEN_D=(D == D_PAD), NS_PAD=NS_PAD, POST=post,
         SDC=_SDC_CODES[sdc], VMC=bool(vmc), COMPUTE_MEAN=compute_mean,
         STATS=stats is not None, num_warps=4,
     )
