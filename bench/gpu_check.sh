@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-shot GPU check for the Triton backend on one CUDA GPU (prepared for an H200):
-#   1. the CUDA conformance subset (tests/conformance -k triton) and tests/test_triton_kernels.py,
+#   1. the CUDA conformance subset (tests/conformance -k triton, quick shapes) and
+#      tests/test_triton_kernels.py, bf16 included,
 #   2. the kernel benchmark on the H200 target cases (with the device copy bandwidth),
 #   3. a short sweep of launch configs (bench/tune.py),
+#   4. the conformance suite on its full shape set with the time left (partial if cut),
 # writing everything under bench/results/<date>-<device>/ (override: RESULTS_DIR=...).
 # When $OUT is set (the device-runner's output folder) the results are copied there too.
 # Budget: under 5 minutes on one H200; each step has its own timeout and later steps still run.
@@ -17,7 +19,7 @@ PY=${PYTHON:-python3}
 T0=$(date +%s)
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu_check: torch cannot see a CUDA device; nothing to do" >&2
+    echo "gpu_check: torch is missing or sees no CUDA device ($PY); nothing to do" >&2
     exit 2
 fi
 if ! "$PY" -c "import topth_ops.cuda_kernels, topth_ops.bench" 2>/dev/null; then
@@ -42,33 +44,52 @@ cat "$RESULTS_DIR/env.txt"
 
 status=0
 
-# 1. correctness on the GPU (bf16 included; the interpreter cannot run it)
+# time left of the 280 s budget (20 s margin under 5 minutes)
+left() { echo $(( 280 - ($(date +%s) - T0) )); }
+
+# 1. correctness on the GPU, bf16 included (the interpreter cannot run bf16):
+#    the conformance suite on its quick shape set plus the kernel tests.
 TESTS=(tests/test_triton_kernels.py)
 [ -d tests/conformance ] && TESTS=(tests/conformance "${TESTS[@]}")
-echo "== pytest ${TESTS[*]} -k triton"
-"$PY" -c "import pytest" 2>/dev/null || echo "gpu_check: pytest is not installed here: step 1 cannot run" >&2
-timeout 150 "$PY" -m pytest -q -k triton "${TESTS[@]}" --junitxml="$RESULTS_DIR/pytest.xml" -p no:cacheprovider \
-    2>&1 | tee "$RESULTS_DIR/pytest.txt" | tail -25
+"$PY" -c "import pytest" 2>/dev/null || echo "gpu_check: pytest is not installed here: steps 1 and 3 cannot run" >&2
+echo "== [1] pytest -k triton ${TESTS[*]} (conformance quick shapes)"
+TOPTH_CONFORMANCE_SHAPES=quick timeout -s INT 120 "$PY" -m pytest -q -p no:cacheprovider -k triton "${TESTS[@]}" \
+    --junitxml="$RESULTS_DIR/pytest-quick.xml" 2>&1 | tee "$RESULTS_DIR/pytest-quick.txt" | tail -25
 rc=${PIPESTATUS[0]}
-echo "pytest exit code: $rc (124 = timed out)" | tee -a "$RESULTS_DIR/pytest.txt"
+echo "pytest exit code: $rc (130 or 2 after SIGINT = timed out)" | tee -a "$RESULTS_DIR/pytest-quick.txt"
 [ "$rc" -ne 0 ] && status=1
 
 # 2. benchmark: H200 target cases, dense baselines, copy bandwidth; checked before timed
-echo "== benchmark (h200 cases)"
-timeout 120 "$PY" -m topth_ops.bench --cases h200 --out "$RESULTS_DIR" --budget-ms 100 --check-targets \
+echo "== [2] benchmark (h200 cases)"
+timeout -s INT 100 "$PY" -m topth_ops.bench --cases h200 --out "$RESULTS_DIR" --budget-ms 100 --check-targets \
     2>&1 | tee "$RESULTS_DIR/bench.txt" | tail -40
 rc=${PIPESTATUS[0]}
-echo "bench exit code: $rc (1 = a target missed or a variant wrong, 124 = timed out)" | tee -a "$RESULTS_DIR/bench.txt"
+echo "bench exit code: $rc (1 = a target missed or a variant wrong, 124/130 = timed out)" | tee -a "$RESULTS_DIR/bench.txt"
 [ "$rc" -ne 0 ] && status=1
 
-# 3. launch-config sweep, only with the time left (stays well inside 5 minutes)
-left=$(( 280 - ($(date +%s) - T0) ))
-if [ "$left" -gt 30 ]; then
-    echo "== config sweep (${left}s left)"
-    timeout "$left" "$PY" -m topth_ops.bench.tune --out "$RESULTS_DIR" --seconds $(( left - 20 )) \
+# 3. launch-config sweep on the target shape (at most 40 s)
+t=$(left)
+if [ "$t" -gt 30 ]; then
+    t=$(( t < 40 ? t : 40 ))
+    echo "== [3] config sweep (${t}s)"
+    timeout -s INT "$t" "$PY" -m topth_ops.bench.tune --out "$RESULTS_DIR" --seconds $(( t - 10 )) \
         2>&1 | tee "$RESULTS_DIR/tune.txt" | tail -40
 else
-    echo "== config sweep skipped (${left}s left)" | tee "$RESULTS_DIR/tune.txt"
+    echo "== [3] config sweep skipped ($(left)s left)" | tee "$RESULTS_DIR/tune.txt"
+fi
+
+# 4. the conformance suite on its full shape set, with whatever time is left
+t=$(left)
+if [ -d tests/conformance ] && [ "$t" -gt 30 ]; then
+    echo "== [4] pytest -k triton tests/conformance (full shapes, ${t}s)"
+    timeout -s INT "$t" "$PY" -m pytest -q -p no:cacheprovider -k triton tests/conformance \
+        --junitxml="$RESULTS_DIR/pytest-full.xml" 2>&1 | tee "$RESULTS_DIR/pytest-full.txt" | tail -25
+    rc=${PIPESTATUS[0]}
+    echo "pytest (full shapes) exit code: $rc (130 or 2 after SIGINT = out of time: partial)" \
+        | tee -a "$RESULTS_DIR/pytest-full.txt"
+    [ "$rc" -eq 1 ] && status=1
+else
+    echo "== [4] full-shape conformance skipped ($(left)s left)"
 fi
 
 echo "gpu_check: done in $(( $(date +%s) - T0 ))s, status $status; results in $RESULTS_DIR"

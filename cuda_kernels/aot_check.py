@@ -47,6 +47,8 @@ def _signature(fn, args, kwargs):
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
         elif isinstance(value, bool):
             sig[name] = "i1"
+        elif isinstance(value, int) and fn.params[i].do_not_specialize:
+            sig[name] = "i32"
         elif isinstance(value, int):
             if value == 1:
                 sig[name], consts[name] = "constexpr", 1

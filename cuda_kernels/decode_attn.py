@@ -49,6 +49,19 @@ import triton.language as tl
 # Numbering of placements / SDC modes shared by the launcher and the kernels.
 _SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
 
+MAX_SPLITS = 64  # upper bound of num_splits; the split loops are padded to this size
+
+# Shape-like integer arguments are not specialised on their values (== 1, divisible by 16):
+# that would multiply the compiled variants for no gain. Strides and head_dim still are
+# (alignment enables vector loads).
+# Mode flags of the combine step and the computed-mean switch are runtime ints for the same
+# reason (they cost a branch, not a recompile).
+_SHAPE_ARGS = ["num_kv_heads", "max_seq_len", "num_splits", "G"]
+_NO_SPEC_MAIN = _SHAPE_ARGS + ["max_row_id", "stride_th", "COMPUTE_MEAN"]
+_NO_SPEC_SCORES = _SHAPE_ARGS
+_NO_SPEC_COMBINE = _SHAPE_ARGS + ["max_row_id", "stride_th", "stride_sh", "POST", "SDC", "VMC",
+                                  "COMPUTE_MEAN", "STATS"]
+
 
 def interpreter_enabled() -> bool:
     """True when ``TRITON_INTERPRET=1`` (read now; Triton reads it when a kernel is defined)."""
@@ -125,7 +138,7 @@ def _pv(p, v, PV_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPEC_MAIN)
 def _decode_attn_kernel(
     Q, K, V, LENS, TH,
     P_M, P_R, P_E, P_CNT, P_BAD, P_ACC, P_VROWS, P_VSUM,
@@ -135,8 +148,8 @@ def _decode_attn_kernel(
     stride_th, stride_tr,
     num_kv_heads, max_seq_len, max_row_id, num_splits, scale,
     G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DENSE: tl.constexpr, TRACK_E: tl.constexpr,
-    COMPUTE_MEAN: tl.constexpr, PV_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    COMPUTE_MEAN,
+    BLOCK_N: tl.constexpr, DENSE: tl.constexpr, PV_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     TILE_SKIP: tl.constexpr,
 ):
     """One (sequence b, KV head, split): online max m, kept sum R = sum_kept exp(a - m),
@@ -204,40 +217,35 @@ def _decode_attn_kernel(
         p = tl.exp(s - m_safe[:, None])
         pk = tl.where(kept, p, 0.0)
         r_sum = r_sum * alpha + tl.sum(pk, axis=1)
-        if TRACK_E:
-            e_sum = e_sum * alpha + tl.sum(p - pk, axis=1)
+        e_sum = e_sum * alpha + tl.sum(p - pk, axis=1)  # used by sdc="exact" only
         cnt += tl.sum(kept.to(tl.int32), axis=1)
         union = tl.max(kept.to(tl.int32), axis=0) > 0  # [BLOCK_N]: kept by some head
         vrows += tl.sum(union.to(tl.int32), axis=0)
-        if COMPUTE_MEAN:
-            rmask = nmask  # the V mean needs every valid row
-        else:
-            rmask = union
+        rmask = union | (nmask & (COMPUTE_MEAN != 0))  # the V mean needs every valid row
         acc = acc * alpha[:, None]
         if TILE_SKIP:
             if tl.max(rmask.to(tl.int32), axis=0) > 0:
                 v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
                 acc += _pv(pk, v, PV_SPLIT, DOT_PREC)
-                if COMPUTE_MEAN:
+                if COMPUTE_MEAN != 0:
                     vsum += tl.sum(v.to(tl.float32), axis=0)
         else:
             v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
             acc += _pv(pk, v, PV_SPLIT, DOT_PREC)
-            if COMPUTE_MEAN:
+            if COMPUTE_MEAN != 0:
                 vsum += tl.sum(v.to(tl.float32), axis=0)
         m = m_new
 
     p_idx = ((b * num_q_heads + h).to(tl.int64)) * num_splits + pid_s
     tl.store(P_M + p_idx, m, mask=gmask)
     tl.store(P_R + p_idx, r_sum, mask=gmask)
-    if TRACK_E:
-        tl.store(P_E + p_idx, e_sum, mask=gmask)
+    tl.store(P_E + p_idx, e_sum, mask=gmask)
     tl.store(P_CNT + p_idx, cnt, mask=gmask)
     tl.store(P_BAD + p_idx, bad, mask=gmask)
     tl.store(P_ACC + p_idx[:, None] * D_PAD + offs_d[None, :], acc, mask=gmask[:, None])
     g_idx = (b * num_kv_heads + kvh).to(tl.int64) * num_splits + pid_s
     tl.store(P_VROWS + g_idx, vrows)
-    if COMPUTE_MEAN:
+    if COMPUTE_MEAN != 0:
         tl.store(P_VSUM + g_idx * D_PAD + offs_d, vsum)
 
 
@@ -246,7 +254,7 @@ def _decode_attn_kernel(
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPEC_SCORES)
 def _decode_scores_kernel(
     Q, K, LENS, SCORES, P_LSE, P_BAD,
     stride_qb, stride_qh, stride_qd,
@@ -300,7 +308,7 @@ def _decode_scores_kernel(
     tl.store(P_BAD + p_idx, bad, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPEC_MAIN)
 def _decode_post_select_kernel(
     V, LENS, TH, SCORES, P_LSE,
     P_R, P_CNT, P_ACC, P_VROWS, P_VSUM,
@@ -308,7 +316,8 @@ def _decode_post_select_kernel(
     stride_th, stride_tr,
     num_kv_heads, max_seq_len, max_row_id, num_splits,
     G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NS_PAD: tl.constexpr, COMPUTE_MEAN: tl.constexpr,
+    COMPUTE_MEAN,
+    BLOCK_N: tl.constexpr, NS_PAD: tl.constexpr,
     PV_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TILE_SKIP: tl.constexpr,
 ):
     """post_softmax pass 2: LSE of the whole row from every split's LSE, then keep
@@ -364,20 +373,17 @@ def _decode_post_select_kernel(
         cnt += tl.sum(kept.to(tl.int32), axis=1)
         union = tl.max(kept.to(tl.int32), axis=0) > 0
         vrows += tl.sum(union.to(tl.int32), axis=0)
-        if COMPUTE_MEAN:
-            rmask = nmask
-        else:
-            rmask = union
+        rmask = union | (nmask & (COMPUTE_MEAN != 0))
         if TILE_SKIP:
             if tl.max(rmask.to(tl.int32), axis=0) > 0:
                 v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
                 acc += _pv(w, v, PV_SPLIT, DOT_PREC)
-                if COMPUTE_MEAN:
+                if COMPUTE_MEAN != 0:
                     vsum += tl.sum(v.to(tl.float32), axis=0)
         else:
             v = _load_v_tile(V_base, offs_n, rmask, offs_d, dmask, stride_vn, stride_vd, EVEN_D)
             acc += _pv(w, v, PV_SPLIT, DOT_PREC)
-            if COMPUTE_MEAN:
+            if COMPUTE_MEAN != 0:
                 vsum += tl.sum(v.to(tl.float32), axis=0)
 
     p_idx = head_base + pid_s
@@ -386,7 +392,7 @@ def _decode_post_select_kernel(
     tl.store(P_ACC + p_idx[:, None] * D_PAD + offs_d[None, :], acc, mask=gmask[:, None])
     g_idx = (b * num_kv_heads + kvh).to(tl.int64) * num_splits + pid_s
     tl.store(P_VROWS + g_idx, vrows)
-    if COMPUTE_MEAN:
+    if COMPUTE_MEAN != 0:
         tl.store(P_VSUM + g_idx * D_PAD + offs_d, vsum)
 
 
@@ -395,7 +401,7 @@ def _decode_post_select_kernel(
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPEC_COMBINE)
 def _decode_combine_kernel(
     LENS, TH, SDC_TAB, VMEAN, OUT,
     P_M, P_R, P_E, P_CNT, P_BAD, P_ACC, P_VROWS, P_VSUM,
@@ -405,8 +411,8 @@ def _decode_combine_kernel(
     stride_ob, stride_oh, stride_od,
     num_kv_heads, max_seq_len, max_row_id, num_splits, sdc_gamma,
     G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-    NS_PAD: tl.constexpr, POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr,
-    COMPUTE_MEAN: tl.constexpr, STATS: tl.constexpr,
+    POST, SDC, VMC, COMPUTE_MEAN, STATS,
+    NS_PAD: tl.constexpr,
 ):
     """Merge the splits of one (sequence, KV group) and finish the formulas.
 
@@ -436,7 +442,7 @@ def _decode_combine_kernel(
 
     cnt = tl.sum(tl.load(P_CNT + idx2, mask=mask2, other=0), axis=1)
     bad = tl.max(tl.load(P_BAD + idx2, mask=mask2, other=0), axis=1) > 0
-    if POST:
+    if POST != 0:
         m_big = tl.zeros([G_PAD], tl.float32)
     else:
         m_s = tl.load(P_M + idx2, mask=mask2, other=float("-inf"))
@@ -450,30 +456,28 @@ def _decode_combine_kernel(
         p_idx = head_base + s
         r_s = tl.load(P_R + p_idx, mask=gmask, other=0.0)
         acc_s = tl.load(P_ACC + p_idx[:, None] * D_PAD + offs_d[None, :], mask=gmask[:, None], other=0.0)
-        if POST:
+        if POST != 0:
             r_tot += r_s
             acc += acc_s
         else:
             c = tl.exp(tl.load(P_M + p_idx, mask=gmask, other=float("-inf")) - m_big)
             r_tot += c * r_s
             acc += c[:, None] * acc_s
-            if SDC == 1:
-                e_tot += c * tl.load(P_E + p_idx, mask=gmask, other=0.0)
+            e_tot += c * tl.load(P_E + p_idx, mask=gmask, other=0.0)
 
     row = tl.minimum(tl.maximum(n, 1), max_row_id) - 1
-    if POST:
+    if POST != 0:
         out = acc
         w_kept = r_tot
     else:
-        if SDC == 0:
-            e_est = tl.zeros([G_PAD], tl.float32)
-        elif SDC == 1:
+        e_est = tl.zeros([G_PAD], tl.float32)  # sdc="none"
+        if SDC == 1:  # exact
             e_est = e_tot
-        elif SDC == 2:
+        if SDC == 2:  # exp_threshold
             theta = tl.load(TH + h * stride_th + row * stride_tr, mask=gmask, other=0.0)
             n_drop = (n - cnt).to(tl.float32)
             e_est = tl.where(n_drop > 0, sdc_gamma * n_drop * tl.exp(theta - m_big), 0.0)
-        else:
+        if SDC == 3:  # offline
             e_est = tl.load(SDC_TAB + h * stride_sh + row * stride_sr, mask=gmask, other=0.0)
         denom = r_tot + e_est
         any_kept = cnt > 0
@@ -483,8 +487,8 @@ def _decode_combine_kernel(
 
     beta = 1.0 - w_kept
     beta = tl.where(beta != beta, beta, tl.minimum(tl.maximum(beta, 0.0), 1.0))  # NaN stays NaN
-    if VMC:
-        if COMPUTE_MEAN:
+    if VMC != 0:
+        if COMPUTE_MEAN != 0:
             g_base = (b * num_kv_heads + kvh).to(tl.int64) * num_splits
             vsum = tl.zeros([D_PAD], tl.float32)
             for s in range(0, num_splits):
@@ -499,7 +503,7 @@ def _decode_combine_kernel(
     out = tl.where(empty, 0.0, out)
     tl.store(OUT + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
-    if STATS:
+    if STATS != 0:
         tl.store(ST_KEPT + b * num_q_heads + h, tl.where(empty, 0, cnt), mask=gmask)
         tl.store(ST_DROPPED + b * num_q_heads + h, tl.where(empty, 0.0, beta), mask=gmask)
         g_base2 = (b * num_kv_heads + kvh).to(tl.int64) * num_splits
@@ -542,7 +546,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int,
-                      num_sms: int, *, min_tokens_per_split: int = 512, max_splits: int = 64) -> int:
+                      num_sms: int, *, min_tokens_per_split: int = 512, max_splits: int = MAX_SPLITS) -> int:
     """Split count from the sequence length and the batch x kv-heads parallelism.
 
     Enough programs to fill ``2 * num_sms`` slots (batch x kv-heads programs before
@@ -646,7 +650,9 @@ def decode_attn_fwd(
     block_n = int(cfg.block_n)
     G_PAD = max(16, _next_pow2(G))
     D_PAD = max(16, _next_pow2(D))
-    NS_PAD = max(2, _next_pow2(ns))
+    if not 1 <= ns <= MAX_SPLITS:
+        raise ValueError(f"config.num_splits must be in [1, {MAX_SPLITS}], got {ns}")
+    NS_PAD = MAX_SPLITS
     f32 = torch.float32
     pv_split = query.dtype in (torch.float16, torch.bfloat16)
     # fp32 inputs: exact fp32 dot (no TF32); 16-bit inputs: the precision flag is unused
@@ -655,14 +661,15 @@ def decode_attn_fwd(
     if dense:
         sdc, vmc, stats = "none", False, None
     compute_mean = bool(vmc and value_mean is None)
-    # a tile can only be skipped when rows can be dropped and the V mean is not needed
-    tile_skip = bool(cfg.tile_skip) and not dense and not compute_mean
+    # a tile can only be skipped when rows can be dropped (with a computed V mean every
+    # valid row is read anyway and the branch is always taken)
+    tile_skip = bool(cfg.tile_skip) and not dense
     if thresholds is None:
         thresholds = torch.full((Hq, 1), float("-inf"), dtype=f32, device=dev)
 
     P_M = torch.empty((B * Hq * ns,), dtype=f32, device=dev)
     P_R = torch.empty_like(P_M)
-    P_E = torch.empty_like(P_M) if sdc == "exact" else P_M
+    P_E = torch.empty_like(P_M)
     P_CNT = torch.empty((B * Hq * ns,), dtype=torch.int32, device=dev)
     P_BAD = torch.empty_like(P_CNT)
     P_ACC = torch.empty((B * Hq * ns, D_PAD), dtype=f32, device=dev)
@@ -678,7 +685,7 @@ def decode_attn_fwd(
             P_M, P_R, P_E, P_CNT, P_BAD, P_ACC, P_VROWS, P_VSUM,
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *thresholds.stride(),
             Hkv, S, thresholds.shape[1], ns, float(scale),
-            DENSE=bool(dense), TRACK_E=(sdc == "exact"), COMPUTE_MEAN=compute_mean,
+            COMPUTE_MEAN=int(compute_mean), DENSE=bool(dense),
             PV_SPLIT=pv_split, TILE_SKIP=tile_skip, **common,
         )
     else:
@@ -694,7 +701,7 @@ def decode_attn_fwd(
             P_R, P_CNT, P_ACC, P_VROWS, P_VSUM,
             *value_cache.stride(), *thresholds.stride(),
             Hkv, S, thresholds.shape[1], ns,
-            NS_PAD=NS_PAD, COMPUTE_MEAN=compute_mean, PV_SPLIT=pv_split,
+            COMPUTE_MEAN=int(compute_mean), NS_PAD=NS_PAD, PV_SPLIT=pv_split,
             TILE_SKIP=tile_skip, **common,
         )
 
@@ -711,8 +718,8 @@ def decode_attn_fwd(
         st_kept, st_vrows, st_dropped,
         *thresholds.stride(), *table.stride(), *vmean.stride(), *out.stride(),
         Hkv, S, thresholds.shape[1], ns, float(sdc_gamma),
-        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, EVEN_D=(D == D_PAD), NS_PAD=NS_PAD, POST=post,
-        SDC=_SDC_CODES[sdc], VMC=bool(vmc), COMPUTE_MEAN=compute_mean,
-        STATS=stats is not None, num_warps=4,
+        POST=int(post), SDC=_SDC_CODES[sdc], VMC=int(vmc), COMPUTE_MEAN=int(compute_mean),
+        STATS=int(stats is not None),
+        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, EVEN_D=(D == D_PAD), NS_PAD=NS_PAD, num_warps=4,
     )
     return out
