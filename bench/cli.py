@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from .cases import CASE_SETS
-    from .harness import (DENSE_VARIANTS, BackendVariant, check_targets, format_table, plot,
-                          run_cases, timing_method, write_csv)
+    from .harness import (DENSE_VARIANTS, BackendVariant, check_targets, fill_speedups, format_table,
+                          plot, run_cases, timing_method, write_csv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cases = []
@@ -78,12 +78,21 @@ def run(args: argparse.Namespace) -> int:
         t = "-" if row.time_ms != row.time_ms else f"{row.time_ms:.4f} ms"
         print(f"  {row.case:<28} {row.variant:<13} {row.status:<7} {t} {row.reason}", flush=True)
 
-    rows = run_cases(cases, variants, device, reps=args.reps, budget_ms=args.budget_ms,
-                     copy_bytes=copy_mib << 20, progress=progress)
+    rows: list = []
+    interrupted = False
+    try:
+        run_cases(cases, variants, device, reps=args.reps, budget_ms=args.budget_ms,
+                  copy_bytes=copy_mib << 20, progress=progress, rows=rows)
+    except KeyboardInterrupt:  # e.g. `timeout -s INT`: keep what was measured
+        interrupted = True
+        fill_speedups(rows)
+        print("\ninterrupted: writing the rows measured so far")
+    if not rows:
+        return 130
     table = format_table(rows)
     targets = check_targets(rows)
     lines = [f"device: {device_name(device)}", f"timing: {timing_method(device)}",
-             f"torch {torch.__version__}", "", table, ""]
+             f"torch {torch.__version__}"] + (["INTERRUPTED: partial results"] if interrupted else []) + ["", table, ""]
     for name, ok, detail in targets:
         lines.append(f"target {'PASS' if ok else 'FAIL'}: {name}: {detail}")
     summary = "\n".join(lines)
@@ -97,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         title += " (CPU: times not meaningful for accelerators)"
     plotted = plot(rows, os.path.join(out_dir, "bench.png"), title=title)
     print(f"\nwrote {out_dir}/bench.csv, summary.txt" + (", bench.png" if plotted else " (no matplotlib: no PNG)"))
+    if interrupted:
+        return 130
     if any(r.status in ("wrong", "error") for r in rows):
         print("some variants gave wrong results or errors (see the reason column)")
         return 1

@@ -56,7 +56,7 @@ echo "== [1] pytest -k triton ${TESTS[*]} (conformance quick shapes)"
 TOPTH_CONFORMANCE_SHAPES=quick timeout -s INT 120 "$PY" -m pytest -q -p no:cacheprovider -k triton "${TESTS[@]}" \
     --junitxml="$RESULTS_DIR/pytest-quick.xml" 2>&1 | tee "$RESULTS_DIR/pytest-quick.txt" | tail -25
 rc=${PIPESTATUS[0]}
-echo "pytest exit code: $rc (130 or 2 after SIGINT = timed out)" | tee -a "$RESULTS_DIR/pytest-quick.txt"
+echo "pytest exit code: $rc (124 = out of time: partial results)" | tee -a "$RESULTS_DIR/pytest-quick.txt"
 [ "$rc" -ne 0 ] && status=1
 
 # 2. benchmark: H200 target cases, dense baselines, copy bandwidth; checked before timed
@@ -64,7 +64,7 @@ echo "== [2] benchmark (h200 cases)"
 timeout -s INT 100 "$PY" -m topth_ops.bench --cases h200 --out "$RESULTS_DIR" --budget-ms 100 --check-targets \
     2>&1 | tee "$RESULTS_DIR/bench.txt" | tail -40
 rc=${PIPESTATUS[0]}
-echo "bench exit code: $rc (1 = a target missed or a variant wrong, 124/130 = timed out)" | tee -a "$RESULTS_DIR/bench.txt"
+echo "bench exit code: $rc (1 = a target missed or a variant wrong, 124 = out of time)" | tee -a "$RESULTS_DIR/bench.txt"
 [ "$rc" -ne 0 ] && status=1
 
 # 3. launch-config sweep on the target shape (at most 40 s)
@@ -85,7 +85,7 @@ if [ -d tests/conformance ] && [ "$t" -gt 30 ]; then
     timeout -s INT "$t" "$PY" -m pytest -q -p no:cacheprovider -k triton tests/conformance \
         --junitxml="$RESULTS_DIR/pytest-full.xml" 2>&1 | tee "$RESULTS_DIR/pytest-full.txt" | tail -25
     rc=${PIPESTATUS[0]}
-    echo "pytest (full shapes) exit code: $rc (130 or 2 after SIGINT = out of time: partial)" \
+    echo "pytest (full shapes) exit code: $rc (124 = out of time: partial results)" \
         | tee -a "$RESULTS_DIR/pytest-full.txt"
     [ "$rc" -eq 1 ] && status=1
 else

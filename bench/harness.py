@@ -377,7 +377,8 @@ def copy_bandwidth(device: torch.device, nbytes: int, budget_ms: float) -> Row:
     return row
 
 
-def _fill_speedups(rows: list[Row]) -> None:
+def fill_speedups(rows: list[Row]) -> None:
+    """Speedups vs the dense variants measured on the same case (in place)."""
     by_case: dict[str, list[Row]] = {}
     for r in rows:
         by_case.setdefault(r.case, []).append(r)
@@ -402,9 +403,12 @@ def device_name(device: torch.device) -> str:
 
 def run_cases(cases: list[Case], variants: list[Variant], device: torch.device, *, reps: int = 5,
               budget_ms: float = 200.0, copy_bytes: int = 0, progress: Optional[Callable] = None,
-              seed: int = 0) -> list[Row]:
-    """Run every variant on every case; returns the rows (speedups filled in)."""
-    rows: list[Row] = []
+              seed: int = 0, rows: Optional[list] = None) -> list[Row]:
+    """Run every variant on every case; returns the rows (speedups filled in).
+
+    Rows are appended to ``rows`` when given, so a caller keeps the finished rows if the
+    run is interrupted (then call :func:`fill_speedups` on them)."""
+    rows = [] if rows is None else rows
     if copy_bytes:
         rows.append(copy_bandwidth(device, copy_bytes, budget_ms))
     for case in cases:
@@ -418,7 +422,7 @@ def run_cases(cases: list[Case], variants: list[Variant], device: torch.device, 
         del ci, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    _fill_speedups(rows)
+    fill_speedups(rows)
     return rows
 
 
