@@ -21,10 +21,12 @@ Writes ascendc_bytes.csv / .json to DIR (default: bench_results/) and prints a t
 Exit status 1 if any measured byte count differs from the expected one. These are byte
 counts of the kernel's copy instructions, not timings: the model says nothing about time.
 
-Plugging into the shared bench harness (bench/harness.py, cases as data): each row here is
-one (case, kept fraction); a harness "variant" for backend ascendc-cpu can call
-:func:`measure` with the harness's inputs and report ``k_bytes`` / ``v_bytes`` next to the
-timed variants of the other backends.
+Relation to the shared bench harness (bench/harness.py): ``topth-ops bench --backends
+ascendc-cpu`` already runs this backend as a ``BackendVariant`` and records its
+``bench_counters()`` (GM -> UB bytes, K / V / workspace split) in the ``counters`` column,
+next to the other backends; its times there are CPU-model wall clock and mean nothing. This
+script is the focused view: planted kept sets, so the expected bytes are known exactly and
+checked.
 """
 
 from __future__ import annotations

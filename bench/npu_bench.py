@@ -23,8 +23,10 @@ Usage::
     python bench/npu_bench.py [--cases default|quick] [--iters 50] [--out DIR]
 
 Writes npu_bench.csv / .json (with date and device name) to DIR (default bench_results/).
-Plugging into the shared harness: each case is (shape, dtype, placement, kept fraction);
-the three timed callables built in :func:`time_case` are the variants to register there.
+Plugging into the shared harness (bench/harness.py): the ``ascendc`` backend is already a
+``BackendVariant`` there; :class:`IfaVariant` below follows the harness's ``Variant``
+protocol and is the dense NPU baseline to add to ``DENSE_VARIANTS``; the harness's
+``time_fn`` would need an NPU branch timed with ``torch.npu.Event`` as :func:`_time` does.
 """
 
 from __future__ import annotations
@@ -76,6 +78,39 @@ CASES = {
         + _sweep("b16-s8k-mha", (0.1,), batch=16, num_q_heads=8, num_kv_heads=8, seq_len=8192, head_dim=128)
     ),
 }
+
+
+class IfaVariant:
+    """torch_npu.npu_incre_flash_attention over the caches (BNSD, GQA, actual lengths):
+    the dense NPU baseline, in the shape of bench/harness.py's ``Variant``."""
+
+    name = "npu-ifa"
+    kind = "dense"
+
+    def reasons(self, ci) -> list[str]:
+        if ci.dense.device.type != "npu":
+            return ["needs npu tensors"]
+        if ci.dense.dtype not in (torch.float16, torch.bfloat16):
+            return ["npu_incre_flash_attention takes float16 / bfloat16"]
+        return []
+
+    def prepare(self, ci):
+        import torch_npu
+
+        d = ci.dense
+        q = d.query.unsqueeze(2).contiguous()  # BNSD query [B, N, 1, D]
+        lens = [int(x) for x in d.seq_lens.cpu()]
+        holder = {}
+
+        def fn():
+            holder["out"] = torch_npu.npu_incre_flash_attention(
+                q, d.key_cache, d.value_cache, num_heads=d.num_q_heads, num_key_value_heads=d.num_kv_heads,
+                input_layout="BNSD", scale_value=d.scale, actual_seq_lengths=lens)
+
+        return fn, (lambda: holder["out"][:, :, 0])
+
+    def counters(self) -> dict:
+        return {}
 
 
 def _time(fn, iters: int, warmup: int = 5) -> float:

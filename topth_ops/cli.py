@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("topth_ops.info", "list every backend, available or not, and why"),
     "conformance": ("topth_ops.conformance.cli", "run the conformance suite against one backend"),
     "demo": ("topth_ops.demo", "synthetic decode demo: error vs dense attention and V rows read"),
+    "bench": ("topth_ops.bench.cli", "kernel benchmark: thresholded vs dense decode per backend"),
 }
 
 

@@ -35,13 +35,14 @@ ENV_BACKEND = "TOPTH_BACKEND"
 # Modules that define the built-in backends; each exposes ``BACKENDS`` (a list of Backend).
 _BUILTIN_MODULES: tuple[str, ...] = (
     "topth_ops.backends.torch_ref",
+    "topth_ops.backends.triton_backend",
     "topth_ops.backends.ascendc",
 )
 
 # Automatic choice, per device type, highest priority first. Backends that are only for
 # explicit choice (a CPU model of an accelerator kernel, an interpreter) are not listed.
 _PRIORITY: dict[str, list[str]] = {
-    "cuda": ["torch"],
+    "cuda": ["triton", "torch"],
     "npu": ["ascendc", "torch"],
     "cpu": ["torch"],
 }

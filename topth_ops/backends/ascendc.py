@@ -212,6 +212,23 @@ class AscendCCpuBackend(Backend):
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         self.last_report = run_cpu_model(inputs, out, stats)
 
+    def bench_counters(self) -> dict:
+        """Byte counts of the last call, for the bench harness (bench/harness.py): GM -> UB
+        bytes in all (``gm_to_ub_bytes``), of the K and V caches, of the workspace
+        (post_softmax scores, split partials), and UB -> GM bytes."""
+        r = self.last_report
+        if r is None:
+            return {}
+        ws = r["buffers"].get("workspace", {}).get("gm_to_ub_bytes", 0)
+        return {
+            "gm_to_ub_bytes": r["k_bytes"] + r["v_bytes"] + r["other_gm_to_ub_bytes"],
+            "k_bytes": r["k_bytes"],
+            "v_bytes": r["v_bytes"],
+            "workspace_gm_to_ub_bytes": ws,
+            "ub_to_gm_bytes": r["ub_to_gm_bytes"],
+            "ub_peak": r["ub_peak"],
+        }
+
 
 # ---------------------------------------------------------------------------- NPU
 
