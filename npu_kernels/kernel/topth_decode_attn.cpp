@@ -192,6 +192,10 @@ public:
             RunItem(item);
         }
         if (td.splitNum > 1) {
+            // Soft SyncAll (GM area of blockDim x 32 bytes zeroed by the host, UB area as large):
+            // the API reference reserves the hard SyncAll<>() for custom-operator projects, and
+            // this kernel is launched directly (ACLRT_LAUNCH_KERNEL). blockDim <= vector cores
+            // (host tiling), else SyncAll would hang.
             LocalTensor<int32_t> syncUb = syncBuf.Get<int32_t>();
             SyncAll(syncGm, syncUb, static_cast<int32_t>(td.blockDim));
             if (td.placement == TOPTH_POST_SOFTMAX) {
@@ -434,6 +438,9 @@ private:
     // P_MNEW = max(P_M, tile max); P_F = exp(P_M - P_MNEW); P_M = P_MNEW; mB = broadcast(P_M).
     __aicore__ inline void RunningMax()
     {
+        // WholeReduceMax with its default ReduceOrder::ORDER_VALUE_INDEX writes a (max, index)
+        // pair per repeat, dstRepStride counted in pairs (API reference): head g's maximum lands
+        // at element 2g, the layout of every pair vector here. Odd elements are never read.
         WholeReduceMax(Pair(P_TMAX), sc, static_cast<int32_t>(W), static_cast<int32_t>(G), 1, 1, 8);
         PipeBarrier<PIPE_V>();
         Max(Pair(P_MNEW), Pair(P_M), Pair(P_TMAX), PW);
@@ -604,6 +611,8 @@ private:
             PipeBarrier<PIPE_V>();
         }
         Exp(ex, ex, G * W);
+        // Compare (count form) needs count x sizeof(float) to be a multiple of 256 bytes: G x 64
+        // floats. The mask only feeds Select, so its bit order never matters here.
         Compare(mask, post ? ek : s, thr, CMPMODE::GT, G * W);
         PipeBarrier<PIPE_V>();
         Select(ek, mask, ex, 0.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, G * W);
