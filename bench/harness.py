@@ -31,13 +31,12 @@ from typing import Callable, Optional
 import torch
 
 from topth_ops.backends.torch_ref import reference_decode
+from topth_ops.conformance.compare import TOLERANCES
 from topth_ops.contract import DecodeInputs
 
 from .cases import Case
 from .synth import CaseInputs, make_case_inputs
 
-# output check tolerance (absolute and relative) per dtype, against the fp32 torch reference
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 
 @dataclass
@@ -280,11 +279,12 @@ def must_move_bytes(inputs: DecodeInputs, v_rows_total: int) -> int:
 
 
 def max_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
-    """Max abs error and whether ``out`` is within the dtype's tolerance (|d| <= t + t|ref|)."""
+    """Max abs error and whether ``out`` is within the conformance suite's tolerance for the
+    dtype (|d| <= atol + rtol |ref|, topth_ops.conformance.compare.TOLERANCES)."""
     o, r = out.float(), ref.float()
-    tol = TOLERANCE[ref.dtype]
+    tol = TOLERANCES[ref.dtype]
     diff = (o - r).abs()
-    ok = bool(((diff <= tol + tol * r.abs()) | (o.isnan() & r.isnan())).all())
+    ok = bool(((diff <= tol["atol"] + tol["rtol"] * r.abs()) | (o.isnan() & r.isnan())).all())
     err = float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0
     return err, ok
 

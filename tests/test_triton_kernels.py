@@ -2,14 +2,13 @@
 
 Without a GPU they run the real kernels in Triton's CPU interpreter (TRITON_INTERPRET=1,
 set here before the kernels are imported when no CUDA device is present). Every result is
-compared with the float64 computation in this file, written from the formulas of the
-contract (paper sections 3.1-3.2), never with a backend's output.
+compared with the conformance suite's float64 oracle (topth_ops.conformance.oracle), never
+with a backend's output.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 
 import numpy as np
@@ -28,12 +27,13 @@ pytestmark = [
 ]
 
 import topth_ops  # noqa: E402
+from topth_ops.conformance.cases import guarded_thresholds as conformance_thresholds  # noqa: E402
+from topth_ops.conformance.compare import TOLERANCES  # noqa: E402
+from topth_ops.conformance.oracle import oracle_decode  # noqa: E402
 from topth_ops.contract import make_inputs  # noqa: E402
 
 DEV = torch.device("cuda" if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
-# output tolerance (absolute, outputs are O(1)): fp32 math, output rounded to the dtype
-ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def kernels():
@@ -43,102 +43,23 @@ def kernels():
 
 
 # --------------------------------------------------------------------------------------
-# float64 oracle (independent of every backend)
+# the conformance suite's float64 oracle and guard-banded thresholds, in this file's terms
 # --------------------------------------------------------------------------------------
 
 
 def oracle64(q, k, v, lens, th, *, scale, placement, sdc="none", gamma=0.05, table=None,
              vmc=False, vmean=None):
     """Returns out [B,Hq,D], kept [B,Hq], v_rows [B,Hkv], beta [B,Hq], bad [B,Hq], margin [B,Hq]."""
-    q, k, v = (t.detach().cpu().double().numpy() for t in (q, k, v))
-    th = th.detach().cpu().double().numpy()
-    table = None if table is None else table.detach().cpu().double().numpy()
-    vmean = None if vmean is None else vmean.detach().cpu().double().numpy()
-    lens = lens.detach().cpu().numpy().astype(np.int64)
-    B, Hq, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    out = np.zeros((B, Hq, D))
-    kept = np.zeros((B, Hq), np.int64)
-    vrows = np.zeros((B, Hkv), np.int64)
-    beta = np.zeros((B, Hq))
-    bad = np.zeros((B, Hq), bool)
-    margin = np.full((B, Hq), np.inf)
-    for b in range(B):
-        n = int(min(max(lens[b], 0), S))
-        if n == 0:
-            continue
-        row = min(n, th.shape[1]) - 1
-        for g in range(Hkv):
-            union = np.zeros(n, bool)
-            for h in range(g * G, (g + 1) * G):
-                with np.errstate(all="ignore"):
-                    a = scale * (k[b, g, :n] @ q[b, h])
-                if np.isnan(a).any() or np.isposinf(a).any():
-                    bad[b, h] = True
-                    out[b, h] = np.nan
-                    continue
-                m = a.max()
-                e = np.exp(a - m)
-                t = th[h, row]
-                if placement == "pre_softmax":
-                    keep = a > t
-                    margin[b, h] = np.abs(a - t).min()
-                    r = e[keep].sum()
-                    if sdc == "none":
-                        E = 0.0
-                    elif sdc == "exact":
-                        E = e[~keep].sum()
-                    elif sdc == "exp_threshold":
-                        nd = n - keep.sum()
-                        E = gamma * nd * math.exp(t - m) if nd else 0.0
-                    else:
-                        E = table[h, row]
-                    w = e[keep] / (r + E) if keep.any() else np.zeros(0)
-                else:
-                    z = e.sum()
-                    log_s = a - m - math.log(z)
-                    keep = log_s > (math.log(t) if t > 0 else -np.inf)
-                    if t > 0:
-                        margin[b, h] = np.abs(log_s - math.log(t)).min()
-                    w = e[keep] / z
-                bt = min(max(1.0 - w.sum(), 0.0), 1.0)
-                o = w @ v[b, g, :n][keep] if keep.any() else np.zeros(D)
-                if vmc:
-                    o = o + bt * (vmean[b, g] if vmean is not None else v[b, g, :n].mean(0))
-                out[b, h] = o
-                kept[b, h] = keep.sum()
-                beta[b, h] = bt
-                union |= keep
-            vrows[b, g] = union.sum()
-    return dict(out=out, kept=kept, v_rows=vrows, beta=beta, bad=bad, margin=margin)
+    r = oracle_decode(q, k, v, lens, th, scale=scale, placement=placement, sdc=sdc, sdc_gamma=gamma,
+                      sdc_table=table, vmc=vmc, value_mean=vmean)
+    return dict(out=r.out, kept=r.kept, v_rows=r.v_rows, beta=r.dropped_mass, bad=r.nonfinite,
+                margin=r.margin)
 
 
 def guarded_thresholds(q, k, lens, *, scale, placement, frac, max_row_id, seed=0):
-    """Per-head thresholds that keep about ``frac`` of each row, placed in the middle of the
-    widest gap between neighbouring sorted scores near that quantile, so that selection is
-    unambiguous in every dtype. Sequences must have distinct lengths (one column each)."""
-    rng = np.random.default_rng(seed)
-    qd, kd = q.double().numpy(), k.double().numpy()
-    Hq, Hkv = q.shape[1], k.shape[1]
-    G = Hq // Hkv
-    th = np.full((Hq, max_row_id), np.inf if placement == "pre_softmax" else 2.0)
-    for b, n in enumerate(lens.tolist()):
-        if n == 0:
-            continue
-        for h in range(Hq):
-            a = scale * (kd[b, h // G, :n] @ qd[b, h])
-            x = np.sort(a - (a.max() + np.log(np.exp(a - a.max()).sum())) if placement == "post_softmax" else a)
-            if n == 1:
-                t = x[0] - 1.0
-            else:
-                target = int(np.clip(round((1 - frac) * n), 1, n - 1))
-                lo, hi = max(1, target - 3), min(n - 1, target + 3)
-                gaps = x[lo:hi + 1] - x[lo - 1:hi]
-                i = lo + int(np.argmax(gaps + rng.random(gaps.shape) * 1e-12))
-                t = 0.5 * (x[i - 1] + x[i])
-            th[h, n - 1] = math.exp(t) if placement == "post_softmax" else t
-    return torch.tensor(th, dtype=torch.float32)
+    """Thresholds keeping about ``frac`` of each row, in the middle of a gap of the scores."""
+    return conformance_thresholds(q, k, lens, scale=scale, placement=placement, max_row_id=max_row_id,
+                                  rng=np.random.default_rng(seed), keep_range=(frac, frac))
 
 
 def make_case(*, B=3, Hq=8, Hkv=2, D=80, S=96, lens=(96, 0, 41), dtype=torch.float32, seed=0):
@@ -172,7 +93,7 @@ def run_triton(q, k, v, lens, th, config=None, **kw):
 def check(res, ref, dtype, *, beta_tol=1e-5):
     out, kept, vrows, beta = res
     good = ~ref["bad"]
-    np.testing.assert_allclose(out[good], ref["out"][good], atol=ATOL[dtype], rtol=ATOL[dtype])
+    np.testing.assert_allclose(out[good], ref["out"][good], **TOLERANCES[dtype])
     assert np.isnan(out[ref["bad"]]).all()
     np.testing.assert_array_equal(kept[good], ref["kept"][good])
     np.testing.assert_array_equal(vrows, ref["v_rows"])
