@@ -27,7 +27,7 @@ import torch
 
 import topth_ops
 from topth_ops import make_inputs
-from topth_ops.backends.ascendc import A2_TARGET, problem_shape, run_cpu_model
+from topth_ops.backends.ascendc import A2_TARGET, problem_shape, run_cpu_model, split_workspace_reads
 from topth_ops.conformance.compare import TOLERANCES
 from topth_ops.conformance.oracle import oracle_decode
 from topth_ops.registry import get_backend, priority, select_backend
@@ -143,6 +143,12 @@ def test_gm_to_ub_bytes_are_exact(B, Hq, Hkv, S, D, lens, dtype, placement, core
     # nothing but the kept V rows and the valid K rows is read from the caches
     assert rep["buffers"]["key_cache"]["gm_to_ub_bytes"] == k_bytes
     assert rep["buffers"]["value_cache"]["gm_to_ub_bytes"] == v_bytes
+    # workspace reads: the post_softmax scores (float32, every query head and valid position)
+    # read back once, plus the split bookkeeping of the plan (0 when unsplit)
+    scores = 4 * Hq * sum(lens) if placement == "post_softmax" else 0
+    split = split_workspace_reads(rep["tiling"], lens)
+    assert (split == 0) == (rep["tiling"]["splitNum"] == 1)
+    assert rep["buffers"]["workspace"]["gm_to_ub_bytes"] == scores + split
     if cores == 48:
         assert rep["tiling"]["splitNum"] > 1  # the flash-decoding path was exercised
 
@@ -362,38 +368,3 @@ def test_npu_backend_says_what_is_missing(monkeypatch):
     reasons = get_backend("ascendc").unavailable_reasons()
     assert any("ASCEND_HOME_PATH" in r for r in reasons)
     assert any("_ascendc_npu" in r for r in reasons)
-
-
-# ----------------------------------------------------------------------------- bench scripts
-
-def _bench_module(name):
-    """Load bench/<name>.py as a script would (its folder on sys.path)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_topth_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(path.parent))
-    return mod
-
-
-def test_bytes_report_quick_cases(tmp_path, capsys):
-    mod = _bench_module("ascendc_bytes")
-    assert mod.main(["--cases", "quick", "--out", str(tmp_path)]) == 0
-    rows = __import__("json").loads((tmp_path / "ascendc_bytes.json").read_text())
-    assert [r["kept_frac"] for r in rows] == [0.1, 0.5]
-    assert rows[0]["v_bytes"] < rows[1]["v_bytes"] and rows[0]["k_bytes"] == rows[1]["k_bytes"]
-    assert "V bytes = kept-union rows x row bytes" in capsys.readouterr().out
-
-
-def test_npu_bench_explains_what_is_missing(capsys):
-    mod = _bench_module("npu_bench")
-    assert mod.main(["--cases", "quick"]) == 2
-    assert "torch_npu" in capsys.readouterr().err

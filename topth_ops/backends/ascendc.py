@@ -211,11 +211,13 @@ class AscendCCpuBackend(Backend):
 
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         self.last_report = run_cpu_model(inputs, out, stats)
+        self._last_lens = inputs.seq_lens.clamp(0, inputs.max_seq_len).tolist()
 
     def bench_counters(self) -> dict:
         """Byte counts of the last call, for the bench harness (bench/harness.py): GM -> UB
         bytes in all (``gm_to_ub_bytes``), of the K and V caches, of the workspace
-        (post_softmax scores, split partials), and UB -> GM bytes."""
+        (post_softmax scores, split bookkeeping), UB -> GM bytes, and the split bookkeeping
+        the tiling's split plan implies (:func:`split_workspace_reads`, declared, not counted)."""
         r = self.last_report
         if r is None:
             return {}
@@ -225,9 +227,37 @@ class AscendCCpuBackend(Backend):
             "k_bytes": r["k_bytes"],
             "v_bytes": r["v_bytes"],
             "workspace_gm_to_ub_bytes": ws,
+            "workspace_split_gm_to_ub_bytes": split_workspace_reads(r["tiling"], self._last_lens),
             "ub_to_gm_bytes": r["ub_to_gm_bytes"],
             "ub_peak": r["ub_peak"],
         }
+
+
+def split_workspace_reads(tiling: dict, seq_lens: list[int]) -> int:
+    """GM -> UB bytes of the kernel's split bookkeeping under a split plan (0 unsplit).
+
+    A (sequence, KV head) pair of length n uses ``u = ceil(n / splitLen)`` splits. Its
+    combine step reads the u running maxima (``pairWidth`` floats each) and the u partial
+    records (``partFloats`` floats each); for post_softmax each of its u pass-B items also
+    reads the u (m, Z) pairs (2 x ``pairWidth`` floats). The post_softmax score round trip
+    is not included (4 bytes per query head and position, computed by the bench harness).
+
+    Parameters
+    ----------
+    tiling : dict
+        The host tiling of the call (``run_cpu_model(...)["tiling"]``).
+    seq_lens : list of int
+        Lengths clamped into [0, max_seq_len].
+    """
+    if tiling["splitNum"] <= 1:
+        return 0
+    pw, rec, split_len = 4 * tiling["pairWidth"], 4 * tiling["partFloats"], tiling["splitLen"]
+    post = tiling["placement"] == PLACEMENT_CODES["post_softmax"]
+    total = 0
+    for n in seq_lens:
+        u = -(-int(n) // split_len)
+        total += tiling["numKvHeads"] * (u * (pw + rec) + (u * u * 2 * pw if post else 0))
+    return total
 
 
 # ---------------------------------------------------------------------------- NPU
