@@ -6,10 +6,12 @@ Structure (kept deliberately flat so other backends plug in):
   requested kept fraction;
 - a *variant* (:class:`Variant`) is one thing to run on a case: the thresholded op of a
   registered backend (``BackendVariant``: every backend of the registry that can run the
-  inputs, e.g. ``triton``, ``torch``, later ``ascendc`` / ``ascendc-cpu``), the dense mode
-  of our Triton kernel, or a dense baseline (torch SDPA, FlashInfer, flash-attn);
-- :func:`measure` runs one variant on one case: output check against the torch reference
-  first (a wrong result is never timed), then the median time, the bytes that must move,
+  inputs, e.g. ``triton``, ``torch``, ``ascendc``, ``ascendc-cpu``), the dense mode of our
+  Triton kernel, or a dense baseline (torch_npu's IncrementalFlashAttention, torch SDPA,
+  FlashInfer, flash-attn);
+- :func:`measure` runs one variant on one case: output (and stats, and counted bytes)
+  checked against the torch reference first (a wrong result is never timed), then the
+  median time, the bytes that must move,
   GB/s, speedups and the 2/(1+f) bound. Unsupported pairs become rows with status
   "skipped" and the reasons.
 
@@ -31,7 +33,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
