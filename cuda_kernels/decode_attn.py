@@ -38,13 +38,14 @@ operands.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from topth_ops.backends.triton_backend import interpreter_enabled  # one parser of TRITON_INTERPRET
 
 # Numbering of placements / SDC modes shared by the launcher and the kernels.
 _SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
@@ -63,9 +64,6 @@ _NO_SPEC_COMBINE = _SHAPE_ARGS + ["max_row_id", "stride_th", "stride_sh", "POST"
                                   "COMPUTE_MEAN", "STATS"]
 
 
-def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET=1`` (read now; Triton reads it when a kernel is defined)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------

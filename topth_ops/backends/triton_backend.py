@@ -22,8 +22,9 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
 def interpreter_enabled() -> bool:
-    """``TRITON_INTERPRET`` is set to a true value (read at call time)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    """Whether Triton runs kernels in its CPU interpreter: ``TRITON_INTERPRET`` read now and
+    parsed as Triton 3.6 parses boolean knobs (``1``, ``true``, ``on``, ``yes``, any case)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 
 
 class TritonBackend(Backend):
@@ -31,7 +32,13 @@ class TritonBackend(Backend):
     device_type = "cuda"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     head_dims = HEAD_DIMS
-    description = "Triton split-KV kernels (GQA group per program, V-row skipping), CUDA"
+
+    @property
+    def description(self) -> str:
+        text = "Triton split-KV kernels (GQA group per program, V-row skipping), CUDA"
+        if interpreter_enabled():
+            text += "; TRITON_INTERPRET=1: CPU tensors in Triton's interpreter, float16/float32 only"
+        return text
 
     def unavailable_reasons(self) -> list[str]:
         if importlib.util.find_spec("triton") is None:
