@@ -57,6 +57,8 @@ def _default_backends(device) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from topth_ops.cli import CliError
+
     from .cases import CASE_SETS
     from .harness import (DENSE_VARIANTS, FAILED_STATUSES, BackendVariant, check_targets, device_name,
                           fill_speedups, format_bytes_table, format_table, plot, resolve_device, run_cases,
@@ -65,20 +67,17 @@ def run(args: argparse.Namespace) -> int:
     cases = []
     for name in args.cases.split(","):
         if name not in CASE_SETS:
-            print(f"--cases must name sets from {sorted(CASE_SETS)}, got {name!r}")
-            return 2
+            raise CliError(f"--cases must name sets from {sorted(CASE_SETS)}, got {name!r}")
         cases += CASE_SETS[name]
     try:
         device = resolve_device(args.device)
     except RuntimeError as e:
-        print(f"bench: {e}")
-        return 2
+        raise CliError(str(e)) from e
     backends = args.backends.split(",") if args.backends else _default_backends(device)
     try:
         variants = [BackendVariant(b) for b in backends]
-    except Exception as e:  # noqa: BLE001 - unknown backend name
-        print(f"--backends: {e}")
-        return 2
+    except ValueError as e:  # unknown backend name
+        raise CliError(f"--backends: {e}") from e
     if not args.no_baselines:
         variants += [cls() for cls in DENSE_VARIANTS]
     copy_mib = args.copy_mib if args.copy_mib is not None else (64 if device.type == "cpu" else 2048)

@@ -249,8 +249,15 @@ def test_ifa_baseline_says_why_it_cannot_run_here():
     assert any("torch_npu" in r for r in reasons) == (not HAS_TORCH_NPU)
 
 
-@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
-def test_npu_device_without_torch_npu_is_a_clear_error(tmp_path, capsys):
-    args = _bench_args("--device", "npu", "--cases", "npu", "--backends", "ascendc", "--out", str(tmp_path))
-    assert bench_cli.run(args) == 2
-    assert "--device npu needs torch_npu" in capsys.readouterr().out
+@pytest.mark.parametrize("argv,needle", [
+    (["--cases", "nope"], "--cases must name sets from"),
+    (["--backends", "nope"], "backend must be one of"),
+    pytest.param(["--device", "npu", "--cases", "npu", "--backends", "ascendc"], "--device npu needs torch_npu",
+                 marks=pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")),
+])
+def test_bad_bench_flags_are_one_line_errors(argv, needle, tmp_path, capsys):
+    from topth_ops.cli import main
+
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
