@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
                           fill_speedups, format_bytes_table, format_table, plot, resolve_device, run_cases,
                           timing_method, write_csv)
 
+    if args.reps < 1:
+        raise CliError(f"--reps must be >= 1, got {args.reps}")
+    if not args.budget_ms > 0:
+        raise CliError(f"--budget-ms must be > 0, got {args.budget_ms}")
     cases = []
     for name in args.cases.split(","):
         if name not in CASE_SETS:
@@ -133,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     if any(r.status in FAILED_STATUSES for r in rows):
         print(f"some variants are {'/'.join(FAILED_STATUSES)} (see the reason column)")
         return 1
-    if args.check_targets and (not targets or not all(ok for _, ok, _ in targets)):
+    if args.check_targets and not targets:
+        print(f"--check-targets: the case sets {args.cases!r} define no targets (the h200 and npu sets do)")
+        return 1
+    if args.check_targets and not all(ok for _, ok, _ in targets):
+        print("--check-targets: some targets were missed (see the target lines above)")
         return 1
     return 0
