@@ -368,3 +368,44 @@ def test_npu_backend_says_what_is_missing(monkeypatch):
     reasons = get_backend("ascendc").unavailable_reasons()
     assert any("ASCEND_HOME_PATH" in r for r in reasons)
     assert any("_ascendc_npu" in r for r in reasons)
+
+
+# ----------------------------------------------------------------------------- extreme finite scores
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [1, 8])
+@pytest.mark.parametrize("placement,sdc", [("pre_softmax", "none"), ("pre_softmax", "exact"),
+                                           ("pre_softmax", "exp_threshold"), ("post_softmax", "none")])
+@pytest.mark.parametrize("rows,theta", [
+    ([-3.2e38] * 4, float("-inf")),                              # every score below the old -3e38 floor
+    ([-3.2e38, -3.3e38, -FLT_MAX, -3.2e38], float("-inf")),      # max -3.2e38, others far below
+    ([-FLT_MAX, float("-inf"), -FLT_MAX, float("-inf")], float("-inf")),  # max exactly -FLT_MAX
+    ([-3.2e38, -3.3e38, -3.1e38, -3.35e38], -3.25e38),           # a finite threshold among them
+])
+def test_scores_below_minus_3e38_match_the_float64_oracle(dtype, head_dim, placement, sdc, rows, theta):
+    """Every finite score is a score: a running maximum floored above -FLT_MAX would turn
+    scores below the floor into zero weights (reviewer's repro: out 0, dropped_mass 1)."""
+    if placement == "post_softmax" and theta != float("-inf"):
+        theta = 0.3  # a probability: keeps the (tied) maxima only
+    q = torch.zeros(1, 2, head_dim)
+    q[:, :, 0] = 1.0  # one-hot: a_j = k_j[0] exactly
+    k = torch.zeros(1, 1, 6, head_dim)
+    k[0, 0, :4, 0] = torch.tensor(rows)
+    k[0, 0, 4:, 0] = float("nan")  # beyond n: never read
+    v = torch.arange(6 * head_dim, dtype=torch.float32).view(1, 1, 6, head_dim) % 7
+    inputs = make_inputs(q.to(dtype), k.to(dtype), v.to(dtype), torch.tensor([4]), torch.full((2, 6), theta),
+                         scale=1.0, placement=placement, sdc=sdc, return_stats=True)
+    out, stats = inputs.empty_outputs(fill=float("nan"))
+    run_cpu_model(inputs, out, stats)
+    _check_against_oracle(inputs, out, stats)
+
+
+def test_reviewer_repro_scores_of_minus_3_2e38():
+    q, k = torch.ones(1, 1, 1), torch.full((1, 1, 4, 1), -3.2e38)
+    v = torch.arange(4.0).view(1, 1, 4, 1)
+    out, stats = topth_ops.decode_attention(q, k, v, torch.tensor([4]), torch.full((1, 4), float("-inf")),
+                                            scale=1.0, return_stats=True, backend="ascendc-cpu")
+    assert out.item() == 1.5 and stats.dropped_mass.item() == 0.0 and stats.kept.item() == 4

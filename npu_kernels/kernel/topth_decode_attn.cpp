@@ -36,7 +36,10 @@ using namespace AscendC;
 namespace topth {
 
 constexpr uint32_t W = TOPTH_TILE_W;  // score-tile width (positions)
-constexpr float NEG_BIG = -3.0e38f;   // finite floor of running maxima: exp(a - m) never sees inf - inf
+// Floor of running maxima: -FLT_MAX, the lowest finite float, so that every finite score
+// can be the maximum (a higher floor would turn scores below it into zero weights), and
+// exp(a - m) never sees inf - inf (m is finite even when every score so far is -inf).
+constexpr float NEG_FLOOR = -3.40282346638528859812e+38f;
 
 // Pair-vector slots (pairWidth floats each; head g's value at element 2g).
 enum PairSlot : uint32_t {
@@ -280,7 +283,7 @@ private:
 
     __aicore__ inline void ResetAccumulators()
     {
-        Duplicate(Pair(P_M), NEG_BIG, PW);
+        Duplicate(Pair(P_M), NEG_FLOOR, PW);
         Duplicate(Pair(P_R), 0.0f, PW);
         Duplicate(Pair(P_E), 0.0f, PW);
         Duplicate(Pair(P_K), 0.0f, PW);
@@ -522,7 +525,7 @@ private:
         Sync<HardEvent::V_MTE2>();
         DataCopy(mAll, statsGm[uint64_t(pairIdx) * td.splitNum * 2 * PW], used * 2 * PW);
         Sync<HardEvent::MTE2_V>();
-        Duplicate(Pair(P_M), NEG_BIG, PW);
+        Duplicate(Pair(P_M), NEG_FLOOR, PW);
         Duplicate(Pair(P_R), 0.0f, PW);
         PipeBarrier<PIPE_V>();
         for (uint32_t s = 0; s < used; ++s) {
@@ -809,9 +812,9 @@ private:
         if (expThreshold) {  // exp(theta - M) for the whole group with one vector Exp
             for (uint32_t g = 0; g < G; ++g) {
                 const float th = thGm.GetValue(uint64_t(kvIdx * G + g) * td.maxRowId + row);
-                const float m = pm.GetValue(2 * g);
-                const float mSafe = (m <= NEG_BIG) ? 0.0f : m;  // every valid score was -inf
-                pExp.SetValue(2 * g, th - mSafe);
+                // m = -FLT_MAX when every valid score is -inf: then nothing is kept and the
+                // weights are 0 whatever exp(theta - m) is (Finalize's k == 0 case).
+                pExp.SetValue(2 * g, th - pm.GetValue(2 * g));
             }
             Sync<HardEvent::S_V>();
             Exp(pExp, pExp, PW);

@@ -134,7 +134,7 @@ def oracle_decode(
                 if np.isnan(theta):
                     keep = np.zeros(n, dtype=bool)
                 elif theta <= 0:
-                    keep = e > 0  # every finite score
+                    keep = a > -np.inf  # every finite score (also where exp(a - m) underflows)
                 else:
                     keep = log_s > np.log(theta)
                     finite = np.isfinite(log_s)
