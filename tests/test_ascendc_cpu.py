@@ -224,6 +224,59 @@ def test_shapes_that_do_not_fit_are_refused_with_the_reason():
         _model().compute_tiling(problem_shape(inputs), A2_TARGET)
 
 
+def _shape(B, Hq, Hkv, S, D, dtype, placement, vmc=0):
+    return dict(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, max_seq_len=S, head_dim=D, max_row_id=S, dtype=dtype,
+                placement=placement, sdc=0, vmc=vmc, scale=1.0, sdc_gamma=0.05)
+
+
+def test_splitting_never_refuses_a_shape_that_runs_unsplit():
+    """The split bookkeeping (combine record, per-split maxima, SyncAll area) costs unified
+    buffer: the tiling must fall back to fewer splits, down to none, before refusing.
+    Reviewer's repros: G=48, D=128 fp32 post_softmax refused from max_seq_len 513 on;
+    G=40 fp16 post at 4096."""
+    checked = 0
+    for G in (1, 8, 24, 32, 40, 45, 48, 52, 57):
+        for D in (64, 128, 256):
+            for dtype in (0, 2):
+                for placement in (0, 1):
+                    for S in (513, 2048, 32768):
+                        shape = _shape(1, G, 1, S, D, dtype, placement, vmc=1)
+                        try:
+                            _model().compute_tiling(shape, dict(A2_TARGET, cores=1))
+                        except ValueError:
+                            continue  # the group does not fit one core even unsplit
+                        t = _model().compute_tiling(shape, A2_TARGET)
+                        assert t["ubTotal"] <= 196608
+                        checked += 1
+    assert checked > 200
+    for G, D, dtype, S in ((48, 128, 2, 513), (48, 128, 2, 4096), (40, 128, 0, 4096)):
+        _model().compute_tiling(_shape(1, G, 1, S, D, dtype, 1), A2_TARGET)
+    # fewer splits, not necessarily none: 24 heads of 256 fp16 post_softmax at 32k keep a split
+    t = _model().compute_tiling(_shape(1, 24, 1, 32768, 256, 0, 1), A2_TARGET)
+    big = _model().compute_tiling(_shape(1, 24, 1, 32768, 256, 0, 1), dict(A2_TARGET, ub_bytes=1 << 20))
+    assert 1 < t["splitNum"] < big["splitNum"]
+
+
+def test_reviewer_shape_g48_fp32_post_runs_and_matches_the_oracle():
+    """48 query heads on one KV head, head_dim 128, fp32 post_softmax, max_seq_len 513:
+    refused before the fallback, now runs (unsplit) on the default 48 cores."""
+    rng = np.random.default_rng(48)
+    inputs = small_int_case(1, 48, 1, 513, 128, [513], torch.float32, "post_softmax", rng, keep=0.2)
+    out, stats = inputs.empty_outputs(fill=float("nan"))
+    rep = run_cpu_model(inputs, out, stats)
+    assert rep["tiling"]["splitNum"] == 1 and rep["ub_peak"] <= 196608
+    _check_against_oracle(inputs, out, stats)
+
+
+def test_a_group_too_large_for_one_core_is_refused_naming_the_group():
+    """MQA 71:1 at head_dim 128 fp16 (a group's query, accumulators and score tiles exceed
+    one vector core's unified buffer even unsplit): refused, and the reason says so."""
+    with pytest.raises(ValueError) as e:
+        _model().compute_tiling(_shape(1, 71, 1, 4096, 128, 0, 0), A2_TARGET)
+    msg = str(e.value)
+    assert "no split of the KV sequence" in msg and "group size 71" in msg and "196608" in msg
+
+
 def test_a_smaller_unified_buffer_gets_smaller_tiles():
     shape = dict(batch=1, num_q_heads=8, num_kv_heads=1, max_seq_len=4096, head_dim=128, max_row_id=4096,
                  dtype=0, placement=0, sdc=0, vmc=0, scale=1.0, sdc_gamma=0.05)

@@ -83,6 +83,44 @@ inline std::string UbBreakdown(const TopthTilingData& t) {
     return os.str();
 }
 
+// Split count for `pairs` work items on `cores`: the smallest count <= cap whose rounds
+// are >= 95% full, else the fullest.
+inline uint32_t SplitByFill(uint32_t pairs, uint32_t cores, uint32_t cap) {
+    uint32_t best = 1;
+    double bestFill = 0.0;
+    for (uint32_t c = 1; c <= cap; ++c) {
+        const uint64_t items = uint64_t(pairs) * c;
+        const double fill = double(items) / double((items + cores - 1) / cores * cores);
+        if (fill > bestFill + 1e-9) {
+            bestFill = fill;
+            best = c;
+        }
+        if (fill >= 0.95) break;
+    }
+    return best;
+}
+
+// Uniform split of max_seq_len into at most `want` chunks of a whole number of score tiles.
+inline void ApplySplit(TopthTilingData& t, uint32_t want, uint32_t cores) {
+    const uint32_t splitLen = static_cast<uint32_t>(Up((t.maxSeqLen + want - 1) / want, TOPTH_TILE_W));
+    t.splitLen = splitLen;
+    t.splitNum = (t.maxSeqLen + splitLen - 1) / splitLen;
+    t.numItems = t.numPairs * t.splitNum;
+    t.blockDim = std::min<uint32_t>(cores, t.numItems);
+}
+
+// The largest K tile (then V tile) whose buffers fit; false when even 8 x 8 does not.
+inline bool FitTiles(TopthTilingData& t, uint64_t ubBytes) {
+    static const uint32_t kTiles[] = {64, 32, 16, 8};
+    static const uint32_t vTiles[] = {32, 16, 8};
+    for (uint32_t tk : kTiles) {
+        for (uint32_t tv : vTiles) {
+            if (PlanUb(t, tk, tv) <= ubBytes) return true;
+        }
+    }
+    return false;
+}
+
 // Compute the tiling. Returns false and sets *reason when the shape cannot run.
 inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, TopthTilingData* out, std::string* reason) {
     TopthTilingData t{};
@@ -95,7 +133,10 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     }
     if (s.numQHeads % s.numKvHeads != 0) return refuse("num_q_heads must be a multiple of num_kv_heads");
     if (s.dtype > TOPTH_DTYPE_FP32) return refuse("unknown dtype code");
-    if (target.aivCores == 0 || target.ubBytes < 1024) return refuse("invalid target description");
+    if (target.aivCores == 0 || target.aivCores > 65535) return refuse("invalid target: vector cores must be in [1, 65535]");
+    if (target.ubBytes < 1024 || target.ubBytes % 32 != 0 || target.ubBytes > 0xffffffffull) {
+        return refuse("invalid target: unified-buffer bytes must be a multiple of 32 in [1024, 2^32)");
+    }
     t.batch = s.batch;
     t.numQHeads = s.numQHeads;
     t.numKvHeads = s.numKvHeads;
@@ -132,53 +173,35 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     // round only partly filled), also split the KV sequence (flash-decoding; the splits are
     // combined by LSE): the smallest split count whose rounds are >= 95% full, else the
     // fullest. Lengths are not known on the host (seq_lens lives on the device), so splits
-    // are uniform over max_seq_len.
+    // are uniform over max_seq_len. Splitting costs unified buffer (the combine step's
+    // partial record and per-split maxima, the SyncAll area): when the buffers do not fit
+    // with a split count, fewer splits are tried, down to none, before refusing.
     t.numPairs = s.batch * s.numKvHeads;
-    const uint32_t cores = target.aivCores;
     const uint32_t byLen = std::max<uint32_t>(1, (s.maxSeqLen + std::max<uint32_t>(1, target.minSplitLen) - 1) /
                                                      std::max<uint32_t>(1, target.minSplitLen));
-    const uint32_t byCores = std::max<uint32_t>(1, static_cast<uint32_t>((4ull * cores + t.numPairs - 1) / t.numPairs));
-    const uint32_t maxSplit = std::min(byLen, byCores);
-    uint32_t splitNum = 1;
-    double bestFill = 0.0;
-    for (uint32_t c = 1; c <= maxSplit; ++c) {
-        const uint64_t items = uint64_t(t.numPairs) * c;
-        const double fill = double(items) / double((items + cores - 1) / cores * cores);
-        if (fill > bestFill + 1e-9) {
-            bestFill = fill;
-            splitNum = c;
+    const uint32_t byCores = std::max<uint32_t>(
+        1, static_cast<uint32_t>((4ull * target.aivCores + t.numPairs - 1) / t.numPairs));
+    uint32_t cap = std::min(byLen, byCores);
+    uint32_t firstSplit = 0;  // the split count the work split asked for
+    for (;;) {
+        ApplySplit(t, SplitByFill(t.numPairs, target.aivCores, cap), target.aivCores);
+        if (firstSplit == 0) firstSplit = t.splitNum;
+        if (FitTiles(t, target.ubBytes)) break;
+        if (t.splitNum == 1) {
+            PlanUb(t, 8, 8);
+            std::ostringstream os;
+            os << "does not fit the unified buffer of " << target.name << ": with the smallest tiles (8 K rows, "
+               << "8 V rows) and no split of the KV sequence";
+            if (firstSplit > 1) os << " (the work split asked for " << firstSplit << ")";
+            os << " the kernel needs " << t.ubTotal << " bytes (" << UbBreakdown(t) << ") but a vector core has "
+               << target.ubBytes << " bytes: the buffers of one GQA group (group size " << t.group
+               << " = num_q_heads / num_kv_heads, x head_dim " << s.headDim
+               << ": query, accumulators, score tiles) are too large for one vector core";
+            return refuse(os.str());
         }
-        if (fill >= 0.95) break;
+        cap = t.splitNum - 1;  // fewer splits: less split bookkeeping in the unified buffer
     }
-    uint32_t splitLen = static_cast<uint32_t>(Up((s.maxSeqLen + splitNum - 1) / splitNum, TOPTH_TILE_W));
-    splitNum = (s.maxSeqLen + splitLen - 1) / splitLen;
-    t.splitNum = splitNum;
-    t.splitLen = splitLen;
-    t.numItems = t.numPairs * splitNum;
-    t.blockDim = std::min<uint32_t>(target.aivCores, t.numItems);
-
-    // Tiles: the largest K tile (then V tile) whose buffers fit the unified buffer.
-    static const uint32_t kTiles[] = {64, 32, 16, 8};
-    static const uint32_t vTiles[] = {32, 16, 8};
-    bool fits = false;
-    for (uint32_t tk : kTiles) {
-        for (uint32_t tv : vTiles) {
-            if (PlanUb(t, tk, tv) <= target.ubBytes) {
-                fits = true;
-                break;
-            }
-        }
-        if (fits) break;
-    }
-    if (!fits) {
-        PlanUb(t, 8, 8);
-        std::ostringstream os;
-        os << "does not fit the unified buffer of " << target.name << ": with the smallest tiles (8 K rows, 8 V rows) "
-           << "the kernel needs " << t.ubTotal << " bytes (" << UbBreakdown(t) << ") but a vector core has "
-           << target.ubBytes << " bytes; group size " << t.group << " (num_q_heads / num_kv_heads) x head_dim "
-           << s.headDim << " is too large for this kernel";
-        return refuse(os.str());
-    }
+    const uint32_t splitNum = t.splitNum;
 
     // Workspace (GM scratch).
     const uint64_t G = t.group, PW = t.pairWidth;
