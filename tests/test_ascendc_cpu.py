@@ -462,3 +462,85 @@ def test_reviewer_repro_scores_of_minus_3_2e38():
     out, stats = topth_ops.decode_attention(q, k, v, torch.tensor([4]), torch.full((1, 4), float("-inf")),
                                             scale=1.0, return_stats=True, backend="ascendc-cpu")
     assert out.item() == 1.5 and stats.dropped_mass.item() == 0.0 and stats.kept.item() == 4
+
+
+# ----------------------------------------------------------------------------- environment knobs
+
+@pytest.mark.parametrize("var,value", [
+    ("TOPTH_ASCENDC_CPU_CORES", "abc"), ("TOPTH_ASCENDC_CPU_CORES", "-1"), ("TOPTH_ASCENDC_CPU_CORES", "0"),
+    ("TOPTH_ASCENDC_CPU_CORES", "4.5"), ("TOPTH_ASCENDC_CPU_UB_BYTES", "100001"),
+    ("TOPTH_ASCENDC_CPU_UB_BYTES", "512"), ("TOPTH_ASCENDC_CPU_MIN_SPLIT_LEN", "0"),
+])
+def test_invalid_knobs_are_named_before_any_launch(monkeypatch, var, value):
+    """A bad TOPTH_ASCENDC_CPU_* value is an error naming the variable and the expected
+    value, not a raw ModelError at launch, a pybind11 cast error or a 'tiling refuses the
+    shape' reason."""
+    monkeypatch.setenv(var, value)
+    q, k = torch.randn(1, 2, 64), torch.randn(1, 1, 8, 64)
+    backend = get_backend("ascendc-cpu")
+    reasons = backend.unavailable_reasons()
+    assert len(reasons) == 1 and reasons[0].startswith(f"{var} must be an integer in ["), reasons
+    assert repr(value) in reasons[0] and "tiling" not in reasons[0]
+    with pytest.raises(NotImplementedError, match=f"{var} must be an integer"):
+        topth_ops.decode_attention(q, k, k, torch.tensor([8]), torch.zeros(2, 8), backend="ascendc-cpu")
+    inputs = make_inputs(q, k, k, torch.tensor([8]), torch.zeros(2, 8))
+    out = torch.empty(1, 2, 64)
+    with pytest.raises(ValueError, match=f"{var} must be an integer"):
+        run_cpu_model(inputs, out)
+
+
+def test_valid_knobs_are_used(monkeypatch):
+    monkeypatch.setenv("TOPTH_ASCENDC_CPU_CORES", " 3 ")
+    monkeypatch.setenv("TOPTH_ASCENDC_CPU_UB_BYTES", "131072")
+    monkeypatch.setenv("TOPTH_ASCENDC_CPU_MIN_SPLIT_LEN", "64")
+    rng = np.random.default_rng(9)
+    inputs = small_int_case(1, 4, 1, 384, 64, [384], torch.float32, "pre_softmax", rng)
+    out, stats = inputs.empty_outputs(fill=float("nan"))
+    rep = run_cpu_model(inputs, out, stats)
+    assert rep["block_dim"] == 3 and rep["ub_capacity"] == 131072 and rep["tiling"]["splitLen"] == 128
+    _check_against_oracle(inputs, out, stats)
+
+
+def test_an_invalid_target_dict_is_named():
+    inputs = make_inputs(torch.randn(1, 2, 64), torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64),
+                         torch.tensor([8]), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match=r"target\['cores'\] must be an integer in \[1, 1024\]"):
+        run_cpu_model(inputs, torch.empty(1, 2, 64), target=dict(A2_TARGET, cores=-1))
+    with pytest.raises(ValueError, match=r"target\['ub_bytes'\] must be .* multiple of 32"):
+        run_cpu_model(inputs, torch.empty(1, 2, 64), target=dict(A2_TARGET, ub_bytes=100001))
+
+
+# ----------------------------------------------------------------------------- head_dim limits
+
+@pytest.mark.parametrize("dtype,limit", [(0, 2032), (1, 2032), (2, 2040)])
+def test_head_dim_limit_text_is_exact_per_dtype(dtype, limit):
+    """The vector repeat stride bounds head_dim at 2040 for float32 and 2032 for 16-bit
+    dtypes (rows padded to 32 bytes); the message states the limit of the call's dtype.
+    A huge unified buffer isolates this limit from the unified-buffer one."""
+    big = dict(A2_TARGET, ub_bytes=1 << 24)
+    _model().compute_tiling(_shape(1, 1, 1, 64, limit, dtype, 0), big)
+    name = {0: "float16", 1: "bfloat16", 2: "float32"}[dtype]
+    for D in (limit + 1, 2040 if dtype != 2 else 2041):
+        with pytest.raises(ValueError, match=rf"head_dim {D} is too large for {name}: .*\({name}: head_dim <= {limit}\)"):
+            _model().compute_tiling(_shape(1, 1, 1, 64, D, dtype, 0), big)
+
+
+def test_info_shows_the_head_dim_limit_of_the_ascend_backends():
+    from topth_ops.info import backend_rows, format_info
+
+    rows = {r["name"]: r for r in backend_rows()}
+    for name in ("ascendc", "ascendc-cpu"):
+        assert rows[name]["head_dims"] == "UB-bound: <=1104"
+        assert "unified buffer" in rows[name]["description"]
+    assert rows["torch"]["head_dims"] == "any"
+    assert "UB-bound: <=1104" in format_info()
+    # the limit quoted is real: head_dim 1104 at group size 1 fits A2 in every dtype /
+    # placement / vmc, 1105 .. 1152 not in all of them
+    for dtype in (0, 1, 2):
+        for placement in (0, 1):
+            _model().compute_tiling(_shape(1, 1, 1, 4096, 1104, dtype, placement, vmc=1), A2_TARGET)
+    with pytest.raises(ValueError, match="unified buffer"):
+        _model().compute_tiling(_shape(1, 1, 1, 4096, 1105, 0, 0, vmc=1), A2_TARGET)
+    with pytest.raises(ValueError, match="unified buffer"):
+        _model().compute_tiling(_shape(1, 45 + 1, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)
+    _model().compute_tiling(_shape(1, 45, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)

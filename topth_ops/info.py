@@ -22,7 +22,7 @@ def backend_rows() -> list[dict]:
             "name": b.name,
             "device": b.device_type,
             "dtypes": ",".join(_dtype(d) for d in b.dtypes),
-            "head_dims": "any" if b.head_dims is None else ",".join(map(str, b.head_dims)),
+            "head_dims": (b.head_dims_note or "any") if b.head_dims is None else ",".join(map(str, b.head_dims)),
             "available": not reasons,
             "runs_on": ",".join(sorted({d.type for d in b.devices()})) if not reasons else "-",
             "reasons": "; ".join(reasons),

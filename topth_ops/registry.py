@@ -63,6 +63,9 @@ class Backend:
         Input dtypes it accepts.
     head_dims : tuple of int or None
         head_dim values it accepts; None means any.
+    head_dims_note : str
+        With ``head_dims`` None: a limit that depends on other shapes (checked by
+        :meth:`input_reasons`), shown by ``topth-ops info`` instead of "any".
     description : str
         One line for ``topth-ops info``.
     """
@@ -71,6 +74,7 @@ class Backend:
     device_type: str = "any"
     dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)
     head_dims: Optional[tuple] = None
+    head_dims_note: str = ""
     description: str = ""
 
     def unavailable_reasons(self) -> list[str]:

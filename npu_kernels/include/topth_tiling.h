@@ -37,6 +37,15 @@ struct ProblemShape {
 
 inline uint32_t ElemBytes(uint32_t dtype) { return dtype == TOPTH_DTYPE_FP32 ? 4u : 2u; }
 inline uint64_t Up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+inline const char* DtypeName(uint32_t dtype) {
+    return dtype == TOPTH_DTYPE_FP32 ? "float32" : dtype == TOPTH_DTYPE_BF16 ? "bfloat16" : "float16";
+}
+// Largest head_dim the vector instructions allow (the unified buffer may allow less):
+// 2040 for float32, 2032 for float16 / bfloat16 (see ComputeTiling).
+inline uint32_t MaxHeadDim(uint32_t dtype) {
+    const uint32_t granule = 32 / ElemBytes(dtype);
+    return (255u * 32u / 4u) / granule * granule;
+}
 
 // Fill the unified-buffer plan for tiles (tileK, tileV); returns the total bytes.
 inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
@@ -159,10 +168,15 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
 
     // Limits of the vector instructions the kernel issues (repeat strides are 8-bit, in
     // 32-byte blocks; repeat counts at most 255).
+    // A float32 row of headDimPad elements is a repeat stride of headDimPad / 8 blocks:
+    // headDimPad <= 2040, and headDimPad is head_dim rounded up to 32 bytes of the input
+    // dtype, so head_dim <= 2040 (float32) or 2032 (float16 / bfloat16: 16-element granule).
     if (uint64_t(t.headDimPad) * 4 / 32 > 255) {
         std::ostringstream os;
-        os << "head_dim " << s.headDim << " is too large: a float32 row of " << t.headDimPad * 4
-           << " bytes exceeds the 255-block repeat stride of the vector unit (head_dim <= 2040)";
+        os << "head_dim " << s.headDim << " is too large for " << DtypeName(s.dtype) << ": a float32 row of "
+           << t.headDimPad * 4 << " bytes (head_dim padded to 32 bytes of " << DtypeName(s.dtype)
+           << ") exceeds the 255-block repeat stride of the vector unit (" << DtypeName(s.dtype)
+           << ": head_dim <= " << MaxHeadDim(s.dtype) << ")";
         return refuse(os.str());
     }
     if (t.group > 255) return refuse("more than 255 query heads per KV head");

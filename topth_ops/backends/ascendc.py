@@ -28,6 +28,13 @@ DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
 SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
 
+# What limits head_dim (input_reasons checks it per call, from the tiling): the unified
+# buffer bounds head_dim x GQA group size; the vector repeat stride bounds head_dim at
+# 2040 (float32) / 2032 (float16, bfloat16). Numbers for Atlas A2 (docs/ascendc.md).
+HEAD_DIMS_NOTE = "UB-bound: <=1104"
+LIMITS = ("head_dim x GQA group size bounded by the unified buffer (Atlas A2: head_dim <= 1104 at group size 1, "
+          "group size <= 45 at head_dim 128; table in docs/ascendc.md)")
+
 # Atlas A2 / Ascend 910B1-B2: 24 AI cores with 2 vector cores each, 192 KiB unified buffer
 # per vector core (910B3/B4: 40 vector cores).
 A2_TARGET = {"name": "Ascend910B (Atlas A2)", "ub_bytes": 196608, "cores": 48, "min_split_len": 512}
@@ -51,15 +58,58 @@ def problem_shape(inputs: DecodeInputs) -> dict:
     }
 
 
+# Knobs of ``ascendc-cpu``: environment variable, target key, allowed range, meaning.
+CPU_KNOBS = (
+    ("TOPTH_ASCENDC_CPU_CORES", "cores", 1, 1024, "vector cores (one host thread each)"),
+    ("TOPTH_ASCENDC_CPU_UB_BYTES", "ub_bytes", 1024, 1 << 24, "unified-buffer bytes per vector core, a multiple of 32"),
+    ("TOPTH_ASCENDC_CPU_MIN_SPLIT_LEN", "min_split_len", 1, (1 << 31) - 1, "fewest KV positions per split"),
+)
+
+
+def _knob_error(name: str, lo: int, hi: int, what: str, got) -> ValueError:
+    return ValueError(f"{name} must be an integer in [{lo}, {hi}] ({what}), got {got!r}")
+
+
+def check_target(target: dict) -> dict:
+    """Validate a CPU-model target dict (``cores``, ``ub_bytes``, ``min_split_len``, ``name``).
+
+    Raises
+    ------
+    ValueError
+        A value that is not an integer in its range of :data:`CPU_KNOBS` (``ub_bytes`` also
+        a multiple of 32), naming the key and the expected value.
+    """
+    for _env, key, lo, hi, what in CPU_KNOBS:
+        v = target.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or (key == "ub_bytes" and v % 32):
+            raise _knob_error(f"target[{key!r}]", lo, hi, what, v)
+    return target
+
+
 def cpu_target() -> dict:
     """Target of ``ascendc-cpu``: Atlas A2 unless TOPTH_ASCENDC_CPU_CORES / _UB_BYTES /
     _MIN_SPLIT_LEN override the vector-core count, unified-buffer bytes or the shortest
-    KV split."""
+    KV split (ranges in :data:`CPU_KNOBS`).
+
+    Raises
+    ------
+    ValueError
+        A variable that is not an integer in its range, naming the variable and the range.
+    """
     t = dict(A2_TARGET)
-    for key, env in (("cores", "TOPTH_ASCENDC_CPU_CORES"), ("ub_bytes", "TOPTH_ASCENDC_CPU_UB_BYTES"),
-                     ("min_split_len", "TOPTH_ASCENDC_CPU_MIN_SPLIT_LEN")):
-        if os.environ.get(env):
-            t[key] = int(os.environ[env])
+    for env, key, lo, hi, what in CPU_KNOBS:
+        raw = os.environ.get(env, "").strip()
+        if not raw:
+            continue
+        try:
+            v = int(raw, 10)
+        except ValueError:
+            raise _knob_error(env, lo, hi, what, raw) from None
+        if not lo <= v <= hi or (key == "ub_bytes" and v % 32):
+            raise _knob_error(env, lo, hi, what, raw)
+        t[key] = v
     return t
 
 
@@ -158,12 +208,14 @@ def run_cpu_model(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[Decod
     Raises
     ------
     ValueError
-        The tiling refuses the shape (the message says why).
+        The tiling refuses the shape (the message says why), or an invalid target /
+        TOPTH_ASCENDC_CPU_* variable (naming it).
     topth_ops.npu_kernels._ascendc_cpu.ModelError
         The kernel broke a rule of the device (out-of-bounds or misaligned copy, unified
         buffer overflow, queue misuse, missing pipe synchronisation, race).
     """
     mod = _cpu_module()
+    target = check_target(dict(target)) if target is not None else cpu_target()
     t = kernel_tensors(inputs)
     # The model tells GM buffers apart by address: give aliased inputs (e.g. one tensor
     # passed as both caches) their own storage.
@@ -179,7 +231,7 @@ def run_cpu_model(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[Decod
     o, s = _outputs_for(inputs, out, stats)
     args = {name: _ptr(x) for name, x in t.items()}
     args.update({"out": _ptr(o), "kept": _ptr(s[0]), "v_rows": _ptr(s[1]), "dropped_mass": _ptr(s[2])})
-    report = mod.run(args, problem_shape(inputs), target or cpu_target())
+    report = mod.run(args, problem_shape(inputs), target)
     _copy_back(out, stats, o, s)
     return report
 
@@ -188,23 +240,33 @@ class AscendCCpuBackend(Backend):
     name = "ascendc-cpu"
     device_type = "cpu"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    head_dims_note = HEAD_DIMS_NOTE
     description = ("the Ascend C kernel built with g++ against the CPU model of the Ascend C API "
-                   "(Atlas A2 rules checked); explicit choice only")
+                   "(Atlas A2 rules checked); explicit choice only; " + LIMITS)
 
     def __init__(self):
         self.last_report: Optional[dict] = None
 
     def unavailable_reasons(self) -> list[str]:
+        reasons = []
         try:
             _cpu_module()
         except ImportError as e:
-            return [f"the CPU-model extension topth_ops.npu_kernels._ascendc_cpu is not built ({e}); "
-                    f"reinstall with `pip install .` (needs a C++20 compiler; pybind11 is a build requirement)"]
-        return []
+            reasons.append(f"the CPU-model extension topth_ops.npu_kernels._ascendc_cpu is not built ({e}); "
+                           f"reinstall with `pip install .` (needs a C++20 compiler; pybind11 is a build requirement)")
+        try:
+            cpu_target()
+        except ValueError as e:
+            reasons.append(str(e))
+        return reasons
 
     def input_reasons(self, inputs: DecodeInputs) -> list[str]:
         try:
-            _cpu_module().compute_tiling(problem_shape(inputs), cpu_target())
+            target = cpu_target()
+        except ValueError as e:
+            return [str(e)]
+        try:
+            _cpu_module().compute_tiling(problem_shape(inputs), target)
         except ValueError as e:
             return [f"the kernel's tiling refuses the shape: {e}"]
         return []
@@ -272,8 +334,9 @@ class AscendCBackend(Backend):
     name = "ascendc"
     device_type = "npu"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    head_dims_note = HEAD_DIMS_NOTE
     description = ("Ascend C kernel on an Ascend NPU (Atlas A2 / 910B), built with CANN, launched via torch_npu; "
-                   "not yet run on hardware (docs/ascendc.md)")
+                   "not yet run on hardware (docs/ascendc.md); " + LIMITS)
 
     def unavailable_reasons(self) -> list[str]:
         reasons = []
