@@ -544,3 +544,89 @@ def test_info_shows_the_head_dim_limit_of_the_ascend_backends():
     with pytest.raises(ValueError, match="unified buffer"):
         _model().compute_tiling(_shape(1, 45 + 1, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)
     _model().compute_tiling(_shape(1, 45, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)
+
+
+# ----------------------------------------------------------------------------- cache layouts
+
+def _strided_caches(k, v, layout):
+    """Views of k and v ([B, Hkv, S, D]) with other strides, the storage around them NaN:
+    reading anything but the viewed rows poisons the result."""
+    B, H, S, D = k.shape
+    if layout == "slice_of_longer_cache":  # [B, H, Smax, D] cache, first S positions
+        bk, bv = (torch.full((B, H, S + 37, D), float("nan"), dtype=k.dtype) for _ in range(2))
+        bk[:, :, :S], bv[:, :, :S] = k, v
+        return bk[:, :, :S], bv[:, :, :S]
+    if layout == "bsnd":  # [B, S, H, D] cache viewed as BNSD: row stride H x D
+        bk, bv = (torch.full((B, S, H, D), float("nan"), dtype=k.dtype) for _ in range(2))
+        bk.copy_(k.transpose(1, 2)), bv.copy_(v.transpose(1, 2))
+        return bk.transpose(1, 2), bv.transpose(1, 2)
+    if layout == "padded_rows":  # rows of D inside rows of D + 5 (gap not a whole 32-byte block)
+        bk, bv = (torch.full((B, H, S, D + 5), float("nan"), dtype=k.dtype) for _ in range(2))
+        bk[..., :D], bv[..., :D] = k, v
+        return bk[..., :D], bv[..., :D]
+    if layout == "kv_interleaved":  # one [B, S, 2, H, D] tensor: K and V share a storage
+        kv = torch.full((B, S, 2, H, D), float("nan"), dtype=k.dtype)
+        kv[:, :, 0], kv[:, :, 1] = k.transpose(1, 2), v.transpose(1, 2)
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("layout", ["slice_of_longer_cache", "bsnd", "padded_rows", "kv_interleaved"])
+@pytest.mark.parametrize("dtype,D,placement,lens,cores", [
+    (torch.float16, 64, "pre_softmax", [300, 77], 48),      # split-KV, DataCopy rows when dense
+    (torch.bfloat16, 72, "post_softmax", [300, 0], 48),     # 144-byte rows, split-KV, post
+    (torch.float32, 36, "pre_softmax", [5, 290], 2),        # 144-byte rows, unsplit
+])
+def test_strided_caches_are_read_in_place(layout, dtype, D, placement, lens, cores, caplog):
+    """Non-contiguous caches whose rows are contiguous are read where they are (no
+    .contiguous() copy, no warning): same results against the oracle and the same K / V
+    bytes as the contiguous layout."""
+    rng = np.random.default_rng(D)
+    base = small_int_case(2, 6, 2, 300, D, lens, dtype, placement, rng, keep=0.3)
+    k, v = _strided_caches(base.key_cache, base.value_cache, layout)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    inputs = make_inputs(base.query, k, v, base.seq_lens, base.thresholds, scale=1.0, placement=placement,
+                         return_stats=True)
+    from topth_ops.backends.ascendc import kernel_tensors
+
+    t = kernel_tensors(inputs)
+    assert t["key_cache"] is inputs.key_cache and t["value_cache"] is inputs.value_cache
+    out, stats = inputs.empty_outputs(fill=float("nan"))
+    with caplog.at_level("WARNING"):
+        rep = run_cpu_model(inputs, out, stats, target=dict(A2_TARGET, cores=cores, min_split_len=64))
+    assert "copied" not in caplog.text
+    _check_against_oracle(inputs, out, stats)
+    k_bytes, v_bytes, _ = expected_bytes(inputs)
+    assert (rep["k_bytes"], rep["v_bytes"]) == (k_bytes, v_bytes)
+    tl = rep["tiling"]
+    assert (tl["kStrideB"], tl["kStrideH"], tl["kStrideS"]) == k.stride()[:3]
+    if layout != "kv_interleaved":  # the model needs disjoint GM buffers: V is cloned there
+        assert (tl["vStrideB"], tl["vStrideH"], tl["vStrideS"]) == v.stride()[:3]
+    if cores == 48:
+        assert tl["splitNum"] > 1
+
+
+def test_a_layout_the_kernel_cannot_read_is_copied_with_a_warning_once(caplog):
+    """head_dim not the innermost dimension: copied with .contiguous(), logged once per
+    process naming the cost, and still correct."""
+    rng = np.random.default_rng(2)
+    base = small_int_case(1, 4, 2, 100, 64, [90], torch.float16, "pre_softmax", rng)
+    k = base.key_cache.transpose(2, 3).contiguous().transpose(2, 3)  # [B, H, S, D] view of [B, H, D, S]
+    inputs = make_inputs(base.query, k, base.value_cache, base.seq_lens, base.thresholds, scale=1.0,
+                         placement="pre_softmax", return_stats=True)
+    import topth_ops.registry as registry
+
+    registry._logged.clear()
+    for _ in range(2):
+        out, stats = inputs.empty_outputs(fill=float("nan"))
+        with caplog.at_level("WARNING"):
+            run_cpu_model(inputs, out, stats)
+        _check_against_oracle(inputs, out, stats)
+    warned = [r for r in caplog.records if "key_cache" in r.getMessage() and "contiguous" in r.getMessage()]
+    assert len(warned) == 1 and "full read and write" in warned[0].getMessage()
+
+
+def test_tiling_refuses_overlapping_rows():
+    shape = dict(_shape(1, 4, 1, 64, 64, 0, 0), k_strides=[64 * 63, 64 * 63, 63])
+    with pytest.raises(ValueError, match="key_cache: position stride 63 is smaller than head_dim 64"):
+        _model().compute_tiling(shape, A2_TARGET)

@@ -33,6 +33,9 @@ struct ProblemShape {
     uint32_t sdc = TOPTH_SDC_NONE;
     uint32_t vmc = 0;
     float scale = 1.0f, sdcGamma = 0.05f;
+    // KV cache strides (batch, kv head, position) in elements; each row of head_dim
+    // elements is contiguous. All 0: the contiguous [B, Hkv, S, D] layout.
+    uint64_t kStrides[3] = {0, 0, 0}, vStrides[3] = {0, 0, 0};
 };
 
 inline uint32_t ElemBytes(uint32_t dtype) { return dtype == TOPTH_DTYPE_FP32 ? 4u : 2u; }
@@ -165,6 +168,36 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     // Partial record of one split: [M, R, E, K] pair vectors, an 8-word block (union
     // count), then the G x Dp float32 accumulators.
     t.partFloats = static_cast<uint32_t>(4ull * t.pairWidth + 8 + uint64_t(t.group) * t.headDimPad);
+
+    // KV cache layout. Rows are copied in runs with a GM gap of (row stride - head_dim)
+    // elements (DataCopyPad: a 32-bit byte gap), so rows must not overlap.
+    const char* names[2] = {"key_cache", "value_cache"};
+    const uint64_t* in[2] = {s.kStrides, s.vStrides};
+    uint64_t* outS[2] = {&t.kStrideB, &t.vStrideB};
+    uint64_t* span[2] = {&t.kSpan, &t.vSpan};
+    for (int c = 0; c < 2; ++c) {
+        uint64_t st[3] = {in[c][0], in[c][1], in[c][2]};
+        if (st[0] == 0 && st[1] == 0 && st[2] == 0) {  // contiguous
+            st[2] = s.headDim;
+            st[1] = uint64_t(s.maxSeqLen) * s.headDim;
+            st[0] = uint64_t(s.numKvHeads) * st[1];
+        }
+        if (s.maxSeqLen == 1) st[2] = s.headDim;  // one row per (b, h): its stride is never used
+        if (st[2] < s.headDim) {
+            std::ostringstream os;
+            os << names[c] << ": position stride " << st[2] << " is smaller than head_dim " << s.headDim
+               << " (overlapping rows; the kernel copies runs of whole rows)";
+            return refuse(os.str());
+        }
+        if ((st[2] - s.headDim) * t.elemBytes > 0xffffffffull) {
+            return refuse(std::string(names[c]) + ": the gap between rows exceeds the 32-bit byte stride of DataCopyPad");
+        }
+        outS[c][0] = st[0];
+        outS[c][1] = st[1];
+        outS[c][2] = st[2];
+        *span[c] = (uint64_t(s.batch) - 1) * st[0] + (uint64_t(s.numKvHeads) - 1) * st[1] +
+                   (uint64_t(s.maxSeqLen) - 1) * st[2] + s.headDim;
+    }
 
     // Limits of the vector instructions the kernel issues (repeat strides are 8-bit, in
     // 32-byte blocks; repeat counts at most 255).

@@ -32,6 +32,10 @@ struct TopthTilingData {
     uint64_t wsStatsOff;   // post_softmax with splits: per item (m, Z) pair vectors
     uint64_t wsPartOff;    // splits: per item partial record (partFloats floats)
     uint64_t wsBytes;      // total workspace bytes
+    // KV cache layout, in elements: element (b, h, s, d) of K at b*kStrideB + h*kStrideH +
+    // s*kStrideS + d (rows contiguous); likewise V. kSpan / vSpan: elements from the first
+    // one that the kernel may address (the GM buffer sizes it declares).
+    uint64_t kStrideB, kStrideH, kStrideS, vStrideB, vStrideH, vStrideS, kSpan, vSpan;
     // problem
     uint32_t batch, numQHeads, numKvHeads, group, maxSeqLen, headDim, headDimPad, maxRowId;
     uint32_t dtype, elemBytes, placement, sdc, vmc, reserved0;

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <vector>
 
 #include "topth_tiling.h"
 
@@ -33,6 +34,16 @@ inline ProblemShape ShapeFromDict(const py::dict& s) {
     p.vmc = s["vmc"].cast<uint32_t>();
     p.scale = s["scale"].cast<float>();
     p.sdcGamma = s["sdc_gamma"].cast<float>();
+    for (int c = 0; c < 2; ++c) {  // optional (batch, kv head, position) strides of the caches
+        const char* key = c == 0 ? "k_strides" : "v_strides";
+        if (!s.contains(key) || s[key].is_none()) continue;
+        auto st = s[key].cast<std::vector<int64_t>>();
+        if (st.size() != 3 || st[0] < 0 || st[1] < 0 || st[2] < 0) {
+            throw py::value_error(std::string(key) + " must be 3 non-negative strides (batch, kv head, position)");
+        }
+        uint64_t* dst = c == 0 ? p.kStrides : p.vStrides;
+        for (int i = 0; i < 3; ++i) dst[i] = static_cast<uint64_t>(st[i]);
+    }
     return p;
 }
 
@@ -48,6 +59,8 @@ inline py::dict TilingToDict(const TopthTilingData& t) {
     py::dict d;
 #define TOPTH_F(name) d[#name] = t.name
     TOPTH_F(wsSyncOff); TOPTH_F(wsScoresOff); TOPTH_F(wsStatsOff); TOPTH_F(wsPartOff); TOPTH_F(wsBytes);
+    TOPTH_F(kStrideB); TOPTH_F(kStrideH); TOPTH_F(kStrideS); TOPTH_F(vStrideB); TOPTH_F(vStrideH);
+    TOPTH_F(vStrideS); TOPTH_F(kSpan); TOPTH_F(vSpan);
     TOPTH_F(batch); TOPTH_F(numQHeads); TOPTH_F(numKvHeads); TOPTH_F(group); TOPTH_F(maxSeqLen);
     TOPTH_F(headDim); TOPTH_F(headDimPad); TOPTH_F(maxRowId); TOPTH_F(dtype); TOPTH_F(elemBytes);
     TOPTH_F(placement); TOPTH_F(sdc); TOPTH_F(vmc); TOPTH_F(scale); TOPTH_F(sdcGamma);

@@ -102,8 +102,9 @@ public:
 
         const uint64_t B = td.batch, Hq = td.numQHeads, Hkv = td.numKvHeads;
         qGm.SetGlobalBuffer((__gm__ T*)query, B * Hq * D);
-        kGm.SetGlobalBuffer((__gm__ T*)key, B * Hkv * S * D);
-        vGm.SetGlobalBuffer((__gm__ T*)value, B * Hkv * S * D);
+        // The caches may be strided views (host tiling: strides and spans in elements).
+        kGm.SetGlobalBuffer((__gm__ T*)key, td.kSpan);
+        vGm.SetGlobalBuffer((__gm__ T*)value, td.vSpan);
         lensGm.SetGlobalBuffer((__gm__ int32_t*)seqLens, B);
         thGm.SetGlobalBuffer((__gm__ float*)thresholds, Hq * td.maxRowId);
         if (td.sdc == TOPTH_SDC_OFFLINE) {
@@ -224,7 +225,8 @@ private:
         n = SeqLen(bIdx);
         chunkStart = splitIdx * td.splitLen;
         chunkEnd = Min32(n, chunkStart + td.splitLen);
-        kvBase = uint64_t(pairIdx) * S * D;
+        kBase = uint64_t(bIdx) * td.kStrideB + uint64_t(kvIdx) * td.kStrideH;
+        vBase = uint64_t(bIdx) * td.vStrideB + uint64_t(kvIdx) * td.vStrideH;
     }
 
     // n = seq_lens[b], clamped into [0, max_seq_len] (no read past the cache).
@@ -293,12 +295,14 @@ private:
     }
 
     // ---------------------------------------------------------------- loads
-    __aicore__ inline DataCopyExtParams RowParams(uint32_t rows)
+    // `rows` rows of D elements, `rowStride` elements apart in GM (the byte gap fits 32 bits:
+    // host tiling).
+    __aicore__ inline DataCopyExtParams RowParams(uint32_t rows, uint64_t rowStride)
     {
         DataCopyExtParams p;
         p.blockCount = static_cast<uint16_t>(rows);
         p.blockLen = D * sizeof(T);
-        p.srcStride = 0;
+        p.srcStride = static_cast<uint32_t>((rowStride - D) * sizeof(T));
         p.dstStride = 0;
         p.rsv = 0;
         return p;
@@ -314,13 +318,16 @@ private:
         return pad;
     }
 
-    // `rows` consecutive rows of K or V from GM into UB at a row stride of Dp elements.
-    __aicore__ inline void CopyRows(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t rows)
+    // `rows` rows of K or V (`rowStride` elements apart in GM) into UB at a row stride of Dp
+    // elements: one DataCopy when the rows are dense and whole 32-byte blocks, else
+    // DataCopyPad (GM gap between rows, padding to 32 bytes in UB).
+    __aicore__ inline void CopyRows(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t rows,
+                                    uint64_t rowStride)
     {
-        if (rowAligned) {
+        if (rowAligned && rowStride == D) {
             DataCopy(dst, src, rows * D);
         } else {
-            DataCopyPad(dst, src, RowParams(rows), RowPad());
+            DataCopyPad(dst, src, RowParams(rows, rowStride), RowPad());
         }
     }
 
@@ -331,12 +338,12 @@ private:
         Sync<HardEvent::V_MTE2>();  // the previous item's vector reads of qF / stage are done
         if constexpr (kWiden) {
             Sync<HardEvent::MTE3_MTE2>();  // stage also carries the previous output to GM
-            DataCopyPad(stage, qGm[off], RowParams(G), RowPad());
+            DataCopyPad(stage, qGm[off], RowParams(G, D), RowPad());
             Sync<HardEvent::MTE2_V>();
             Cast(qF, stage, RoundMode::CAST_NONE, G * Dp);
         } else {
             LocalTensor<T> qT = qF.template ReinterpretCast<T>();
-            DataCopyPad(qT, qGm[off], RowParams(G), RowPad());
+            DataCopyPad(qT, qGm[off], RowParams(G, D), RowPad());
             Sync<HardEvent::MTE2_V>();
         }
         PipeBarrier<PIPE_V>();
@@ -376,7 +383,7 @@ private:
     {
         const uint32_t rows = Min32(td.tileK, chunkEnd - pos);
         LocalTensor<T> kIn = kQue.template AllocTensor<T>();
-        CopyRows(kIn, kGm[kvBase + uint64_t(pos) * D], rows);
+        CopyRows(kIn, kGm[kBase + uint64_t(pos) * td.kStrideS], rows, td.kStrideS);
         kQue.EnQue(kIn);
     }
 
@@ -685,7 +692,7 @@ private:
             uint32_t e = hi < last ? hi : last;
             if (a < e) {
                 const uint32_t j = runStart[k] + (a - lo);
-                CopyRows(vIn[(a - first) * Dp], vGm[kvBase + uint64_t(pos + j) * D], e - a);
+                CopyRows(vIn[(a - first) * Dp], vGm[vBase + uint64_t(pos + j) * td.vStrideS], e - a, td.vStrideS);
             }
             r = hi;
         }
@@ -946,7 +953,7 @@ private:
     LocalTensor<T> stage;
 
     uint32_t pairIdx = 0, splitIdx = 0, bIdx = 0, kvIdx = 0, n = 0, chunkStart = 0, chunkEnd = 0;
-    uint64_t kvBase = 0;
+    uint64_t kBase = 0, vBase = 0;  // element offsets of this item's (batch, kv head) in K and V
     uint32_t unionCount = 0;
     float thrScalar = 0.0f;
 };

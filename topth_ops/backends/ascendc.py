@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..contract import DecodeInputs, DecodeStats
-from ..registry import Backend
+from ..registry import Backend, _log_once
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
@@ -40,8 +40,13 @@ LIMITS = ("head_dim x GQA group size bounded by the unified buffer (Atlas A2: he
 A2_TARGET = {"name": "Ascend910B (Atlas A2)", "ub_bytes": 196608, "cores": 48, "min_split_len": 512}
 
 
-def problem_shape(inputs: DecodeInputs) -> dict:
-    """The kernel's view of one call (shapes, dtype and option codes) for the tiling."""
+def problem_shape(inputs: DecodeInputs, key_cache: Optional[torch.Tensor] = None,
+                  value_cache: Optional[torch.Tensor] = None) -> dict:
+    """The kernel's view of one call (shapes, dtype, option codes and the caches' strides)
+    for the tiling. ``key_cache`` / ``value_cache``: the tensors the kernel will read
+    (default: :func:`kernel_cache` of the inputs' caches, without copying)."""
+    k = key_cache if key_cache is not None else inputs.key_cache
+    v = value_cache if value_cache is not None else inputs.value_cache
     return {
         "batch": inputs.batch,
         "num_q_heads": inputs.num_q_heads,
@@ -55,7 +60,40 @@ def problem_shape(inputs: DecodeInputs) -> dict:
         "vmc": int(inputs.vmc),
         "scale": float(inputs.scale),
         "sdc_gamma": float(inputs.sdc_gamma),
+        "k_strides": cache_strides(k),
+        "v_strides": cache_strides(v),
     }
+
+
+def kernel_reads_layout(cache: torch.Tensor) -> bool:
+    """Whether the kernel reads this ``[B, Hkv, S, D]`` cache in place: every row of
+    head_dim elements contiguous, rows of one (batch, KV head) not overlapping, and the gap
+    between rows under 4 GiB. Batch and head strides are free (slices of a larger cache,
+    BSND caches viewed as BNSD, K and V interleaved in one tensor)."""
+    B, H, S, D = cache.shape
+    row = cache.stride(2) if S > 1 else D
+    return (cache.stride(3) == 1 or D == 1) and row >= D and (row - D) * cache.element_size() < 2**32
+
+
+def cache_strides(cache: torch.Tensor) -> list[int]:
+    """(batch, KV head, position) strides in elements of the cache as the kernel will read
+    it (contiguous strides when :func:`kernel_reads_layout` is false: it is copied)."""
+    if kernel_reads_layout(cache):
+        return list(cache.stride()[:3])
+    B, H, S, D = cache.shape
+    return [H * S * D, S * D, D]
+
+
+def kernel_cache(cache: torch.Tensor, name: str) -> torch.Tensor:
+    """The cache itself when the kernel can read its layout, else a contiguous copy (a
+    full read and write of the cache on every call: logged once per process)."""
+    if kernel_reads_layout(cache):
+        return cache
+    _log_once(f"topth_ops ascendc: {name} with strides {tuple(cache.stride())} (shape {tuple(cache.shape)}) has "
+              f"rows that are not contiguous or overlap; it is copied with .contiguous() on every call, a full "
+              f"read and write of the cache that costs more than the V rows the thresholds save "
+              f"(docs/ascendc.md, 'Cache layouts')")
+    return cache.contiguous()
 
 
 # Knobs of ``ascendc-cpu``: environment variable, target key, allowed range, meaning.
@@ -128,11 +166,12 @@ def value_mean_of(inputs: DecodeInputs) -> torch.Tensor:
 
 
 def kernel_tensors(inputs: DecodeInputs) -> dict:
-    """Contiguous tensors in the layouts the kernel reads (seq_lens as int32)."""
+    """Tensors in the layouts the kernel reads: the caches as they are when the kernel can
+    read their strides (:func:`kernel_cache`), everything else contiguous, seq_lens int32."""
     t = {
         "query": inputs.query.contiguous(),
-        "key_cache": inputs.key_cache.contiguous(),
-        "value_cache": inputs.value_cache.contiguous(),
+        "key_cache": kernel_cache(inputs.key_cache, "key_cache"),
+        "value_cache": kernel_cache(inputs.value_cache, "value_cache"),
         # the kernel clamps each length into [0, max_seq_len]; int64 lengths that do not fit
         # int32 are clamped here first so that the conversion cannot wrap
         "seq_lens": inputs.seq_lens.clamp(0, inputs.max_seq_len).to(torch.int32).contiguous(),
@@ -168,10 +207,15 @@ def _copy_back(out, stats, o, s):
                 dst.copy_(src)
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of the last element (strided views too)."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def _ptr(t: Optional[torch.Tensor]):
     if t is None or t.numel() == 0:
         return None
-    return (t.data_ptr(), t.numel() * t.element_size())
+    return (t.data_ptr(), _extent(t))
 
 
 # ---------------------------------------------------------------------------- CPU model
@@ -219,19 +263,20 @@ def run_cpu_model(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[Decod
     t = kernel_tensors(inputs)
     # The model tells GM buffers apart by address: give aliased inputs (e.g. one tensor
     # passed as both caches) their own storage.
+    # (The device has no such restriction: K and V interleaved in one tensor run in place.)
     seen = []
     for name, x in t.items():
-        if x is None:
+        if x is None or x.numel() == 0:
             continue
-        lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
-        if any(lo < h and l < hi for l, h in seen):
-            x = t[name] = x.clone()
-            lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
-        seen.append((lo, hi))
+        lo = x.data_ptr()
+        if any(lo < h and l < lo + _extent(x) for l, h in seen):
+            x = t[name] = x.clone(memory_format=torch.contiguous_format)
+            lo = x.data_ptr()
+        seen.append((lo, lo + _extent(x)))
     o, s = _outputs_for(inputs, out, stats)
     args = {name: _ptr(x) for name, x in t.items()}
     args.update({"out": _ptr(o), "kept": _ptr(s[0]), "v_rows": _ptr(s[1]), "dropped_mass": _ptr(s[2])})
-    report = mod.run(args, problem_shape(inputs), target)
+    report = mod.run(args, problem_shape(inputs, t["key_cache"], t["value_cache"]), target)
     _copy_back(out, stats, o, s)
     return report
 
@@ -372,7 +417,7 @@ class AscendCBackend(Backend):
         t = kernel_tensors(inputs)
         o, s = _outputs_for(inputs, out, stats)
         mod.run(t["query"], t["key_cache"], t["value_cache"], t["seq_lens"], t["thresholds"], t["sdc_table"],
-                t["value_mean"], o, s[0], s[1], s[2], problem_shape(inputs))
+                t["value_mean"], o, s[0], s[1], s[2], problem_shape(inputs, t["key_cache"], t["value_cache"]))
         _copy_back(out, stats, o, s)
 
 

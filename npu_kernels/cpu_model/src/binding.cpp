@@ -63,7 +63,10 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     for (int i = 0; i < 11; ++i) a[i] = ArgFrom(args, names[i].name);
     std::vector<uint8_t> tilingBytes(sizeof(TopthTilingData));
     std::memcpy(tilingBytes.data(), &t, sizeof(TopthTilingData));
-    std::vector<uint8_t> workspace(t.wsBytes, 0);  // zeroed: the SyncAll area must start at 0
+    // Workspace as the NPU binding hands it over: uninitialised (0xFF here, NaN as float32,
+    // so a read of a never-written word shows) except the SyncAll area, zeroed when used.
+    std::vector<uint8_t> workspace(t.wsBytes, 0xFF);
+    if (t.splitNum > 1) std::memset(workspace.data() + t.wsSyncOff, 0, uint64_t(t.blockDim) * 32);
 
     topth_model::Launch launch(static_cast<uint32_t>(tgt.ubBytes), tgt.aivCores);
     for (int i = 0; i < 11; ++i) {
