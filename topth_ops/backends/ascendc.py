@@ -369,6 +369,12 @@ def split_workspace_reads(tiling: dict, seq_lens: list[int]) -> int:
 
 # ---------------------------------------------------------------------------- NPU
 
+NPU_BUILD_HINT = ("to build it: source CANN's set_env.sh (ASCEND_HOME_PATH), install torch and torch_npu, and "
+                  "reinstall with `pip install --no-build-isolation -e .` (under pip's default build isolation the "
+                  "NPU build cannot see torch / torch_npu and is skipped with a warning; `pip install -v` shows "
+                  "it; docs/ascendc.md)")
+
+
 def _npu_module():
     from topth_ops.npu_kernels import _ascendc_npu  # compiled with CANN (docs/ascendc.md)
 
@@ -401,8 +407,9 @@ class AscendCBackend(Backend):
         try:
             _npu_module()
         except Exception as e:  # ImportError, or missing CANN runtime libraries
-            reasons.append(f"the NPU extension topth_ops.npu_kernels._ascendc_npu is not built or does not load "
-                           f"({type(e).__name__}: {e}); rebuild with ASCEND_HOME_PATH set (docs/ascendc.md)")
+            built = not (isinstance(e, ImportError) and "_ascendc_npu" in str(e))
+            reasons.append(f"the NPU extension topth_ops.npu_kernels._ascendc_npu "
+                           f"{'does not load' if built else 'is not built'} ({type(e).__name__}: {e}); {NPU_BUILD_HINT}")
         return reasons
 
     def input_reasons(self, inputs: DecodeInputs) -> list[str]:
