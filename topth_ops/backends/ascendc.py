@@ -5,7 +5,9 @@ The kernel (``npu_kernels/kernel/topth_decode_attn.cpp``) is modelled on Ascend'
 IncrementalFlashAttention: work split over batch x kv-heads across AI vector cores, and
 over the KV sequence (flash-decoding, combined by log-sum-exp) when that is too little
 work; K tiles double-buffered GM -> UB; V rows copied only when some head of the GQA group
-keeps them. docs/ascendc.md describes the design, the build and what was verified where:
+keeps them. The KV caches are read in place through their strides when every row of
+head_dim elements is contiguous (slices of a longer cache, BSND viewed as BNSD, K and V
+interleaved); other layouts are copied on every call, with a warning logged once. docs/ascendc.md describes the design, the build and what was verified where:
 the ``ascendc`` backend has **not** run on Ascend hardware; CI verifies the kernel on the
 CPU model (``ascendc-cpu``).
 
