@@ -13,6 +13,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("topth_ops.info", "list every backend, available or not, and why"),
     "conformance": ("topth_ops.conformance.cli", "run the conformance suite against one backend"),
     "demo": ("topth_ops.demo", "synthetic decode demo: error vs dense attention and V rows read"),
+    "calibrate": ("topth_ops.hf.cli_calibrate", "calibrate Top-Theta thresholds of a model on real text"),
+    "generate": ("topth_ops.hf.cli_generate", "generate text with Top-Theta attention, with V-row statistics"),
+    "evaluate": ("topth_ops.hf.cli_evaluate", "main job: calibrate + evaluate dense / Top-Theta / top-k on real text"),
 }
 
 
