@@ -7,7 +7,14 @@ Importing this package needs no GPU, Triton or CANN: backends load their runtime
 
 from .api import decode_attention
 from .contract import DecodeInputs, DecodeStats, make_inputs
-from .registry import Backend, get_backend, list_backends, register_backend, select_backend
+from .registry import (
+    Backend,
+    get_backend,
+    list_backends,
+    register_backend,
+    select_backend,
+    unregister_backend,
+)
 
 __version__ = "0.1.0"
 
@@ -21,5 +28,6 @@ __all__ = [
     "make_inputs",
     "register_backend",
     "select_backend",
+    "unregister_backend",
     "__version__",
 ]

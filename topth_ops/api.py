@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 import torch
 
-from .contract import DEFAULT_SDC_GAMMA, DecodeStats
+from .contract import DEFAULT_SDC_GAMMA, DecodeStats, make_inputs
 from .op import decode_attention_op
 
 
@@ -94,6 +94,13 @@ def decode_attention(
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    # Validate here, before the custom-op dispatcher coerces types (a list query, vmc=1) or
+    # replaces our messages with schema errors; the op validates again for direct callers.
+    make_inputs(
+        query, key_cache, value_cache, seq_lens, thresholds, scale=scale, placement=placement,
+        sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
+        return_stats=return_stats,
+    )
     out, kept, v_rows, dropped = decode_attention_op(
         query, key_cache, value_cache, seq_lens, thresholds, scale, placement, sdc, sdc_gamma,
         sdc_table, vmc, value_mean, return_stats, backend or "",

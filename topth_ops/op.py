@@ -83,7 +83,11 @@ def decode_attention_op(
         sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
         return_stats=return_stats,
     )
-    out, stats = run(inputs, backend or None)
+    return _flat(*run(inputs, backend or None))
+
+
+def _flat(out: Tensor, stats: Optional[DecodeStats]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op's return value: the output and the three stats (empty when not asked for)."""
     if stats is None:
         return (out, *_no_stats(out.device))
     return (out, *stats)
@@ -99,7 +103,4 @@ def _decode_attention_fake(
         sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
         return_stats=return_stats, check_values=False,
     )
-    out, stats = inputs.empty_outputs()
-    if stats is None:
-        return (out, *_no_stats(out.device))
-    return (out, *stats)
+    return _flat(*inputs.empty_outputs())

@@ -160,6 +160,22 @@ def register_backend(backend: Backend, *, priority: Optional[int] = None) -> Non
             order.insert(priority, backend.name)
 
 
+def unregister_backend(name: str) -> None:
+    """Remove a backend registered with :func:`register_backend` (built-ins included).
+
+    Raises
+    ------
+    ValueError
+        Unknown name.
+    """
+    get_backend(name)
+    with _lock:
+        del _backends[name]
+        for order in _PRIORITY.values():
+            if name in order:
+                order.remove(name)
+
+
 def list_backends() -> list[Backend]:
     """Every registered backend, available on this machine or not."""
     _ensure_loaded()

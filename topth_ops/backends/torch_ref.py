@@ -46,7 +46,7 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
     pos = torch.arange(S, device=dev)
     valid = (pos[None, :] < n[:, None])[:, None, :]  # [B, 1, S]
 
-    q = inputs.query.to(f32).view(B, Hkv, G, D)
+    q = inputs.query.to(f32).reshape(B, Hkv, G, D)
     k = inputs.key_cache.to(f32)
     # a_j = scale * <q, k_j> in fp32 (semantics step 1); tail positions are masked out below.
     a = torch.einsum("bkgd,bksd->bkgs", q, k).reshape(B, Hq, S) * inputs.scale

@@ -1,0 +1,116 @@
+"""The suite must fail on wrong backends: each mutant breaks one rule of the contract in a
+way a kernel could, and the rule that guards it must report a failure."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from topth_ops.backends.torch_ref import TorchBackend, reference_decode
+from topth_ops.conformance import run_rule
+
+
+class Mutant(TorchBackend):
+    """The reference with an input edit before and an output edit after."""
+
+    def __init__(self, name, edit_inputs=None, edit_outputs=None):
+        self.name = name
+        self.edit_inputs = edit_inputs
+        self.edit_outputs = edit_outputs
+
+    def forward(self, inputs, out, stats):
+        orig = inputs
+        if self.edit_inputs:
+            inputs = self.edit_inputs(inputs)
+        res, st = reference_decode(inputs)
+        if self.edit_outputs:
+            self.edit_outputs(orig, res, st, out, stats)
+            return
+        out.copy_(res)
+        for dst, src in zip(stats, st):
+            dst.copy_(src)
+
+
+def _replace(**changes):
+    return lambda inp: dataclasses.replace(inp, **{k: f(inp) for k, f in changes.items()})
+
+
+def _shift_columns(inp):
+    th = inp.thresholds
+    idx = torch.clamp(torch.arange(th.shape[1]) + 1, max=th.shape[1] - 1)
+    return th[:, idx]
+
+
+def _first_sequence_row(inp):
+    n0 = int(inp.seq_lens[0].clamp(min=1, max=inp.max_row_id)) - 1
+    return inp.thresholds[:, n0:n0 + 1].expand_as(inp.thresholds).contiguous()
+
+
+def _whole_cache_mean(inp):
+    if not inp.vmc or inp.value_mean is not None:
+        return inp.value_mean
+    return inp.value_cache.float().mean(dim=2)
+
+
+def _skip_empty(orig, res, st, out, stats):
+    live = orig.seq_lens > 0
+    out[live] = res[live]
+    for dst, src in zip(stats, st):
+        dst[live] = src[live]
+
+
+def _nan_when_nothing_kept(orig, res, st, out, stats):
+    res = torch.where((st.kept == 0)[..., None] & (orig.seq_lens > 0)[:, None, None], float("nan"), res)
+    out.copy_(res)
+    for dst, src in zip(stats, st):
+        dst.copy_(src)
+
+
+def _v_rows_sum(orig, res, st, out, stats):
+    out.copy_(res)
+    stats.kept.copy_(st.kept)
+    stats.dropped_mass.copy_(st.dropped_mass)
+    g = orig.group_size
+    stats.v_rows.copy_(st.kept.view(orig.batch, orig.num_kv_heads, g).sum(-1))
+
+
+def _nan_to_zero(orig, res, st, out, stats):
+    out.copy_(torch.nan_to_num(res, nan=0.0))
+    for dst, src in zip(stats, st):
+        dst.copy_(src)
+
+
+def _assume_contiguous(inp):
+    k = inp.key_cache
+    return torch.as_strided(k, k.shape, k.new_empty(k.shape).stride(), k.storage_offset())
+
+
+MUTANTS = [
+    # (mutant, rule that must catch it)
+    (Mutant("ge-instead-of-gt", _replace(thresholds=lambda i: torch.nextafter(
+        i.thresholds, torch.tensor(float("-inf"))))), "strict_tie"),
+    (Mutant("reads-cache-tail", _replace(value_mean=_whole_cache_mean)), "nan_cache_tail"),
+    (Mutant("ignores-sdc", _replace(sdc=lambda i: "none", sdc_table=lambda i: None)), "sdc_exact"),
+    (Mutant("ignores-sdc-offline", _replace(sdc=lambda i: "none", sdc_table=lambda i: None)), "sdc_offline"),
+    (Mutant("ignores-sdc-gamma", _replace(sdc_gamma=lambda i: 0.05)), "sdc_exp_threshold"),
+    (Mutant("row-id-off-by-one", _replace(thresholds=_shift_columns)), "row_id_lookup"),
+    (Mutant("row-id-off-by-one-post", _replace(thresholds=_shift_columns)), "post_softmax"),
+    (Mutant("skips-empty-rows", edit_outputs=_skip_empty), "poisoned_outputs"),
+    (Mutant("skips-empty-rows-2", edit_outputs=_skip_empty), "empty_sequence"),
+    (Mutant("nan-when-nothing-kept", edit_outputs=_nan_when_nothing_kept), "nothing_kept"),
+    (Mutant("ignores-value-mean", _replace(value_mean=lambda i: None)), "vmc_value_mean"),
+    (Mutant("no-vmc", _replace(vmc=lambda i: False, value_mean=lambda i: None)), "vmc_computed_mean"),
+    (Mutant("v-rows-summed-not-union", edit_outputs=_v_rows_sum), "pre_softmax"),
+    (Mutant("swallows-nan", edit_outputs=_nan_to_zero), "nan_propagation"),
+    (Mutant("batch-coupled-row-id", _replace(thresholds=_first_sequence_row)), "batch_independence"),
+    (Mutant("assumes-contiguous-cache", _replace(key_cache=_assume_contiguous)), "strided_inputs"),
+    (Mutant("post-as-pre", _replace(placement=lambda i: "pre_softmax")), "dense_equivalence"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("mutant,rule", MUTANTS, ids=[m.name for m, _ in MUTANTS])
+def test_rule_catches_mutant(mutant, rule, dtype):
+    result = run_rule(mutant, rule, dtype, device=torch.device("cpu"), shape_set="quick")
+    assert result.status == "fail", f"{rule} did not catch {mutant.name}: {result.report()}"
+    assert not any("CaseGenerationError" in f for f in result.failures), result.report()

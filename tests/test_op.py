@@ -1,0 +1,76 @@
+"""The torch.library custom op: opcheck, torch.compile, fake tensors, direct path."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import topth_ops
+from topth_ops.contract import make_inputs
+from topth_ops.op import run
+
+
+def _args(dtype=torch.float32, return_stats=True, vmc=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 32, generator=g).to(dtype)
+    k = torch.randn(3, 2, 20, 32, generator=g).to(dtype)
+    v = torch.randn(3, 2, 20, 32, generator=g).to(dtype)
+    lens = torch.tensor([20, 0, 7])
+    th = torch.full((6, 20), 0.05)
+    return (q, k, v, lens, th, None, "post_softmax", "none", 0.05, None, vmc, None, return_stats, "")
+
+
+@pytest.mark.parametrize("return_stats", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_opcheck(dtype, return_stats):
+    opcheck(torch.ops.topth.decode_attention.default, _args(dtype, return_stats, vmc=True))
+
+
+def test_opcheck_pre_softmax_offline():
+    a = list(_args())
+    a[6], a[7], a[9] = "pre_softmax", "offline", torch.rand(6, 20)
+    a[4] = torch.zeros(6, 20)
+    opcheck(torch.ops.topth.decode_attention.default, tuple(a))
+
+
+def test_torch_compile_matches_eager():
+    q, k, v, lens, th = _args()[:5]
+
+    def f(q, k, v, lens, th):
+        return topth_ops.decode_attention(q, k, v, lens, th, vmc=True) * 2.0
+
+    eager = f(q, k, v, lens, th)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=False)(q, k, v, lens, th)
+    torch.testing.assert_close(compiled, eager)
+
+
+def test_fake_tensor_shapes_and_validation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 64)
+        k = torch.empty(2, 4, 100, 64)
+        out, kept, v_rows, dropped = torch.ops.topth.decode_attention(
+            q, k, k, torch.empty(2, dtype=torch.int64), torch.empty(8, 100), None,
+            "post_softmax", "none", 0.05, None, False, None, True, "")
+        assert out.shape == (2, 8, 64) and kept.shape == (2, 8) and v_rows.shape == (2, 4)
+        assert kept.dtype == torch.int32 and dropped.dtype == torch.float32
+        with pytest.raises(ValueError, match="num_q_heads"):
+            torch.ops.topth.decode_attention(
+                torch.empty(2, 7, 64), k, k, torch.empty(2, dtype=torch.int64), torch.empty(7, 100),
+                None, "post_softmax", "none", 0.05, None, False, None, False, "")
+
+
+def test_direct_path_equals_custom_op():
+    a = _args()
+    inputs = make_inputs(*a[:5], placement="post_softmax", return_stats=True)
+    out, stats = run(inputs, "torch")
+    out2, st2 = topth_ops.decode_attention(*a[:5], return_stats=True, backend="torch")
+    assert torch.equal(out, out2)
+    assert all(torch.equal(x, y) for x, y in zip(stats, st2))
+
+
+def test_op_called_directly_validates():
+    a = list(_args())
+    a[3] = torch.tensor([21, 0, 7])  # beyond max_seq_len = 20
+    with pytest.raises(ValueError, match="seq_lens values must lie in"):
+        torch.ops.topth.decode_attention(*a)

@@ -1,0 +1,213 @@
+"""Shapes and input generation for the conformance suite.
+
+Thresholding is discontinuous, so generated thresholds sit in the middle of a gap between
+consecutive scores (or log-probabilities, for post_softmax) of every sequence that reads
+them: every valid score is at least :data:`MIN_GUARD` away from its threshold, so the kept
+set is the same in float64 and in any correct float32 evaluation. Ties are tested
+separately with exactly representable values. Cache tails (positions >= n) are filled
+with NaN unless a rule asks otherwise.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .oracle import oracle_decode
+
+# Smallest allowed distance between a valid score and its threshold (score units for
+# pre_softmax, log-probability units for post_softmax). float32 scores of this suite's
+# inputs (|a| < 20, head_dim <= 256) are accurate to ~1e-5.
+MIN_GUARD = 2e-4
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One batch layout: per-sequence lengths, heads and cache size."""
+
+    seq_lens: tuple
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+
+    @property
+    def id(self) -> str:
+        lens = "-".join(str(n) for n in self.seq_lens)
+        return (f"h{self.num_q_heads}x{self.num_kv_heads}_d{self.head_dim}"
+                f"_s{self.max_seq_len}_n{lens}")
+
+
+def _S(lens, hq, hkv, d, s):
+    return Shape(tuple(lens), hq, hkv, d, s)
+
+
+# The contract's shapes on purpose: n in {0, 1, 2, 7, 54, 97, 128, 1000, 4097}, head_dim in
+# {64, 80, 96, 128, 256}, (q, kv) heads in {(1,1), (8,8), (9,3), (10,2), (32,2), (32,8)},
+# batches with mixed lengths and cache tails beyond n. "full" covers every value of every
+# dimension; "quick" (for slow backends, e.g. the Triton interpreter) covers each head
+# configuration class and the odd head dims with short sequences.
+SHAPE_SETS: dict[str, list[Shape]] = {
+    "full": [
+        _S((1, 97, 0, 2), 1, 1, 80, 128),
+        _S((54, 7, 128), 8, 8, 64, 130),
+        _S((4097, 1000), 9, 3, 64, 4100),
+        _S((1000, 0, 54), 10, 2, 96, 1003),
+        _S((128, 97, 1, 2, 7), 32, 2, 128, 131),
+        _S((1000, 54), 32, 8, 256, 1024),
+        _S((4097,), 32, 8, 128, 4097),
+        _S((2, 128), 9, 3, 256, 130),
+    ],
+    "quick": [
+        _S((1, 97, 0), 1, 1, 80, 100),
+        _S((54, 7, 128, 2), 9, 3, 64, 130),
+        _S((300, 0), 10, 2, 96, 333),
+        _S((97,), 32, 8, 256, 128),
+    ],
+}
+
+
+def seed_of(*parts) -> int:
+    """Deterministic seed from strings/numbers (Python's hash() is salted per process)."""
+    return zlib.crc32("/".join(str(p) for p in parts).encode())
+
+
+@dataclass
+class Case:
+    """One call: keyword arguments of decode_attention (minus backend/return_stats)."""
+
+    name: str
+    kwargs: dict = field(default_factory=dict)
+
+    def oracle(self):
+        return oracle_decode(**self.kwargs)
+
+    def to(self, device: torch.device) -> "Case":
+        """The same call on ``device``, every tensor keeping its exact strides."""
+        kw = {k: (_move(v, device) if isinstance(v, torch.Tensor) else v) for k, v in self.kwargs.items()}
+        return Case(self.name, kw)
+
+
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == torch.device(device) or t.is_contiguous():
+        return t.to(device)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+
+
+def random_tensors(shape: Shape, dtype: torch.dtype, rng: np.random.Generator, *,
+                   q_scale_range=(0.5, 3.0), tail: Optional[float] = float("nan")):
+    """Random q, k, v (rounded to ``dtype``) and seq_lens for ``shape``.
+
+    Each query head gets its own magnitude from ``q_scale_range`` so that some heads are
+    flat and some peaked. Cache positions >= n are set to ``tail`` (NaN by default;
+    None keeps the random values).
+    """
+    B = len(shape.seq_lens)
+    Hq, Hkv, D, S = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.max_seq_len
+    q = rng.standard_normal((B, Hq, D)) * rng.uniform(*q_scale_range, size=(1, Hq, 1))
+    k = rng.standard_normal((B, Hkv, S, D))
+    v = rng.standard_normal((B, Hkv, S, D))
+    to = lambda x: torch.from_numpy(x).to(torch.float32).to(dtype)  # noqa: E731
+    q, k, v = to(q), to(k), to(v)
+    if tail is not None:
+        for b, n in enumerate(shape.seq_lens):
+            k[b, :, n:] = tail
+            v[b, :, n:] = tail
+    lens = torch.tensor(shape.seq_lens, dtype=torch.int64 if B % 2 else torch.int32)
+    return q, k, v, lens
+
+
+def _score_rows(q, k, lens, scale, placement):
+    """float64 scores (pre) or log-probabilities (post) per (b, h): list of lists of arrays."""
+    qd, kd = q.double().numpy(), k.double().numpy()
+    B, Hq, _ = qd.shape
+    group = Hq // kd.shape[1]
+    rows = []
+    with np.errstate(invalid="ignore", over="ignore"):  # injected NaN / inf are intended
+        for b in range(B):
+            rows.append(_score_row(qd, kd, b, int(lens[b]), Hq, group, scale, placement))
+    return rows
+
+
+def _score_row(qd, kd, b, n, Hq, group, scale, placement):
+    per_head = []
+    for h in range(Hq):
+        a = scale * (kd[b, h // group, :n] @ qd[b, h])
+        if placement == "post_softmax" and n:
+            m = a.max()
+            a = a - (m + np.log(np.exp(a - m).sum()))
+        per_head.append(a)
+    return per_head
+
+
+def _pick_threshold(values: np.ndarray, keep_frac: float) -> float:
+    """Midpoint of the widest gap between sorted ``values`` near the (1 - keep_frac) quantile;
+    the result keeps roughly ``keep_frac`` of the values and lies >= MIN_GUARD from all."""
+    s = np.sort(values[np.isfinite(values)])
+    if s.size == 0:
+        return 0.0
+    ext = np.concatenate([[s[0] - 2.0], s, [s[-1] + 2.0]])
+    gaps = np.diff(ext)  # gap i lies between ext[i] and ext[i+1]; keeping len(s) - i values
+    target = int(round((1.0 - keep_frac) * len(s)))
+    for half_window in (max(2, len(s) // 20), max(4, len(s) // 5), len(s) + 2):
+        lo, hi = max(0, target - half_window), min(len(gaps), target + half_window + 1)
+        i = lo + int(np.argmax(gaps[lo:hi]))
+        if gaps[i] >= 4 * MIN_GUARD:
+            return float((ext[i] + ext[i + 1]) / 2)
+    return float(s[0] - 1.0)  # every value tied: keep them all
+
+
+def guarded_thresholds(q, k, lens, *, scale, placement, max_row_id, rng,
+                       keep_range=(0.05, 0.95)) -> torch.Tensor:
+    """float32 thresholds ``[num_q_heads, max_row_id]`` with a guard band around every score.
+
+    Columns that no sequence reads are NaN, so reading a wrong column keeps nothing and
+    shows up as a mismatch. Each (head, column) gets its own target kept fraction drawn
+    from ``keep_range``.
+    """
+    rows = _score_rows(q, k, lens, scale, placement)
+    Hq = q.shape[1]
+    th = np.full((Hq, max_row_id), np.nan)
+    users: dict[int, list[int]] = {}
+    for b, n in enumerate(lens.tolist()):
+        if n > 0:
+            users.setdefault(min(n, max_row_id) - 1, []).append(b)
+    for col, bs in users.items():
+        for h in range(Hq):
+            vals = np.concatenate([rows[b][h] for b in bs])
+            t = _pick_threshold(vals, rng.uniform(*keep_range))
+            th[h, col] = np.exp(t) if placement == "post_softmax" else t
+    return torch.from_numpy(th).to(torch.float32)
+
+
+def random_case(name: str, shape: Shape, dtype: torch.dtype, *, placement: str,
+                sdc: str = "none", sdc_gamma: float = 0.05, vmc: bool = False,
+                value_mean: bool = False, scale: Optional[float] = None,
+                max_row_id: Optional[int] = None, keep_range=(0.05, 0.95),
+                tail: Optional[float] = float("nan"), seed: int = 0,
+                mutate: Optional[Callable] = None) -> Case:
+    """A random call with guard-banded thresholds (see module docstring).
+
+    ``mutate(q, k, v)``, if given, edits the tensors in place before the thresholds are
+    chosen (used to inject NaN / inf).
+    """
+    rng = np.random.default_rng(seed)
+    q, k, v, lens = random_tensors(shape, dtype, rng, tail=tail)
+    if mutate is not None:
+        mutate(q, k, v)
+    R = max_row_id or shape.max_seq_len
+    eff_scale = scale if scale is not None else 1.0 / np.sqrt(shape.head_dim)
+    th = guarded_thresholds(q, k, lens, scale=eff_scale, placement=placement, max_row_id=R,
+                            rng=rng, keep_range=keep_range)
+    kw = dict(query=q, key_cache=k, value_cache=v, seq_lens=lens, thresholds=th, scale=scale,
+              placement=placement, sdc=sdc, sdc_gamma=sdc_gamma, vmc=vmc)
+    if sdc == "offline":
+        kw["sdc_table"] = torch.from_numpy(rng.uniform(0.05, 5.0, size=th.shape)).to(torch.float32)
+    if value_mean:
+        vm = rng.standard_normal((len(shape.seq_lens), shape.num_kv_heads, shape.head_dim))
+        kw["value_mean"] = torch.from_numpy(vm).to(torch.float32)
+    return Case(f"{name}[{shape.id}]", kw)

@@ -1,0 +1,52 @@
+"""``topth-ops conformance --backend NAME``: the pass/fail table a new hardware port needs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", required=True, help="registered backend name (see topth-ops info)")
+    parser.add_argument("--dtypes", default="float16,bfloat16,float32",
+                        help="comma-separated input dtypes (default: %(default)s)")
+    parser.add_argument("--rules", default=None, help="comma-separated rule names (default: all)")
+    parser.add_argument("--shapes", default="full", choices=("full", "quick"),
+                        help="shape set: full (the contract's shapes) or quick (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="torch device (default: the backend's own)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--list", action="store_true", help="list the rules and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .rules import RULES
+    from .runner import format_table, run_conformance
+
+    if args.list:
+        for r in RULES.values():
+            print(f"{r.name:<20} {r.description}")
+        return 0
+    rules = args.rules.split(",") if args.rules else None
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+
+    def progress(r):
+        print(f"  {r.rule:<20} {r.dtype:<9} {r.status:<4} {r.cases:>4} cases  {r.seconds:6.1f} s", flush=True)
+
+    print(f"conformance of backend {args.backend!r} ({args.shapes} shapes)")
+    results = run_conformance(args.backend, dtypes=dtypes, rules=rules, shape_set=args.shapes,
+                              device=args.device, progress=progress)
+    print()
+    print(format_table(results))
+    bad = [r for r in results if r.status == "fail"]
+    skipped = [r for r in results if r.status == "skip"]
+    for r in bad + skipped:
+        print()
+        print(r.report())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in results], f, indent=1)
+    print()
+    verdict = "FAIL" if bad else "PASS"
+    print(f"{verdict}: {sum(r.status == 'pass' for r in results)} passed, {len(bad)} failed, "
+          f"{len(skipped)} skipped (rule x dtype)")
+    return 1 if bad else 0

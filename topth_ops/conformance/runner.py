@@ -1,0 +1,147 @@
+"""Run conformance rules against a backend and summarise the verdicts."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from ..contract import _dtype
+from ..registry import Backend, get_backend
+from .rules import RULES, Harness
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class RuleResult:
+    """Verdict of one rule on one backend, device and dtype.
+
+    status is "pass" (every supported case matched and at least one ran), "fail", or
+    "skip" (the backend declared every case unsupported; ``reason`` says why).
+    """
+
+    rule: str
+    dtype: str
+    device: str
+    status: str
+    cases: int
+    worst: float
+    seconds: float
+    failures: list = field(default_factory=list)
+    unsupported: list = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        if self.failures:
+            return self.failures[0]
+        if self.unsupported:
+            return self.unsupported[0]
+        return ""
+
+    def report(self) -> str:
+        """Multi-line detail: every failure and the unsupported cases."""
+        lines = [f"{self.rule} [{self.dtype}, {self.device}]: {self.status}, {self.cases} cases"]
+        lines += [f"  FAIL {f}" for f in self.failures]
+        lines += [f"  unsupported {u}" for u in self.unsupported[:5]]
+        if len(self.unsupported) > 5:
+            lines.append(f"  ... {len(self.unsupported) - 5} more unsupported cases")
+        return "\n".join(lines)
+
+
+def run_rule(backend: Backend, rule: str, dtype: torch.dtype, *, device: Optional[torch.device] = None,
+             shape_set: str = "full") -> RuleResult:
+    """Run one rule; an exception inside the backend counts as a failure of the rule."""
+    device = device or backend.devices()[0]
+    h = Harness(backend=backend, device=torch.device(device), dtype=dtype, shape_set=shape_set)
+    t0 = time.perf_counter()
+    try:
+        RULES[rule].fn(h)
+    except Exception as e:  # noqa: BLE001 - report, do not crash the table
+        h.failures.append(f"raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+    if h.failures:
+        status = "fail"
+    elif h.cases == 0:
+        status = "skip"
+    else:
+        status = "pass"
+    return RuleResult(rule, _dtype(dtype), str(device), status, h.cases, h.worst,
+                      time.perf_counter() - t0, h.failures, h.unsupported)
+
+
+def run_conformance(backend_name: str, *, dtypes: Iterable[str] = ("float16", "bfloat16", "float32"),
+                    rules: Optional[Iterable[str]] = None, shape_set: str = "full",
+                    device: Optional[str] = None, progress=None) -> list[RuleResult]:
+    """Run the suite against one backend.
+
+    Parameters
+    ----------
+    backend_name : str
+        Registered backend.
+    dtypes : iterable of str
+        Input dtypes to test ("float16", "bfloat16", "float32").
+    rules : iterable of str, optional
+        Rule names (default: all, in :data:`RULES` order).
+    shape_set : {"full", "quick"}
+    device : str, optional
+        Default: the backend's first device on this machine.
+    progress : callable, optional
+        Called with each :class:`RuleResult` as it completes.
+
+    Returns
+    -------
+    list of RuleResult
+
+    Raises
+    ------
+    ValueError
+        Unknown backend, rule, dtype or shape set.
+    """
+    from .cases import SHAPE_SETS
+
+    backend = get_backend(backend_name)
+    if shape_set not in SHAPE_SETS:
+        raise ValueError(f"shape_set must be one of {sorted(SHAPE_SETS)}, got {shape_set!r}")
+    names = list(rules) if rules is not None else list(RULES)
+    for r in names:
+        if r not in RULES:
+            raise ValueError(f"rules must be among {list(RULES)}, got {r!r}")
+    results = []
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"dtypes must be among {list(DTYPES)}, got {d!r}")
+        for r in names:
+            res = run_rule(backend, r, DTYPES[d], device=torch.device(device) if device else None,
+                           shape_set=shape_set)
+            results.append(res)
+            if progress:
+                progress(res)
+    return results
+
+
+def format_table(results: list[RuleResult]) -> str:
+    """Pass/fail table: one row per rule, one column per dtype."""
+    dtypes = list(dict.fromkeys(r.dtype for r in results))
+    rules = list(dict.fromkeys(r.rule for r in results))
+    by = {(r.rule, r.dtype): r for r in results}
+    width = max(len(r) for r in rules) + 2
+    head = f"{'rule':<{width}}" + "".join(f"{d:<22}" for d in dtypes)
+    lines = [head, "-" * len(head)]
+    for rule in rules:
+        cells = []
+        for d in dtypes:
+            r = by.get((rule, d))
+            if r is None:
+                cells.append(f"{'-':<22}")
+            else:
+                cell = f"{r.status.upper()} ({r.cases})"
+                if r.status != "skip" and r.worst:
+                    cell += f" {r.worst:.2f}"
+                cells.append(f"{cell:<22}")
+        lines.append(f"{rule:<{width}}" + "".join(cells))
+    lines.append("")
+    lines.append("cell: verdict (cases run) worst error / tolerance; SKIP: every case unsupported here")
+    return "\n".join(lines)
