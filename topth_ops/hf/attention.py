@@ -98,7 +98,7 @@ class TopthSettings:
             if s.thresholds is None:
                 raise ValueError("mode 'topth' needs a thresholds file (ThresholdSet)")
             if s.placement is not None and s.placement != s.thresholds.placement:
-                s.thresholds.check_model(s.thresholds.attention_config, placement=s.placement)
+                s.thresholds.check_model(s.thresholds.attention_config, placement=s.placement)  # raises
             s.placement = s.thresholds.placement
             s.layer_k = list(s.thresholds.layer_k)
             if s.sdc == "offline" and s.thresholds.sdc_table is None:
@@ -144,14 +144,16 @@ class TopthAttention:
                  max_chunk_elems: int = 1 << 22):
         cfg = model.config
         self.num_layers = int(cfg.num_hidden_layers)
+        if settings.mode == "topth" and settings.thresholds is not None:
+            settings.thresholds.check_model(cfg, getattr(model, "name_or_path", None) or type(model).__name__,
+                                            placement=settings.placement)
         self.settings = settings.resolved(self.num_layers)
-        if self.settings.mode == "topth":
-            self.settings.thresholds.check_model(cfg, getattr(model, "name_or_path", None))
         self.prefill_stats = prefill_stats
         self.decode_stats = decode_stats
         self.score_hook = score_hook
         self.max_chunk_elems = max_chunk_elems
         self._vsum: dict[int, tuple[int, torch.Tensor]] = {}
+        self.vsum_rebuilds = 0  # times a running V sum had to be rebuilt from a cache it had not seen
         self._rules: dict[tuple, RowRule] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
 
@@ -202,6 +204,7 @@ class TopthAttention:
             base = prev[1]
         else:
             base = value[:, :, : S - T].to(torch.float32).sum(2)
+            self.vsum_rebuilds += int(S - T > 0)
         total = base + value[:, :, S - T:].to(torch.float32).sum(2)
         self._vsum[layer] = (S, total)
         return total / S
