@@ -22,8 +22,8 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
                         f"(default {DEFAULT_LAYER_K!r}: the paper keeps layers 0 and 1 at a higher k)")
     p.add_argument("--alpha", type=float, default=0.0,
                    help="theta = mean + alpha * std of the per-sample thresholds (default 0)")
-    p.add_argument(f"--{prefix}samples", type=int, default=16, metavar="N",
-                   help="calibration samples (forward passes; default 16)")
+    p.add_argument(f"--{prefix}samples", type=int, default=8, metavar="N",
+                   help="calibration samples (forward passes; default 8)")
     p.add_argument(f"--{prefix}max-tokens", type=int, default=1024, metavar="T",
                    help="tokens per calibration sample (default 1024)")
     p.add_argument(f"--{prefix}text", metavar="PATH", default=None,

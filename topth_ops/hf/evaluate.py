@@ -87,8 +87,8 @@ class EvalConfig:
     """Sizes of the evaluation (defaults fit 2 CPU cores in a few minutes)."""
 
     problems: int = 40
-    agreement_problems: int = 10
-    agreement_tokens: int = 32
+    agreement_problems: int = 8
+    agreement_tokens: int = 24
     long_docs: int = 2
     long_tokens: int = 3072
     long_min_row: int = 2048

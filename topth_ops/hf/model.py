@@ -109,7 +109,11 @@ def load_config(path: Optional[str] = None):
     return AutoConfig.from_pretrained(d, local_files_only=True, **extra), name
 
 
-def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+_CACHE: dict = {}
+
+
+def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               reuse: bool = True) -> LoadedModel:
     """Load a causal LM and tokenizer, offline.
 
     Parameters
@@ -121,6 +125,9 @@ def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.
         torch device for the weights.
     dtype : torch.dtype
         Weight / activation dtype (float32 by default; GGUF weights are dequantized).
+    reuse : bool
+        Return the model this process already loaded with the same arguments (one is
+        kept), instead of loading it again.
 
     Returns
     -------
@@ -137,6 +144,9 @@ def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, extra, name = _resolve(path)
+    key = (d, extra.get("gguf_file"), str(device), dtype)
+    if reuse and key in _CACHE:
+        return _CACHE[key]
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True, **extra)
     model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=dtype, **extra)
     model.to(device)
@@ -144,4 +154,7 @@ def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"model {name!r} ({type(model).__name__}) does not route attention through "
                          "transformers' AttentionInterface; topth needs a Llama-family model")
-    return LoadedModel(model=model, tokenizer=tok, name=name, path=os.path.join(d, extra.get("gguf_file", "")))
+    lm = LoadedModel(model=model, tokenizer=tok, name=name, path=os.path.join(d, extra.get("gguf_file", "")))
+    _CACHE.clear()
+    _CACHE[key] = lm
+    return lm
