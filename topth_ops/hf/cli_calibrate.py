@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from .cli_common import add_calibration_arguments, add_model_argument, fail, parse_k_list
+from .cli_common import add_calibration_arguments, add_model_argument, fail, flat_k, parse_k_list
 
 PLACEMENT_CHOICES = ("pre_softmax", "post_softmax", "both")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p)
-    p.add_argument("--k", type=parse_k_list, required=True, metavar="K",
+    p.add_argument("--k", type=parse_k_list, nargs="+", required=True, metavar="K",
                    help="target k (keep ~k elements per row); several, e.g. '8,16,32', are "
                         "calibrated from the same forward passes")
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="post_softmax",
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if args.import_reference:
             return _import(args)
         placements = ["pre_softmax", "post_softmax"] if args.placement == "both" else [args.placement]
-        ks = args.k
+        ks = flat_k(args.k)
         for k in ks:  # validate the output names before the long work
             for p in placements:
                 out_path(args.out, k, p, len(ks) > 1, len(placements) > 1)

@@ -36,6 +36,18 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
                    help="skip the second pass that computes the offline SDC table (pre_softmax)")
 
 
+def flat_k(values) -> list:
+    """Flatten ``--k 8,16 32`` (nargs="+" of comma lists) into [8, 16, 32], order kept, no repeats."""
+    if values is None:
+        return None
+    out = []
+    for v in values:
+        for k in v:
+            if k not in out:
+                out.append(k)
+    return out
+
+
 def parse_k_list(text: str) -> list[int]:
     """'8,16 32' -> [8, 16, 32]; every k must be an integer >= 1."""
     out = []

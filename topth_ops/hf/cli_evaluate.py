@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .cli_common import (add_calibration_arguments, add_model_argument, check_backend, fail,
-                         parse_k_list)
+                         flat_k, parse_k_list)
 
 DEFAULT_KS = "16,32,64"
 
@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thresholds", nargs="+", metavar="FILE", default=None,
                    help="threshold files to evaluate (their k and placement); without it the "
                         "command calibrates for every --k first")
-    p.add_argument("--k", type=parse_k_list, default=None, metavar="K",
-                   help=f"k sweep, e.g. '8,16,32' (default {DEFAULT_KS} when no --thresholds)")
+    p.add_argument("--k", type=parse_k_list, nargs="+", default=None, metavar="K",
+                   help=f"k sweep, e.g. '8,16,32' or '8 16 32' (default {DEFAULT_KS}; ignored with --thresholds)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_FAMILIES), metavar="NAME",
                    help=f"variant families (default {' '.join(DEFAULT_FAMILIES)}; known: {', '.join(FAMILIES)})")
     p.add_argument("--problems", type=int, default=d.problems, metavar="N",
@@ -116,7 +116,7 @@ def _run(args) -> int:
             raise ValueError("no variant applies to the given --thresholds files (check --variants and the "
                              "files' placements)")
     else:
-        ks = args.k or parse_k_list(DEFAULT_KS)
+        ks = flat_k(args.k) or parse_k_list(DEFAULT_KS)
         placements = sorted({FAMILIES[f]["placement"] for f in args.variants if FAMILIES[f]["mode"] == "topth"})
         if placements:
             from .calibrate import CalibrationText, calibrate

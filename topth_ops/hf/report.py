@@ -77,7 +77,7 @@ def make_plots(records: Sequence[dict], out_dir: str) -> list[str]:
         ax.axhline(100 * tgt["ppl_rel_change"], color="grey", ls="--", lw=0.8)
         ax.plot([1.0], [0.0], marker="*", color="black", ms=10, label="dense")
         ax.set_xscale("log")
-        ax.set_yscale("symlog", linthresh=0.5)
+        ax.set_yscale("symlog", linthresh=0.1)
         ax.set_xlabel("V rows read / dense (union over GQA group, all layers)")
         ax.set_ylabel("perplexity change vs dense (%)")
         ax.set_title(title, fontsize=10)
