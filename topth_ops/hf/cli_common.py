@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
-DEFAULT_LAYER_K = "0:dense,1:dense"
+DEFAULT_LAYER_K = "0:256,1:256"
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:

@@ -86,8 +86,8 @@ class Variant:
 class EvalConfig:
     """Sizes of the evaluation (defaults fit 2 CPU cores in a few minutes)."""
 
-    problems: int = 40
-    agreement_problems: int = 8
+    problems: int = 32
+    agreement_problems: int = 6
     agreement_tokens: int = 24
     long_docs: int = 2
     long_tokens: int = 3072
