@@ -25,7 +25,8 @@ def evaluated(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     code = main(["evaluate", "--k", "16", "--variants", "topth-post-vmc", "topth-pre-offline-vmc", "topk",
                  "--problems", "3", "--agreement-problems", "1", "--agreement-tokens", "4", "--long-docs", "0",
-                 "--calib-samples", "2", "--calib-max-tokens", "160", "--json", str(out / "eval.json"),
+                 "--calib-samples", "2", "--calib-max-tokens", "160", "--layer-k", "0:dense,1:dense",
+                 "--json", str(out / "eval.json"),
                  "--plots", str(out / "plots"), "--quiet"])
     return code, out
 
