@@ -31,7 +31,7 @@ def calls(draw):
         dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
         placement=placement,
         sdc=sdc,
-        sdc_gamma=draw(st.sampled_from([0.0, 0.05, 1.0])),
+        sdc_gamma=draw(st.sampled_from([0.0, 0.05, 1.0])) if sdc == "exp_threshold" else 0.05,
         vmc=vmc,
         value_mean=vmc and draw(st.booleans()),
         scale=draw(st.sampled_from([None, 0.05, 1.0])),

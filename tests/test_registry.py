@@ -126,3 +126,26 @@ def test_import_needs_no_triton_or_device_runtime():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_junk_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv("TOPTH_BACKEND", "junk")
+    with pytest.raises(ValueError, match="environment variable TOPTH_BACKEND='junk' names no backend"):
+        topth_ops.decode_attention(*_args())
+
+
+def test_any_device_backend_with_priority_joins_every_order(monkeypatch):
+    monkeypatch.delenv("TOPTH_BACKEND", raising=False)
+
+    class Mine(TorchBackend):
+        name = "test-mine-any"
+
+    register_backend(Mine(), priority=0)
+    try:
+        for dev in ("cpu", "cuda", "npu", "some-new-device"):
+            assert priority(dev)[0] == "test-mine-any"
+        assert select_backend(_inputs()).name == "test-mine-any"
+    finally:
+        unregister_backend("test-mine-any")
+    for dev in ("cpu", "cuda", "npu", "some-new-device"):
+        assert "test-mine-any" not in priority(dev)

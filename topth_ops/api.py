@@ -61,10 +61,11 @@ def decode_attention(
     sdc : {"none", "exact", "exp_threshold", "offline"}
         Softmax-denominator compensation (pre_softmax only).
     sdc_gamma : float
-        gamma of ``exp_threshold``: E~ = gamma * (n - k~) * exp(theta - m). Default 0.05.
+        gamma of ``exp_threshold``: E~ = gamma * (n - k~) * exp(theta - m). Default 0.05;
+        another value with another ``sdc`` is an error.
     sdc_table : torch.Tensor, optional
-        ``[num_q_heads, max_row_id]`` float32, E~ in units of exp(a - m); required by and
-        only allowed with ``sdc="offline"``.
+        ``[num_q_heads, max_row_id]`` float32, E~ in units of exp(a - m), finite and >= 0;
+        required by and only allowed with ``sdc="offline"``.
     vmc : bool
         Add beta * mean(V) (V-mean compensation).
     value_mean : torch.Tensor, optional
@@ -83,6 +84,15 @@ def decode_attention(
         ``[batch, num_q_heads, head_dim]`` in the query dtype (float32 math inside).
     stats : DecodeStats
         Only when ``return_stats=True``.
+
+    Notes
+    -----
+    Inference only: the op has no autograd formula. The same op is
+    ``torch.ops.topth.decode_attention(query, key_cache, value_cache, seq_lens, thresholds,
+    scale, placement, sdc, sdc_gamma, sdc_table, vmc, value_mean, return_stats, backend)``
+    with every argument positional (``scale=None`` for the default, ``backend=""`` for
+    automatic), returning ``(out, kept, v_rows, dropped_mass)`` (stats empty when not
+    asked for).
 
     Raises
     ------

@@ -6,13 +6,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from typing import Optional, Sequence
+
+
+class CliError(Exception):
+    """A bad flag value; ``main`` prints it on one line and exits with status 2."""
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("topth_ops.info", "list every backend, available or not, and why"),
     "conformance": ("topth_ops.conformance.cli", "run the conformance suite against one backend"),
     "demo": ("topth_ops.demo", "synthetic decode demo: error vs dense attention and V rows read"),
+    "bench": ("topth_ops.bench.cli", "kernel benchmark: thresholded vs dense decode per backend"),
     "calibrate": ("topth_ops.hf.cli_calibrate", "calibrate Top-Theta thresholds of a model on real text"),
     "generate": ("topth_ops.hf.cli_generate", "generate text with Top-Theta attention, with V-row statistics"),
     "evaluate": ("topth_ops.hf.cli_evaluate", "main job: calibrate + evaluate dense / Top-Theta / top-k on real text"),
@@ -33,8 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``topth-ops`` console script; returns the exit status."""
+    # Triton's CPU interpreter (TRITON_INTERPRET=1) evaluates masked lanes with numpy and
+    # warns about inf/NaN arithmetic that the kernels discard by design.
+    warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
     args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except CliError as e:
+        print(f"topth-ops {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ any backend is chosen or any kernel is launched. The semantics are written out i
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 PLACEMENTS = ("pre_softmax", "post_softmax")
@@ -193,9 +195,14 @@ def _require_bool(name: str, value) -> bool:
 
 
 def _require_real(name: str, value, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    # numbers.Real covers int, float and numpy's scalars; bools (numpy's too) are rejected.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (Python or numpy scalar), "
+                        f"got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an int too large for a float") from None
     ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
     if not ok:
         expected = "a finite number > 0" if positive else "a finite number >= 0"
@@ -239,9 +246,10 @@ def make_inputs(
     Parameters
     ----------
     check_values : bool
-        Also check the values of ``seq_lens`` (0 <= n <= max_seq_len). Done only where it
-        needs no device sync (CPU tensors outside a trace); on accelerators a backend must
-        clamp the lengths into [0, max_seq_len] so that it never reads out of bounds.
+        Also check the values of ``seq_lens`` (0 <= n <= max_seq_len) and of ``sdc_table``
+        (finite, >= 0). Done only where it needs no device sync (CPU tensors outside a
+        trace); on accelerators a backend must clamp the lengths into [0, max_seq_len] so
+        that it never reads out of bounds.
 
     Returns
     -------
@@ -258,8 +266,9 @@ def make_inputs(
         Wrong rank or shape, head_dim mismatch, num_q_heads not a multiple of
         num_kv_heads, tensors on different devices, seq_lens out of [0, max_seq_len],
         unknown placement or sdc, sdc other than "none" with post_softmax, "offline"
-        without sdc_table, sdc_table without "offline", value_mean without vmc,
-        scale not finite and > 0, sdc_gamma not finite and >= 0.
+        without sdc_table, sdc_table without "offline", sdc_table values negative or not
+        finite (CPU), value_mean without vmc, sdc_gamma other than its default without
+        "exp_threshold", scale not finite and > 0, sdc_gamma not finite and >= 0.
     """
     q = _require_tensor("query", query)
     k = _require_tensor("key_cache", key_cache)
@@ -348,6 +357,11 @@ def make_inputs(
     elif sdc_table is not None:
         raise ValueError(f"sdc_table is only used with sdc='offline', got sdc={sdc!r}")
     sdc_gamma = _require_real("sdc_gamma", sdc_gamma, positive=False)
+    if sdc != "exp_threshold" and sdc_gamma != DEFAULT_SDC_GAMMA:
+        raise ValueError(
+            f"sdc_gamma is only used with sdc='exp_threshold', got sdc={sdc!r} and "
+            f"sdc_gamma={sdc_gamma!r} (leave it at its default {DEFAULT_SDC_GAMMA})"
+        )
 
     vmc = _require_bool("vmc", vmc)
     return_stats = _require_bool("return_stats", return_stats)
@@ -372,6 +386,13 @@ def make_inputs(
             raise ValueError(
                 f"seq_lens values must lie in [0, max_seq_len={max_seq_len}] (key_cache dim 2), "
                 f"got min {lo}, max {hi}"
+            )
+    if check_values and sdc_table is not None and _values_checkable(sdc_table):
+        bad = ~(torch.isfinite(sdc_table) & (sdc_table >= 0))
+        if bool(bad.any()):
+            raise ValueError(
+                "sdc_table values must be finite and >= 0 (an estimate of a sum of exponentials), "
+                f"got {int(bad.sum())} other values, e.g. {sdc_table[bad][0].item()!r}"
             )
 
     return DecodeInputs(

@@ -38,10 +38,30 @@ def _inputs(args, gen, dtype):
     return q.to(dtype), k.to(dtype), v.to(dtype), lens
 
 
+def _check(args) -> None:
+    from .cli import CliError
+    from .registry import get_backend
+
+    for name in ("batch", "seq_len", "q_heads", "kv_heads", "head_dim", "k"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.q_heads % args.kv_heads:
+        raise CliError(f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.k >= args.seq_len:
+        raise CliError(f"--k must be < --seq-len ({args.seq_len}), got {args.k}")
+    if args.backend is not None:
+        try:
+            get_backend(args.backend)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from . import decode_attention
+
+    _check(args)
 
     gen = torch.Generator().manual_seed(args.seed)
     dtype = torch.float32

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 
 import torch
 
 from .contract import _dtype
-from .registry import list_backends, priority
+from .registry import ENV_BACKEND, list_backends, priority
 
 
 def backend_rows() -> list[dict]:
-    """One dict per registered backend: name, device, dtypes, head_dims, available, reasons."""
+    """One dict per registered backend: name, device, dtypes, head_dims, available, runs_on
+    (device types of this machine it runs on), reasons, description."""
     rows = []
     for b in list_backends():
         reasons = b.unavailable_reasons()
@@ -22,6 +24,7 @@ def backend_rows() -> list[dict]:
             "dtypes": ",".join(_dtype(d) for d in b.dtypes),
             "head_dims": "any" if b.head_dims is None else ",".join(map(str, b.head_dims)),
             "available": not reasons,
+            "runs_on": ",".join(sorted({d.type for d in b.devices()})) if not reasons else "-",
             "reasons": "; ".join(reasons),
             "description": b.description,
         })
@@ -35,14 +38,16 @@ def format_info() -> str:
     lines = [
         f"topth-ops {__version__}  torch {torch.__version__}  python {platform.python_version()}",
         f"cuda available: {torch.cuda.is_available()}",
+        f"{ENV_BACKEND}: {os.environ.get(ENV_BACKEND) or '(not set)'}",
         "",
-        f"{'backend':<13} {'device':<6} {'available':<9} {'dtypes':<25} {'head_dims':<18} notes",
+        f"{'backend':<13} {'device':<6} {'available':<9} {'runs on':<8} {'dtypes':<25} "
+        f"{'head_dims':<18} notes",
     ]
     for r in backend_rows():
         note = r["description"] if r["available"] else "unavailable: " + r["reasons"]
         lines.append(
             f"{r['name']:<13} {r['device']:<6} {'yes' if r['available'] else 'no':<9} "
-            f"{r['dtypes']:<25} {r['head_dims']:<18} {note}"
+            f"{r['runs_on']:<8} {r['dtypes']:<25} {r['head_dims']:<18} {note}"
         )
     lines.append("")
     for dev in ("cuda", "npu", "cpu"):
@@ -61,4 +66,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run(argparse.Namespace()))
+    _parser = argparse.ArgumentParser(prog="python -m topth_ops.info", description=__doc__)
+    add_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))

@@ -35,13 +35,15 @@ ENV_BACKEND = "TOPTH_BACKEND"
 # Modules that define the built-in backends; each exposes ``BACKENDS`` (a list of Backend).
 _BUILTIN_MODULES: tuple[str, ...] = (
     "topth_ops.backends.torch_ref",
+    "topth_ops.backends.triton_backend",
+    "topth_ops.backends.ascendc",
 )
 
 # Automatic choice, per device type, highest priority first. Backends that are only for
 # explicit choice (a CPU model of an accelerator kernel, an interpreter) are not listed.
 _PRIORITY: dict[str, list[str]] = {
-    "cuda": ["torch"],
-    "npu": ["torch"],
+    "cuda": ["triton", "torch"],
+    "npu": ["ascendc", "torch"],
     "cpu": ["torch"],
 }
 _DEFAULT_PRIORITY = ["torch"]
@@ -140,8 +142,9 @@ def register_backend(backend: Backend, *, priority: Optional[int] = None) -> Non
     backend : Backend
         The descriptor; its name must be new.
     priority : int, optional
-        Position in the automatic-selection list of ``backend.device_type`` (0 = first).
-        None registers it for explicit choice only.
+        Position in the automatic-selection list of ``backend.device_type`` (0 = first;
+        a backend of device type "any" joins the list of every device type). None
+        registers it for explicit choice only.
 
     Raises
     ------
@@ -156,8 +159,12 @@ def register_backend(backend: Backend, *, priority: Optional[int] = None) -> Non
             raise ValueError(f"backend name {backend.name!r} is already registered")
         _backends[backend.name] = backend
         if priority is not None:
-            order = _PRIORITY.setdefault(backend.device_type, list(_DEFAULT_PRIORITY))
-            order.insert(priority, backend.name)
+            if backend.device_type == "any":  # joins every device type's order
+                orders = list(_PRIORITY.values()) + [_DEFAULT_PRIORITY]
+            else:
+                orders = [_PRIORITY.setdefault(backend.device_type, list(_DEFAULT_PRIORITY))]
+            for order in orders:
+                order.insert(priority, backend.name)
 
 
 def unregister_backend(name: str) -> None:
@@ -171,7 +178,7 @@ def unregister_backend(name: str) -> None:
     get_backend(name)
     with _lock:
         del _backends[name]
-        for order in _PRIORITY.values():
+        for order in list(_PRIORITY.values()) + [_DEFAULT_PRIORITY]:
             if name in order:
                 order.remove(name)
 
@@ -241,7 +248,12 @@ def select_backend(inputs: DecodeInputs, requested: Optional[str] = None) -> Bac
     name = requested if requested else os.environ.get(ENV_BACKEND, "") or None
     if name:
         source = "backend=" if requested else f"{ENV_BACKEND}="
-        b = get_backend(name)
+        try:
+            b = get_backend(name)
+        except ValueError as e:
+            if requested:
+                raise
+            raise ValueError(f"the environment variable {ENV_BACKEND}={name!r} names no backend: {e}") from None
         reasons = b.not_supported_reasons(inputs)
         if reasons:
             raise NotImplementedError(

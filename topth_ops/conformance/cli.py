@@ -7,7 +7,7 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", required=True, help="registered backend name (see topth-ops info)")
+    parser.add_argument("--backend", help="registered backend name (see topth-ops info); required unless --list")
     parser.add_argument("--dtypes", default="float16,bfloat16,float32",
                         help="comma-separated input dtypes (default: %(default)s)")
     parser.add_argument("--rules", default=None, help="comma-separated rule names (default: all)")
@@ -18,16 +18,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the rules and exit")
 
 
+def _names(text):
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..cli import CliError
     from .rules import RULES
-    from .runner import format_table, run_conformance
+    from .runner import format_table, plan, run_conformance
 
     if args.list:
         for r in RULES.values():
             print(f"{r.name:<20} {r.description}")
         return 0
-    rules = args.rules.split(",") if args.rules else None
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not args.backend:
+        raise CliError("--backend is required (see topth-ops info for the names)")
+    rules = _names(args.rules) if args.rules else None
+    dtypes = _names(args.dtypes)
+    try:  # every flag is checked before the first rule runs
+        plan(args.backend, dtypes=dtypes, rules=rules, shape_set=args.shapes, device=args.device)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
     def progress(r):
         print(f"  {r.rule:<20} {r.dtype:<9} {r.status:<4} {r.cases:>4} cases  {r.seconds:6.1f} s", flush=True)

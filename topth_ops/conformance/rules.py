@@ -482,7 +482,11 @@ def _error_cases(kw: dict, h: Harness) -> list:
         ("scale zero", dict(scale=0.0), ValueError, "scale"),
         ("scale NaN", dict(scale=float("nan")), ValueError, "scale"),
         ("scale not a number", dict(scale="0.1"), TypeError, "scale"),
-        ("sdc_gamma negative", dict(sdc_gamma=-0.1), ValueError, "sdc_gamma"),
+        ("scale too large for a float", dict(scale=10 ** 400), ValueError, "scale"),
+        ("scale a bool", dict(scale=True), TypeError, "scale"),
+        ("sdc_gamma negative", dict(sdc="exp_threshold", sdc_gamma=-0.1), ValueError, "sdc_gamma"),
+        ("sdc_gamma without exp_threshold", dict(sdc="exact", sdc_gamma=0.5), ValueError, "sdc_gamma"),
+        ("return_stats not a bool", dict(return_stats="yes"), TypeError, "return_stats"),
         ("vmc not a bool", dict(vmc=1), TypeError, "vmc"),
         ("unknown backend", dict(backend="no-such-backend"), ValueError, "backend"),
     ]
@@ -492,6 +496,8 @@ def _error_cases(kw: dict, h: Harness) -> list:
         cases += [
             ("seq_lens negative", dict(seq_lens=lens - 6), ValueError, "seq_lens"),
             ("seq_lens above max_seq_len", dict(seq_lens=big), ValueError, "seq_lens"),
+            ("sdc_table negative", dict(sdc="offline", sdc_table=table - 1.0), ValueError, "sdc_table"),
+            ("sdc_table NaN", dict(sdc="offline", sdc_table=table * float("nan")), ValueError, "sdc_table"),
         ]
     return cases
 

@@ -54,8 +54,18 @@ class RuleResult:
 
 def run_rule(backend: Backend, rule: str, dtype: torch.dtype, *, device: Optional[torch.device] = None,
              shape_set: str = "full") -> RuleResult:
-    """Run one rule; an exception inside the backend counts as a failure of the rule."""
-    device = device or backend.devices()[0]
+    """Run one rule; an exception inside the backend counts as a failure of the rule.
+
+    Raises
+    ------
+    ValueError
+        No device given and the backend names none on this machine.
+    """
+    if device is None:
+        devices = backend.devices()
+        if not devices:
+            raise ValueError(f"backend {backend.name!r} names no device of this machine to run on")
+        device = devices[0]
     h = Harness(backend=backend, device=torch.device(device), dtype=dtype, shape_set=shape_set)
     t0 = time.perf_counter()
     try:
@@ -70,6 +80,51 @@ def run_rule(backend: Backend, rule: str, dtype: torch.dtype, *, device: Optiona
         status = "pass"
     return RuleResult(rule, _dtype(dtype), str(device), status, h.cases, h.worst,
                       time.perf_counter() - t0, h.failures, h.unsupported)
+
+
+def plan(backend_name: str, *, dtypes: Iterable[str] = ("float16", "bfloat16", "float32"),
+         rules: Optional[Iterable[str]] = None, shape_set: str = "full",
+         device: Optional[str] = None) -> tuple[Backend, torch.device, list, list]:
+    """Check every argument of :func:`run_conformance` before anything runs.
+
+    Returns
+    -------
+    backend, device, dtypes (torch dtypes), rule names
+
+    Raises
+    ------
+    ValueError
+        Unknown backend, rule, dtype or shape set; empty dtype or rule list; a backend that
+        is unavailable here (with its reasons); a device this machine cannot allocate on.
+    """
+    from .cases import SHAPE_SETS
+
+    backend = get_backend(backend_name)
+    if shape_set not in SHAPE_SETS:
+        raise ValueError(f"shape set must be one of {sorted(SHAPE_SETS)}, got {shape_set!r}")
+    names = list(rules) if rules is not None else list(RULES)
+    unknown = [r for r in names if r not in RULES]
+    if unknown or not names:
+        raise ValueError(f"rules must be a non-empty list among {list(RULES)}, got {names!r}")
+    dtypes = list(dtypes)
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"dtypes must be a non-empty list among {list(DTYPES)}, got {dtypes!r}")
+    reasons = backend.unavailable_reasons()
+    if reasons:
+        raise ValueError(f"backend {backend_name!r} is not available here: {'; '.join(reasons)}")
+    if device is None:
+        devices = backend.devices()
+        if not devices:
+            raise ValueError(f"backend {backend_name!r} names no device of this machine to run on")
+        dev = devices[0]
+    else:
+        try:
+            dev = torch.device(device)
+            torch.empty(1, device=dev)
+        except Exception as e:  # noqa: BLE001 - any failure means the device is not usable here
+            raise ValueError(f"device {device!r} is not usable on this machine: {e}") from None
+    return backend, dev, [DTYPES[d] for d in dtypes], names
 
 
 def run_conformance(backend_name: str, *, dtypes: Iterable[str] = ("float16", "bfloat16", "float32"),
@@ -98,24 +153,14 @@ def run_conformance(backend_name: str, *, dtypes: Iterable[str] = ("float16", "b
     Raises
     ------
     ValueError
-        Unknown backend, rule, dtype or shape set.
+        As :func:`plan`, before any rule runs.
     """
-    from .cases import SHAPE_SETS
-
-    backend = get_backend(backend_name)
-    if shape_set not in SHAPE_SETS:
-        raise ValueError(f"shape_set must be one of {sorted(SHAPE_SETS)}, got {shape_set!r}")
-    names = list(rules) if rules is not None else list(RULES)
-    for r in names:
-        if r not in RULES:
-            raise ValueError(f"rules must be among {list(RULES)}, got {r!r}")
+    backend, dev, dtypes, names = plan(backend_name, dtypes=dtypes, rules=rules,
+                                       shape_set=shape_set, device=device)
     results = []
-    for d in dtypes:
-        if d not in DTYPES:
-            raise ValueError(f"dtypes must be among {list(DTYPES)}, got {d!r}")
+    for dtype in dtypes:
         for r in names:
-            res = run_rule(backend, r, DTYPES[d], device=torch.device(device) if device else None,
-                           shape_set=shape_set)
+            res = run_rule(backend, r, dtype, device=dev, shape_set=shape_set)
             results.append(res)
             if progress:
                 progress(res)

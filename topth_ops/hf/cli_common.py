@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional
 
 DEFAULT_LAYER_K = "0:256,1:256"
@@ -80,5 +79,7 @@ def check_backend(name: Optional[str]) -> None:
 
 
 def fail(msg: str) -> int:
-    print(f"topth-ops: error: {msg}", file=sys.stderr)
-    return 2
+    """Raise the CLI's CliError: ``topth-ops`` prints it on one line and exits with 2."""
+    from ..cli import CliError
+
+    raise CliError(msg)

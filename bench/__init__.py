@@ -1,0 +1,1 @@
+"""Kernel benchmark harness (installed as ``topth_ops.bench``)."""
