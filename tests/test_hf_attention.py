@@ -5,7 +5,7 @@ cache, VMC running mean, padding, mismatched files."""
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'topth-ops[hf]'")
+import transformers  # noqa: E402,F401 - the hf extra is part of the dev extra
 
 from topth_ops.calibration import DENSE, parse_layer_k  # noqa: E402
 from topth_ops.hf.attention import TopthSettings, disable, enable  # noqa: E402

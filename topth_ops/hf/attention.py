@@ -24,8 +24,9 @@ the cache, and raises a ValueError for left-padded batches.
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -245,8 +246,7 @@ class TopthAttention:
             self._value_mean(layer, value, T)
         hook = None
         if calibrating:
-            def hook(a, n, m, log_z, _layer=layer):
-                self.score_hook(_layer, a, n, m, log_z)
+            hook = functools.partial(self.score_hook, layer)
         stats = self.decode_stats if T == 1 else self.prefill_stats
         out, st = prefill_attention(query, key, value, row_ids, rule, scale=scale, key_valid=key_valid,
                                     return_stats=stats is not None, score_hook=hook,

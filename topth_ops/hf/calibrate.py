@@ -11,7 +11,7 @@ final thresholds (:class:`topth_ops.calibration.SdcAccumulator`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

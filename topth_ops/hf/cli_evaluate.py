@@ -15,7 +15,7 @@ from pathlib import Path
 from .cli_common import (add_calibration_arguments, add_model_argument, check_backend, fail,
                          flat_k, parse_k_list)
 
-DEFAULT_KS = "16,32,64,128"
+DEFAULT_KS = "16,32,64,96"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
