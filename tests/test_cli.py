@@ -26,8 +26,8 @@ def test_python_m_info_runs_without_accelerators():
     assert "torch" in r.stdout
 
 
-@pytest.mark.skipif(shutil.which("topth-ops") is None, reason="console script not installed")
 def test_console_script():
+    assert shutil.which("topth-ops"), "the topth-ops console script is not installed (pip install -e .)"
     r = subprocess.run(["topth-ops", "info"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

@@ -8,7 +8,6 @@ with a backend's output.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -20,7 +19,6 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
     # numpy log(0) / inf - inf and deprecation notes from inside the interpreter
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -19,6 +19,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "conformance": ("topth_ops.conformance.cli", "run the conformance suite against one backend"),
     "demo": ("topth_ops.demo", "synthetic decode demo: error vs dense attention and V rows read"),
     "bench": ("topth_ops.bench.cli", "kernel benchmark: thresholded vs dense decode per backend"),
+    "calibrate": ("topth_ops.hf.cli_calibrate", "calibrate Top-Theta thresholds of a model on real text"),
+    "generate": ("topth_ops.hf.cli_generate", "generate text with Top-Theta attention, with V-row statistics"),
+    "evaluate": ("topth_ops.hf.cli_evaluate", "main job: calibrate + evaluate dense / Top-Theta / top-k on real text"),
 }
 
 

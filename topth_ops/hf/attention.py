@@ -1,0 +1,376 @@
+"""The "topth" attention function for transformers (AttentionInterface).
+
+:func:`enable` registers the function under the name ``"topth"`` (so it can also be
+given as ``attn_implementation="topth"`` when a model is loaded), attaches a
+:class:`TopthAttention` controller holding the settings to every attention module of the
+model, and switches the model to it. Per call (one layer, one forward):
+
+- decode steps (query length 1) in Top-Theta mode call :func:`topth_ops.decode_attention`,
+  so the backend registry picks the kernel for the device (CPU reference, Triton on
+  CUDA, Ascend C on NPU); the V mean for VMC is kept per layer as a running sum that is
+  updated with the new rows only;
+- prefill (query length > 1) applies the same per-row thresholding through
+  :func:`topth_ops.prefill.prefill_attention` (each row with its own row id), or stays
+  dense (SDPA) with ``prefill="dense"``;
+- exact top-k mode runs every row, decode included, through the prefill reference (the
+  op takes one threshold per row id, while top-k needs one per sequence);
+- dense layers (k = dense in the layer map) and dense mode use transformers' SDPA.
+
+Works with the standard KV cache (DynamicCache: the key/value passed in are the whole
+cache after the update, BNSD) and GQA. Padding: prefill accepts any padding mask (each
+row's valid keys are counted); decode needs each sequence's valid keys to be a prefix of
+the cache, and raises a ValueError for left-padded batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+
+from ..calibration import DENSE
+from ..contract import DEFAULT_SDC_GAMMA, PLACEMENTS, SDC_MODES
+from ..prefill import RowRule, prefill_attention
+from ..rowstats import StatsCollector
+from ..threshold_file import ThresholdSet
+
+logger = logging.getLogger("topth_ops")
+
+ATTN_NAME = "topth"
+MODES = ("dense", "topth", "topk")
+PREFILL_MODES = ("thresholded", "dense")
+
+
+@dataclass
+class TopthSettings:
+    """What the "topth" attention function does.
+
+    Attributes
+    ----------
+    mode : {"topth", "topk", "dense"}
+        Top-Theta with calibrated thresholds, exact top-k per row, or dense attention.
+    thresholds : ThresholdSet, optional
+        Required by mode "topth"; its placement is used.
+    placement : str, optional
+        Required by mode "topk" (weights of the kept keys); must match the file in "topth".
+    sdc : {"none", "exact", "exp_threshold", "offline"}
+        pre_softmax only; "offline" needs the file's sdc_table.
+    sdc_gamma : float
+    vmc : bool
+    layer_k : list of int, optional
+        k per layer for mode "topk" (0 = dense layer); "topth" takes it from the file.
+    prefill : {"thresholded", "dense"}
+        Whether prompt (multi-token) rows are thresholded too.
+    backend : str, optional
+        Backend of the decode op (None: automatic / TOPTH_BACKEND).
+    """
+
+    mode: str = "topth"
+    thresholds: Optional[ThresholdSet] = None
+    placement: Optional[str] = None
+    sdc: str = "none"
+    sdc_gamma: float = DEFAULT_SDC_GAMMA
+    vmc: bool = False
+    layer_k: Optional[list] = None
+    prefill: str = "thresholded"
+    backend: Optional[str] = None
+
+    def resolved(self, num_layers: int) -> "TopthSettings":
+        """Validated copy with placement and layer_k filled in.
+
+        Raises
+        ------
+        ValueError
+            Unknown mode / prefill / placement / sdc, a missing thresholds file or k map,
+            sdc with post_softmax, offline sdc without a table, or a layer map of the
+            wrong length.
+        """
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        if self.sdc not in SDC_MODES:
+            raise ValueError(f"sdc must be one of {SDC_MODES}, got {self.sdc!r}")
+        s = replace(self)
+        if s.mode == "topth":
+            if s.thresholds is None:
+                raise ValueError("mode 'topth' needs a thresholds file (ThresholdSet)")
+            if s.placement is not None and s.placement != s.thresholds.placement:
+                s.thresholds.check_model(s.thresholds.attention_config, placement=s.placement)  # raises
+            s.placement = s.thresholds.placement
+            s.layer_k = list(s.thresholds.layer_k)
+            if s.sdc == "offline" and s.thresholds.sdc_table is None:
+                raise ValueError(f"sdc='offline' needs an sdc_table; {s.thresholds.name()} has none "
+                                 "(calibrate with pre_softmax placement and the SDC pass)")
+        elif s.mode == "topk":
+            if s.layer_k is None:
+                raise ValueError("mode 'topk' needs layer_k (k per layer)")
+            if s.sdc == "offline":
+                raise ValueError("sdc='offline' is for mode 'topth' (it needs a calibrated table)")
+        else:
+            s.layer_k = [DENSE] * num_layers
+        if s.placement is None:
+            s.placement = "post_softmax"
+        if s.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {s.placement!r}")
+        if s.placement == "post_softmax" and s.sdc != "none":
+            raise ValueError(f"sdc must be 'none' with post_softmax, got {s.sdc!r}")
+        if len(s.layer_k) != num_layers:
+            raise ValueError(f"layer_k must have {num_layers} entries, got {len(s.layer_k)}")
+        return s
+
+
+ScoreHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class TopthAttention:
+    """Controller attached to a model's attention modules by :func:`enable`.
+
+    Attributes
+    ----------
+    settings : TopthSettings
+    prefill_stats, decode_stats : StatsCollector or None
+        When set, every thresholded row adds its k~, V rows and beta (prefill rows and
+        decode steps separately).
+    score_hook : callable or None
+        ``hook(layer, scores, row_ids, m, log_z)`` for every chunk of rows of every
+        forward (calibration); forces the reference path for every layer.
+    """
+
+    def __init__(self, model, settings: TopthSettings, *, prefill_stats: Optional[StatsCollector] = None,
+                 decode_stats: Optional[StatsCollector] = None, score_hook: Optional[ScoreHook] = None,
+                 max_chunk_elems: int = 1 << 22):
+        cfg = model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        if settings.mode == "topth" and settings.thresholds is not None:
+            settings.thresholds.check_model(cfg, getattr(model, "name_or_path", None) or type(model).__name__,
+                                            placement=settings.placement)
+        self.settings = settings.resolved(self.num_layers)
+        self.prefill_stats = prefill_stats
+        self.decode_stats = decode_stats
+        self.score_hook = score_hook
+        self.max_chunk_elems = max_chunk_elems
+        self._vsum: dict[int, tuple[int, torch.Tensor]] = {}
+        self.vsum_rebuilds = 0  # times a running V sum had to be rebuilt from a cache it had not seen
+        self._rules: dict[tuple, RowRule] = {}
+        self._tables: dict[tuple, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ helpers
+
+    def layer_k(self, layer: int) -> int:
+        return self.settings.layer_k[layer]
+
+    def reset(self) -> None:
+        """Forget the running V sums (a new sequence starts with a prefill anyway)."""
+        self._vsum.clear()
+
+    def _table(self, name: str, layer: int, device) -> Optional[torch.Tensor]:
+        key = (name, layer, device)
+        if key not in self._tables:
+            src = getattr(self.settings.thresholds, name)
+            self._tables[key] = None if src is None else src[layer].to(device, torch.float32).contiguous()
+        return self._tables[key]
+
+    def _rule(self, layer: int, device, calibrating: bool) -> Optional[RowRule]:
+        """RowRule of a layer, None for the dense (SDPA) path."""
+        s = self.settings
+        k = s.layer_k[layer]
+        if s.mode == "dense" or k == DENSE:
+            return RowRule("dense") if calibrating else None
+        if s.mode == "topk":
+            return RowRule("topk", placement=s.placement, sdc=s.sdc, sdc_gamma=s.sdc_gamma, k=k, vmc=s.vmc)
+        key = (layer, device)
+        if key not in self._rules:
+            self._rules[key] = RowRule(
+                "table", placement=s.placement, sdc=s.sdc, sdc_gamma=s.sdc_gamma,
+                thresholds=self._table("thresholds", layer, device),
+                sdc_table=self._table("sdc_table", layer, device) if s.sdc == "offline" else None,
+                vmc=s.vmc,
+            )
+        return self._rules[key]
+
+    def _value_mean(self, layer: int, value: torch.Tensor, T: int) -> torch.Tensor:
+        """Running mean of V over all S cache rows, updated with the T new rows only.
+
+        Returns ``[B, num_kv_heads, head_dim]`` float32. The running sum is recomputed
+        from the cache only when the cache length is not the one it was last updated to
+        (a new or cropped cache).
+        """
+        B, Hkv, S, D = value.shape
+        prev = self._vsum.get(layer)
+        if prev is not None and prev[0] == S - T and prev[1].shape == (B, Hkv, D) and prev[1].device == value.device:
+            base = prev[1]
+        else:
+            base = value[:, :, : S - T].to(torch.float32).sum(2)
+            self.vsum_rebuilds += int(S - T > 0)
+        total = base + value[:, :, S - T:].to(torch.float32).sum(2)
+        self._vsum[layer] = (S, total)
+        return total / S
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor:
+        """One layer's attention; returns ``[B, T, num_q_heads, head_dim]``."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if kwargs.get("sliding_window") is not None:
+            raise NotImplementedError("topth attention does not support sliding-window layers")
+        layer = module.layer_idx
+        B, Hq, T, D = query.shape
+        S = key.shape[2]
+        scale = float(scaling) if scaling is not None else D ** -0.5
+        dev = query.device
+        row_ids, key_valid = _rows_from_mask(attention_mask, B, T, S, dev)
+        calibrating = self.score_hook is not None
+        rule = self._rule(layer, dev, calibrating)
+        s = self.settings
+        vmc_state = s.vmc and rule is not None and not calibrating
+
+        if rule is None or (T > 1 and s.prefill == "dense" and not calibrating):
+            if vmc_state:
+                self._value_mean(layer, value, T)
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                                            scaling=scale, **kwargs)
+            stats = self.decode_stats if T == 1 else self.prefill_stats
+            if stats is not None:
+                stats.add_dense(layer, row_ids)
+            return out
+
+        if T == 1 and rule.kind == "table" and not calibrating:
+            return self._decode_op(layer, query, key, value, row_ids, key_valid, rule, scale)
+
+        if vmc_state:
+            self._value_mean(layer, value, T)
+        hook = None
+        if calibrating:
+            hook = functools.partial(self.score_hook, layer)
+        stats = self.decode_stats if T == 1 else self.prefill_stats
+        out, st = prefill_attention(query, key, value, row_ids, rule, scale=scale, key_valid=key_valid,
+                                    return_stats=stats is not None, score_hook=hook,
+                                    max_chunk_elems=self.max_chunk_elems)
+        if stats is not None:
+            stats.add(layer, row_ids, *st)
+        return out.transpose(1, 2)
+
+    def _decode_op(self, layer, query, key, value, row_ids, key_valid, rule, scale) -> torch.Tensor:
+        from .. import decode_attention
+
+        B, Hq, _, D = query.shape
+        S = key.shape[2]
+        if key_valid is not None:
+            raise ValueError(
+                "topth decode: the valid keys of every sequence must be a prefix of the KV cache "
+                "(the decode op reads positions 0..n-1), but this batch is left-padded; run "
+                "sequences without padding (batch size 1 or equal-length prompts)"
+            )
+        n = row_ids[:, 0]
+        s = self.settings
+        value_mean = None
+        if s.vmc:
+            mean = self._value_mean(layer, value, 1)
+            if bool((n == S).all()):
+                value_mean = mean
+        collect = self.decode_stats is not None
+        res = decode_attention(
+            query[:, :, 0], key, value, n, rule.thresholds, scale=scale, placement=s.placement,
+            sdc=s.sdc, sdc_gamma=s.sdc_gamma, sdc_table=rule.sdc_table, vmc=s.vmc,
+            value_mean=value_mean, return_stats=collect, backend=s.backend,
+        )
+        if collect:
+            out, st = res
+            self.decode_stats.add(layer, row_ids, st.kept.unsqueeze(-1), st.v_rows.unsqueeze(-1),
+                                  st.dropped_mass.unsqueeze(-1))
+        else:
+            out = res
+        return out.unsqueeze(1)  # [B, 1, Hq, D]
+
+
+def _rows_from_mask(mask, B: int, T: int, S: int, dev) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Row ids ``[B, T]`` and the valid-key mask ``[B, T, S]`` (None when every row's valid
+    keys are the causal prefix 0..n-1)."""
+    causal_n = torch.arange(S - T + 1, S + 1, device=dev, dtype=torch.int64)
+    if mask is None:
+        return causal_n.unsqueeze(0).expand(B, T), None
+    if mask.dim() != 4:
+        raise ValueError(f"topth attention expects a 4D attention mask [B, 1, T, S], got shape {list(mask.shape)}")
+    m = mask[:, 0, :, -S:]
+    valid = m if m.dtype == torch.bool else (m > torch.finfo(m.dtype).min / 2)
+    valid = valid.expand(B, T, S)
+    n = valid.sum(-1).to(torch.int64)
+    prefix = torch.arange(S, device=dev).view(1, 1, S) < n.unsqueeze(-1)
+    if bool((prefix == valid).all()):
+        return n, None
+    return n, valid
+
+
+def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    ctl = getattr(module, "_topth", None)
+    if ctl is None:
+        raise RuntimeError(
+            "attn_implementation='topth' needs Top-Theta settings: call "
+            "topth_ops.hf.enable(model, TopthSettings(...)) after loading the model"
+        )
+    return ctl.forward(module, query, key, value, attention_mask, scaling, kwargs), None
+
+
+def register() -> None:
+    """Register "topth" with transformers' AttentionInterface and AttentionMaskInterface
+    (boolean masks as for SDPA). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, _attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def _attention_modules(model):
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")
+            and hasattr(m, "head_dim")]
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no attention modules that use transformers' "
+                         "AttentionInterface (Llama-family models do)")
+    return mods
+
+
+def enable(model, settings: TopthSettings, **kwargs) -> TopthAttention:
+    """Switch a transformers model to Top-Theta attention.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A decoder whose attention goes through AttentionInterface (Llama family).
+    settings : TopthSettings
+    **kwargs
+        ``prefill_stats``, ``decode_stats``, ``score_hook``, ``max_chunk_elems`` of
+        :class:`TopthAttention`.
+
+    Returns
+    -------
+    TopthAttention
+        The controller (its stats collectors fill as the model runs).
+
+    Raises
+    ------
+    ValueError, ThresholdFileError
+        Invalid settings, or a thresholds file made for another model or placement.
+    """
+    register()
+    ctl = TopthAttention(model, settings, **kwargs)
+    for m in _attention_modules(model):
+        m._topth = ctl
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+        model._topth_previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(ATTN_NAME)
+    return ctl
+
+
+def disable(model) -> None:
+    """Restore the attention implementation the model had before :func:`enable`."""
+    for m in _attention_modules(model):
+        if hasattr(m, "_topth"):
+            del m._topth
+    prev = getattr(model, "_topth_previous_attn", None) or "sdpa"
+    model.set_attn_implementation(prev)

@@ -1,0 +1,91 @@
+"""``topth-ops calibrate``: calibrate Top-Theta thresholds of a model on real text and
+write threshold files (safetensors); also imports the paper reference code's th.txt."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .cli_common import add_calibration_arguments, add_model_argument, fail, flat_k, parse_k_list
+
+PLACEMENT_CHOICES = ("pre_softmax", "post_softmax", "both")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_argument(p)
+    p.add_argument("--k", type=parse_k_list, nargs="+", required=True, metavar="K",
+                   help="target k (keep ~k elements per row); several, e.g. '8,16,32', are "
+                        "calibrated from the same forward passes")
+    p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="post_softmax",
+                   help="threshold logits (pre_softmax) or probabilities (post_softmax); both "
+                        "are recorded from the same passes (default post_softmax)")
+    add_calibration_arguments(p)
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="output .safetensors; with several k or both placements it must contain "
+                        "{k} and/or {placement}, e.g. th_k{k}_{placement}.safetensors")
+    p.add_argument("--import-reference", metavar="TH_TXT", default=None,
+                   help="instead of calibrating, import th.txt from the paper's reference code "
+                        "(needs --placement pre_softmax or post_softmax; --k is ignored)")
+    p.add_argument("--import-sdc", metavar="SDC_TXT", default=None,
+                   help="with --import-reference: the reference code's sdc.txt")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def out_path(template: str, k: int, placement: str, multi_k: bool, multi_p: bool) -> str:
+    if multi_k and "{k}" not in template:
+        raise ValueError(f"--out {template!r} must contain {{k}} when several k are calibrated")
+    if multi_p and "{placement}" not in template:
+        raise ValueError(f"--out {template!r} must contain {{placement}} with --placement both")
+    return template.replace("{k}", str(k)).replace("{placement}", placement)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..calibration import parse_layer_k
+    from .model import ModelNotAvailable
+
+    try:
+        if args.import_reference:
+            return _import(args)
+        placements = ["pre_softmax", "post_softmax"] if args.placement == "both" else [args.placement]
+        ks = flat_k(args.k)
+        for k in ks:  # validate the output names before the long work
+            for p in placements:
+                out_path(args.out, k, p, len(ks) > 1, len(placements) > 1)
+        from .calibrate import CalibrationText, calibrate
+        from .model import load_model
+        from .texts import calibration_documents, token_samples
+
+        docs, desc = calibration_documents(args.text)
+        t0 = time.time()
+        lm = load_model(args.model)
+        L = int(lm.config.num_hidden_layers)
+        targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
+        samples = token_samples(lm.tokenizer, docs, args.samples, args.max_tokens)
+        text = CalibrationText(samples, f"{desc}; {len(samples)} samples x <= {args.max_tokens} tokens")
+        print(f"model {lm.name} loaded in {time.time() - t0:.1f} s; calibrating k={ks} "
+              f"({', '.join(placements)}) on {text.tokens} tokens of {desc}")
+        t1 = time.time()
+        sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
+                         topk_at_calibration=args.topk_at_calibration,
+                         sdc_table=not args.no_sdc_table, model_name=lm.name, progress=not args.quiet)
+        for (i, p), ts in sorted(sets.items()):
+            path = ts.save(out_path(args.out, ks[i], p, len(ks) > 1, len(placements) > 1))
+            print(f"wrote {path}: {ts.summary()}")
+        print(f"calibration took {time.time() - t1:.1f} s")
+        return 0
+    except (ValueError, FileNotFoundError, ModelNotAvailable) as e:
+        return fail(str(e))
+
+
+def _import(args) -> int:
+    from .model import load_config
+    from ..threshold_file import import_reference_text
+
+    if args.placement == "both":
+        return fail("--import-reference needs --placement pre_softmax or post_softmax (th.txt does not record it)")
+    cfg, name = load_config(args.model)
+    ts = import_reference_text(args.import_reference, args.import_sdc, placement=args.placement,
+                               attention_config=cfg, model_name=name)
+    path = ts.save(args.out.replace("{k}", str(ts.k)).replace("{placement}", ts.placement))
+    print(f"wrote {path}: {ts.summary()}")
+    return 0

