@@ -39,8 +39,9 @@ if ! "$PY" -c "import topth_ops.bench; from topth_ops.npu_kernels import _ascend
         echo "npu_check: the NPU extension is not built and ASCEND_HOME_PATH is not set (source set_env.sh)" >&2
         exit 2
     fi
-    echo "npu_check: building the NPU extension: pip install --no-build-isolation -e ."
-    "$PY" -m pip install -q --no-deps --no-build-isolation -e . || {
+    echo "npu_check: building the NPU extension: TOPTH_BUILD_NPU=required pip install --no-build-isolation -e ."
+    # required: a failed NPU build fails the install (by default it is only a warning)
+    TOPTH_BUILD_NPU=required "$PY" -m pip install -q --no-deps --no-build-isolation -e . || {
         echo "npu_check: cannot build/install topth-ops from this checkout" >&2; exit 2; }
 fi
 "$PY" -m topth_ops info || true
