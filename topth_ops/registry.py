@@ -217,7 +217,9 @@ def priority(device_type: str) -> list[str]:
 _logged: set[str] = set()
 
 
-def _log_once(msg: str) -> None:
+def log_once(msg: str) -> None:
+    """Log ``msg`` as a warning on the "topth_ops" logger, once per process (decode loops
+    call the op thousands of times)."""
     if msg not in _logged:
         _logged.add(msg)
         logger.warning(msg)
@@ -271,7 +273,7 @@ def select_backend(inputs: DecodeInputs, requested: Optional[str] = None) -> Bac
         reasons = b.not_supported_reasons(inputs)
         if not reasons:
             if skipped:
-                _log_once(
+                log_once(
                     f"topth_ops: using backend {b.name!r} for {inputs.device.type} inputs; skipped:\n"
                     + _reason_lines(skipped)
                 )

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..contract import DecodeInputs, DecodeStats
-from ..registry import Backend, _log_once
+from ..registry import Backend, log_once
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
@@ -91,7 +91,7 @@ def kernel_cache(cache: torch.Tensor, name: str) -> torch.Tensor:
     full read and write of the cache on every call: logged once per process)."""
     if kernel_reads_layout(cache):
         return cache
-    _log_once(f"topth_ops ascendc: {name} with strides {tuple(cache.stride())} (shape {tuple(cache.shape)}) has "
+    log_once(f"topth_ops ascendc: {name} with strides {tuple(cache.stride())} (shape {tuple(cache.shape)}) has "
               f"rows that are not contiguous or overlap; it is copied with .contiguous() on every call, a full "
               f"read and write of the cache that costs more than the V rows the thresholds save "
               f"(docs/ascendc.md, 'Cache layouts')")
