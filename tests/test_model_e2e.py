@@ -100,3 +100,56 @@ def test_cli_bad_inputs_before_any_model_load(tmp_path, capsys):
     bad.write_bytes(b"garbage")
     assert main(["generate", "--thresholds", str(bad), "--prompt", "p"]) == 2
     assert "corrupt or truncated" in capsys.readouterr().err
+
+
+def test_output_paths_and_cheap_flags_are_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import topth_ops.hf.model as model_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load before the flags are checked")
+
+    monkeypatch.setattr(model_mod, "load_model", no_load)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        (["calibrate", "--k", "16", "--out", str(afile / "t.safetensors")], "--out"),
+        (["calibrate", "--k", "16", "--out", ""], "--out is empty"),
+        (["calibrate", "--k", "16", "--out", str(tmp_path)], "is a directory"),
+        (["calibrate", "--k", "16", "--samples", "0", "--out", "t.st"], "--samples must be >= 1, got 0"),
+        (["calibrate", "--k", "16", "--max-tokens", "1", "--out", "t.st"], "--max-tokens must be >= 2"),
+        (["calibrate", "--k", "16", "--alpha", "nan", "--out", "t.st"], "--alpha must be a finite number"),
+        (["calibrate", "--out", "t.st"], "--k is required"),
+        (["calibrate", "--import-reference", str(tmp_path / "none.txt"), "--placement", "pre_softmax",
+          "--out", "t.st"], "--import-reference"),
+        (["evaluate", "--json", str(afile / "e.json")], "--json"),
+        (["evaluate", "--json", str(tmp_path / "e.json"), "--plots", str(afile)], "--plots"),
+        (["evaluate", "--json", str(tmp_path / "e.json"), "--thresholds-dir", str(afile)], "--thresholds-dir"),
+        (["evaluate", "--json", str(tmp_path / "e.json"), "--calib-samples", "0"], "--calib-samples must be >= 1"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, (argv, err)
+
+
+def test_calibrate_refuses_lengths_past_the_context_and_k_beyond_the_samples(tmp_path, capsys):
+    out = str(tmp_path / "t.safetensors")
+    assert main(["calibrate", "--k", "16", "--samples", "1", "--max-tokens", "9000", "--out", out]) == 2
+    assert "--max-tokens 9000 exceeds the model's context of 8192 tokens" in capsys.readouterr().err
+    # the default --layer-k keeps layers 0 and 1 at k=256: the message says where that k comes from
+    assert main(["calibrate", "--k", "16", "--samples", "1", "--max-tokens", "64", "--out", out, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "layer 0 has k=256" in err and "--layer-k" in err and "64 tokens" in err
+    assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_reference_import_needs_no_k(tmp_path, capsys):
+    lines = [f"L{layer}_H{h}:{n} 0.05 4 8" for layer in range(2, 30) for h in range(9) for n in range(9, 40)]
+    (tmp_path / "th.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "imp.safetensors"
+    assert main(["calibrate", "--import-reference", str(tmp_path / "th.txt"), "--placement", "post_softmax",
+                 "--out", str(out)]) == 0
+    from topth_ops.threshold_file import load_thresholds
+
+    ts = load_thresholds(out)
+    assert ts.k == 8 and ts.placement == "post_softmax" and ts.max_row_id == 39

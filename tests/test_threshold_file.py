@@ -186,3 +186,29 @@ def test_reference_text_errors(tmp_path):
     empty = _write(tmp_path / "empty.txt", [""])
     with pytest.raises(ThresholdFileError, match="holds no lines"):
         import_reference_text(empty, **kw)
+
+
+def test_saved_file_follows_the_umask_and_bad_paths_name_the_file(tmp_path):
+    old = os.umask(0o022)
+    try:
+        p = _set().save(tmp_path / "perm.safetensors")
+    finally:
+        os.umask(old)
+    assert (os.stat(p).st_mode & 0o777) == 0o644  # readable by others, as open() would make it
+    with pytest.raises(ValueError, match="names a directory"):
+        _set().save(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError, match="cannot write threshold file .*afile/t.safetensors"):
+        _set().save(tmp_path / "afile" / "t.safetensors")
+
+
+def test_same_shape_other_model_name_warns():
+    ts = _set()
+    with pytest.warns(UserWarning, match="calibrated on model 'tiny' and is used with model 'other'"):
+        ts.check_model(dict(CFG), "other")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ts.check_model(dict(CFG), "tiny")
+        ts.check_model(dict(CFG), "other", compare_name=False)

@@ -310,7 +310,8 @@ class ThresholdAccumulator:
         Raises
         ------
         ValueError
-            No calibration row was longer than k in some thresholded layer.
+            No calibration row was longer than k in some thresholded layer; alpha is not
+            finite; or a negative alpha gives negative post_softmax thresholds.
         """
         if not math.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha!r}")
@@ -322,12 +323,18 @@ class ThresholdAccumulator:
         for layer, k in enumerate(layer_k):
             if k != DENSE and cnt[layer].sum() == 0:
                 raise ValueError(
-                    f"no calibration row longer than k={k} in layer {layer}: use longer "
-                    f"calibration samples (--max-tokens) or a smaller k"
+                    f"no calibration row longer than k={k} in layer {layer} (k per layer comes "
+                    f"from k and the --layer-k overrides): use longer calibration samples "
+                    f"(--max-tokens), a smaller k, or another --layer-k (e.g. {layer}:dense)"
                 )
         sampled_any = np.flatnonzero(cnt.reshape(-1, cnt.shape[-1]).sum(0) > 0)
         R = int(sampled_any[-1]) + 1 if sampled_any.size else 1
         theta = (mean + alpha * std)[..., :R]
+        if placement == "post_softmax" and alpha < 0 and bool((theta[cnt[..., :R] > 0] < 0).any()):
+            raise ValueError(
+                f"alpha={alpha} makes some post_softmax thresholds (probabilities) negative "
+                f"(mean + alpha * std < 0); use a smaller |alpha| (--alpha), or alpha >= 0"
+            )
         theta = fill_unsampled(theta, cnt[..., :R])
         theta = _dense_rows(theta, layer_k, -np.inf)
         return CalibrationResult(

@@ -37,6 +37,7 @@ import math
 import os
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -175,10 +176,12 @@ class ThresholdSet:
         return (f"{self.model_name}: placement={self.placement}, k per layer "
                 f"[{format_layer_k(self.layer_k)}], alpha={self.alpha}, max_row_id="
                 f"{self.max_row_id}, sdc_table={'yes' if self.sdc_table is not None else 'no'}, "
-                f"calibration: {self.calibration_text} ({self.calibration_samples} samples)")
+                f"calibration: {self.calibration_text}"
+                + (f" ({self.calibration_samples} samples, {self.calibration_tokens} tokens)"
+                   if self.calibration_samples else ""))
 
     def check_model(self, config: Any, model_name: Optional[str] = None,
-                    placement: Optional[str] = None) -> None:
+                    placement: Optional[str] = None, *, compare_name: bool = True) -> None:
         """Raise :class:`ThresholdFileError` unless the file fits the model (and placement).
 
         Parameters
@@ -186,9 +189,19 @@ class ThresholdSet:
         config : transformers config or dict
             The model's config (see :func:`attention_config_of`).
         model_name : str, optional
-            Only used in messages.
+            Used in messages; with ``compare_name``, a name other than the file's gives a
+            UserWarning (another model with the same attention shape, e.g. a base vs an
+            instruct model).
         placement : str, optional
             The placement the caller wants; must equal the file's.
+        compare_name : bool
+            Warn when ``model_name`` differs from the file's (off for unnamed models).
+
+        Raises
+        ------
+        ThresholdFileError
+            The model's attention config (layers, heads, head_dim, ...) differs from the
+            file's, naming both models and every differing field; or the placement differs.
         """
         mine = attention_config_of(config)
         if fingerprint(mine) != self.fingerprint:
@@ -200,6 +213,11 @@ class ThresholdSet:
                 f"{model_name or '(given)'!r} is ({describe_config(mine)}); differs in "
                 + "; ".join(diffs)
             )
+        if compare_name and model_name is not None and model_name != self.model_name:
+            warnings.warn(
+                f"{self.name()} was calibrated on model {self.model_name!r} and is used with model "
+                f"{model_name!r}: the attention shapes match, but thresholds are specific to the "
+                "weights they were calibrated on", UserWarning, stacklevel=3)
         if placement is not None and placement != self.placement:
             raise ThresholdFileError(
                 f"{self.name()} holds {self.placement} thresholds (model {self.model_name!r}), "
@@ -241,34 +259,53 @@ class ThresholdSet:
         ------
         ThresholdFileError
             The set is inconsistent (same checks as loading).
+        ValueError
+            ``path`` names a directory.
+        OSError
+            The file cannot be written (the message names ``path``); no partial file is left.
         """
         from safetensors.torch import save_file
 
         _validate(self.thresholds, self.counts, self.sdc_table, self.layer_k, self.placement,
                   self.attention_config, where="the threshold set to save")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.name or path.is_dir():
+            raise ValueError(f"threshold file path {str(path)!r} names a directory; expected a file "
+                             "path such as th_k16.safetensors")
         tensors = {
             "thresholds": self.thresholds.detach().to("cpu", torch.float32).contiguous(),
             "sample_counts": self.counts.detach().to("cpu", torch.int64).contiguous(),
         }
         if self.sdc_table is not None:
             tensors["sdc_table"] = self.sdc_table.detach().to("cpu", torch.float32).contiguous()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write threshold file {str(path)!r}: {e.strerror}") from None
         os.close(fd)
         try:
             save_file(tensors, tmp, metadata=self.metadata())
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; follow the umask like open()
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if isinstance(e, OSError):
+                raise OSError(e.errno, f"cannot write threshold file {str(path)!r}: {e.strerror}") from None
             raise
         self.path = str(path)
         return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _validate(thresholds, counts, sdc_table, layer_k, placement, attention_config, *, where: str) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -52,8 +53,10 @@ class TopthSettings:
     ----------
     mode : {"topth", "topk", "dense"}
         Top-Theta with calibrated thresholds, exact top-k per row, or dense attention.
-    thresholds : ThresholdSet, optional
-        Required by mode "topth"; its placement is used.
+    thresholds : ThresholdSet or path, optional
+        Required by mode "topth"; its placement is used. A ``str`` / ``os.PathLike`` is
+        loaded with :func:`topth_ops.threshold_file.load_thresholds` (TypeError for other
+        types).
     placement : str, optional
         Required by mode "topk" (weights of the kept keys); must match the file in "topth".
     sdc : {"none", "exact", "exp_threshold", "offline"}
@@ -77,6 +80,15 @@ class TopthSettings:
     layer_k: Optional[list] = None
     prefill: str = "thresholded"
     backend: Optional[str] = None
+
+    def __post_init__(self):
+        if isinstance(self.thresholds, (str, os.PathLike)):
+            from ..threshold_file import load_thresholds
+
+            self.thresholds = load_thresholds(self.thresholds)
+        elif self.thresholds is not None and not isinstance(self.thresholds, ThresholdSet):
+            raise TypeError("thresholds must be a ThresholdSet (topth_ops.threshold_file.load_thresholds) "
+                            f"or a path to a threshold file, got {type(self.thresholds).__name__}")
 
     def resolved(self, num_layers: int) -> "TopthSettings":
         """Validated copy with placement and layer_k filled in.
@@ -146,8 +158,8 @@ class TopthAttention:
         cfg = model.config
         self.num_layers = int(cfg.num_hidden_layers)
         if settings.mode == "topth" and settings.thresholds is not None:
-            settings.thresholds.check_model(cfg, getattr(model, "name_or_path", None) or type(model).__name__,
-                                            placement=settings.placement)
+            settings.thresholds.check_model(cfg, model_display_name(model), placement=settings.placement,
+                                            compare_name=_has_name(model))
         self.settings = settings.resolved(self.num_layers)
         self.prefill_stats = prefill_stats
         self.decode_stats = decode_stats
@@ -263,8 +275,9 @@ class TopthAttention:
         if key_valid is not None:
             raise ValueError(
                 "topth decode: the valid keys of every sequence must be a prefix of the KV cache "
-                "(the decode op reads positions 0..n-1), but this batch is left-padded; run "
-                "sequences without padding (batch size 1 or equal-length prompts)"
+                "(the decode op reads positions 0..n-1), but in this batch padding sits inside "
+                "some sequence's cache (left-padded prompts, or right-padded prompts followed by "
+                "generation); run sequences without padding (batch size 1 or equal-length prompts)"
             )
         n = row_ids[:, 0]
         s = self.settings
@@ -286,6 +299,20 @@ class TopthAttention:
         else:
             out = res
         return out.unsqueeze(1)  # [B, 1, Hq, D]
+
+
+def model_display_name(model) -> str:
+    """The name used in messages and threshold files: the one :func:`~topth_ops.hf.model.load_model`
+    gave the model, else the last component of ``name_or_path``, else the class name."""
+    given = getattr(model, "_topth_name", None)
+    if given:
+        return given
+    path = str(getattr(model, "name_or_path", "") or "").rstrip("/\\")
+    return os.path.basename(path) or type(model).__name__
+
+
+def _has_name(model) -> bool:
+    return bool(getattr(model, "_topth_name", None) or getattr(model, "name_or_path", None))
 
 
 def _rows_from_mask(mask, B: int, T: int, S: int, dev) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

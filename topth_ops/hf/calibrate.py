@@ -10,14 +10,15 @@ final thresholds (:class:`topth_ops.calibration.SdcAccumulator`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from ..calibration import DENSE, CalibrationResult, SdcAccumulator, ThresholdAccumulator
 from ..threshold_file import ThresholdSet, attention_config_of
-from .attention import TopthSettings, disable, enable
+from .attention import TopthSettings, disable, enable, model_display_name
 
 
 @dataclass
@@ -47,7 +48,7 @@ def _run(model, samples, settings: TopthSettings, hook, desc: str, progress: boo
 
 def calibrate(model, text: CalibrationText, targets: Sequence[list], placements: Sequence[str],
               *, alpha: float = 0.0, topk_at_calibration: bool = False, tac_vmc: bool = False,
-              sdc_table: bool = True, model_name: str = "model", progress: bool = True
+              sdc_table: bool = True, model_name: Optional[str] = None, progress: bool = True
               ) -> dict[tuple[int, str], ThresholdSet]:
     """Calibrate thresholds for several layer-k maps and placements.
 
@@ -68,7 +69,8 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         ``tac_vmc`` adds V-mean compensation.
     sdc_table : bool
         Also compute the offline SDC table for pre_softmax (a second pass).
-    model_name : str
+    model_name : str, optional
+        Recorded in the files; default :func:`topth_ops.hf.attention.model_display_name`.
     progress : bool
         Show tqdm progress bars.
 
@@ -80,8 +82,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     Raises
     ------
     ValueError
-        No samples, a target with k < 1 in a thresholded layer, or no calibration row
-        longer than some layer's k.
+        No samples, a target with k < 1 in a thresholded layer, no calibration row
+        longer than some layer's k, a non-finite alpha, or a negative alpha that makes
+        post_softmax thresholds negative.
     """
     if not text.samples:
         raise ValueError("calibration needs at least one text sample (the calibration text is empty)")
@@ -93,6 +96,16 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         if all(k == DENSE for k in t):
             raise ValueError("every layer is dense in a layer-k map: nothing to calibrate")
     max_len = max(int(s.numel()) for s in text.samples)
+    for t in targets:  # checked here, before the forward passes
+        for layer, k in enumerate(t):
+            if k != DENSE and k >= max_len:
+                raise ValueError(
+                    f"layer {layer} has k={k}, but the longest calibration sample has {max_len} "
+                    f"tokens, so no row is longer than k (k per layer comes from k and the "
+                    f"--layer-k overrides): use longer samples (--max-tokens), a smaller k, or "
+                    f"another --layer-k (e.g. {layer}:dense)")
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be finite, got {alpha!r}")
     results: dict[tuple[int, str], CalibrationResult] = {}
     passes = [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
     for idx in passes:
@@ -137,7 +150,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     for (i, p), r in results.items():
         out[(i, p)] = ThresholdSet(
             thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=p,
-            model_name=model_name, attention_config=attention_config_of(cfg), alpha=r.alpha,
+            model_name=model_name or model_display_name(model), attention_config=attention_config_of(cfg), alpha=r.alpha,
             sdc_table=r.sdc_table, calibration_text=text.description,
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
             topk_at_calibration=topk_at_calibration,

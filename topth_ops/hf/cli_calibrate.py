@@ -4,18 +4,20 @@ write threshold files (safetensors); also imports the paper reference code's th.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-from .cli_common import add_calibration_arguments, add_model_argument, fail, flat_k, parse_k_list
+from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_context,
+                         check_output_file, check_sizes, fail, flat_k, parse_k_list, show_progress)
 
 PLACEMENT_CHOICES = ("pre_softmax", "post_softmax", "both")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p)
-    p.add_argument("--k", type=parse_k_list, nargs="+", required=True, metavar="K",
+    p.add_argument("--k", type=parse_k_list, nargs="+", default=None, metavar="K",
                    help="target k (keep ~k elements per row); several, e.g. '8,16,32', are "
-                        "calibrated from the same forward passes")
+                        "calibrated from the same forward passes (required unless --import-reference)")
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="post_softmax",
                    help="threshold logits (pre_softmax) or probabilities (post_softmax); both "
                         "are recorded from the same passes (default post_softmax)")
@@ -46,11 +48,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.import_reference:
             return _import(args)
+        if args.k is None:
+            raise ValueError("--k is required (unless --import-reference)")
+        check_sizes(args, {"samples": 1, "max_tokens": 2})
+        check_alpha(args.alpha)
         placements = ["pre_softmax", "post_softmax"] if args.placement == "both" else [args.placement]
         ks = flat_k(args.k)
         for k in ks:  # validate the output names before the long work
             for p in placements:
-                out_path(args.out, k, p, len(ks) > 1, len(placements) > 1)
+                check_output_file(out_path(args.out, k, p, len(ks) > 1, len(placements) > 1), "--out")
         from .calibrate import CalibrationText, calibrate
         from .model import load_model
         from .texts import calibration_documents, token_samples
@@ -58,22 +64,23 @@ def run(args: argparse.Namespace) -> int:
         docs, desc = calibration_documents(args.text)
         t0 = time.time()
         lm = load_model(args.model)
+        check_context(args.max_tokens, "--max-tokens", lm.max_context)
         L = int(lm.config.num_hidden_layers)
         targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
         samples = token_samples(lm.tokenizer, docs, args.samples, args.max_tokens)
-        text = CalibrationText(samples, f"{desc}; {len(samples)} samples x <= {args.max_tokens} tokens")
+        text = CalibrationText(samples, f"{desc}; samples of <= {args.max_tokens} tokens")
         print(f"model {lm.name} loaded in {time.time() - t0:.1f} s; calibrating k={ks} "
               f"({', '.join(placements)}) on {text.tokens} tokens of {desc}")
         t1 = time.time()
         sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
                          topk_at_calibration=args.topk_at_calibration,
-                         sdc_table=not args.no_sdc_table, model_name=lm.name, progress=not args.quiet)
+                         sdc_table=not args.no_sdc_table, model_name=lm.name, progress=show_progress(args))
         for (i, p), ts in sorted(sets.items()):
             path = ts.save(out_path(args.out, ks[i], p, len(ks) > 1, len(placements) > 1))
             print(f"wrote {path}: {ts.summary()}")
         print(f"calibration took {time.time() - t1:.1f} s")
         return 0
-    except (ValueError, FileNotFoundError, ModelNotAvailable) as e:
+    except (ValueError, OSError, ModelNotAvailable) as e:
         return fail(str(e))
 
 
@@ -83,9 +90,15 @@ def _import(args) -> int:
 
     if args.placement == "both":
         return fail("--import-reference needs --placement pre_softmax or post_softmax (th.txt does not record it)")
+    for flag, f in (("--import-reference", args.import_reference), ("--import-sdc", args.import_sdc)):
+        if f is not None and not os.path.isfile(f):
+            raise ValueError(f"{flag} {f!r}: no such file")
+    check_output_file(args.out, "--out")
     cfg, name = load_config(args.model)
     ts = import_reference_text(args.import_reference, args.import_sdc, placement=args.placement,
                                attention_config=cfg, model_name=name)
-    path = ts.save(args.out.replace("{k}", str(ts.k)).replace("{placement}", ts.placement))
+    path = args.out.replace("{k}", str(ts.k)).replace("{placement}", ts.placement)
+    check_output_file(path, "--out")
+    path = ts.save(path)
     print(f"wrote {path}: {ts.summary()}")
     return 0

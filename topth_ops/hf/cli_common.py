@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Optional
 
 DEFAULT_LAYER_K = "0:256,1:256"
@@ -83,3 +85,64 @@ def fail(msg: str) -> int:
     from ..cli import CliError
 
     raise CliError(msg)
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars unless --quiet or stderr is not a terminal (a log file fills with
+    carriage-return redraws otherwise)."""
+    import sys
+
+    return not args.quiet and sys.stderr.isatty()
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Raise ValueError unless ``path`` can be written as a file (checked before any long
+    work; the write itself still reports OSError with the path)."""
+    if not path:
+        raise ValueError(f"{flag} is empty; expected a file path")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path!r} is a directory; expected a file path")
+    _check_creatable_dir(p.parent, flag, path)
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """Raise ValueError unless ``path`` is, or can be created as, a writable directory."""
+    if not path:
+        raise ValueError(f"{flag} is empty; expected a directory")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path!r} exists and is not a directory")
+    _check_creatable_dir(p, flag, path)
+
+
+def _check_creatable_dir(d: Path, flag: str, path: str) -> None:
+    a = d.absolute()
+    while not a.exists() and a != a.parent:
+        a = a.parent
+    if not a.is_dir():
+        raise ValueError(f"{flag} {path!r}: {str(a)!r} is not a directory")
+    if not os.access(a, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: directory {str(a)!r} is not writable")
+
+
+def check_sizes(args: argparse.Namespace, minimum: dict) -> None:
+    """Raise ValueError naming the flag when an integer flag is below its minimum;
+    ``minimum`` maps attribute names (``calib_samples``) to their least value."""
+    for name, least in minimum.items():
+        v = getattr(args, name)
+        if v < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {v}")
+
+
+def check_alpha(alpha: float) -> None:
+    import math
+
+    if not math.isfinite(alpha):
+        raise ValueError(f"--alpha must be a finite number, got {alpha!r}")
+
+
+def check_context(tokens: int, flag: str, max_context: int) -> None:
+    """Raise ValueError when ``tokens`` exceeds the model's context (0: unknown)."""
+    if max_context and tokens > max_context:
+        raise ValueError(f"{flag} {tokens} exceeds the model's context of {max_context} tokens")

