@@ -255,6 +255,12 @@ class ThresholdAccumulator:
         m, log_z : torch.Tensor, optional
             ``[B, num_q_heads, C, 1]``: row max and log of sum exp(a - m); needed for the
             post_softmax domain, computed here when omitted.
+
+        Raises
+        ------
+        ValueError
+            A row id in ``row_ids`` exceeds ``max_row_id`` (the accumulator has no slot
+            for it; size it with the longest calibration sample).
         """
         B, H, C, S = scores.shape
         ks = sorted({t[layer] for t in self.targets if t[layer] != DENSE})
@@ -383,7 +389,27 @@ class SdcAccumulator:
         self.counts = [torch.zeros(r.thresholds.shape, dtype=torch.int64) for r in results]
 
     def record(self, layer: int, scores: torch.Tensor, row_ids: torch.Tensor) -> None:
-        """Record one chunk of rows (arguments as :meth:`ThresholdAccumulator.record`)."""
+        """Record one chunk of rows: add each row's dropped exponent mass E at its layer's
+        calibrated thresholds (paper section 3.2.1).
+
+        Parameters
+        ----------
+        layer : int
+            Attention layer of the chunk; layers that are dense in a result are skipped.
+        scores : torch.Tensor
+            ``[B, num_q_heads, C, S]`` float32 pre-softmax logits a (scale applied),
+            -inf at positions that are not valid keys of the row.
+        row_ids : torch.Tensor
+            ``[B, C]`` int64: n, the number of valid keys of each row (0 = padding row).
+            Rows with n <= k add nothing; rows longer than a result's ``max_row_id`` are
+            skipped for that result.
+
+        Notes
+        -----
+        E = sum over valid j with a_j <= theta[layer, h, n - 1] of exp(a_j - m), m the
+        row max; sums and counts are float64 / int64 per (layer, head, row id) and become
+        the table in :meth:`finalize`.
+        """
         B, H, C, S = scores.shape
         n = row_ids.to(torch.int64)
         valid = scores != float("-inf")  # -inf marks positions that are not valid keys

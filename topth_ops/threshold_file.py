@@ -72,6 +72,14 @@ def attention_config_of(config: Any) -> dict:
     -------
     dict
         ``{"model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"}``.
+
+    Raises
+    ------
+    ValueError
+        ``config`` is a dict that lacks one of those five keys (the message lists them).
+    AttributeError
+        ``config`` is an object without ``num_attention_heads`` or
+        ``num_hidden_layers``, or without ``hidden_size`` when it has no ``head_dim``.
     """
     if isinstance(config, dict):
         missing = [k for k in _CONFIG_KEYS if k not in config]
@@ -96,6 +104,24 @@ def fingerprint(attention_config: dict) -> str:
 
 
 def describe_config(c: dict) -> str:
+    """One-line human description of an attention config, for error messages.
+
+    Parameters
+    ----------
+    c : dict
+        An attention config as returned by :func:`attention_config_of` (keys
+        ``model_type``, ``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim``).
+
+    Returns
+    -------
+    str
+        E.g. ``"llama, 30 layers, 9 query heads, 3 KV heads, head_dim 64"``.
+
+    Raises
+    ------
+    KeyError
+        One of those keys is missing.
+    """
     return (f"{c['model_type']}, {c['num_layers']} layers, {c['num_q_heads']} query heads, "
             f"{c['num_kv_heads']} KV heads, head_dim {c['head_dim']}")
 
@@ -169,10 +195,26 @@ class ThresholdSet:
         return max(set(ks), key=ks.count) if ks else 0
 
     def name(self) -> str:
+        """How messages refer to this set: ``"thresholds file (PATH)"``, or
+        ``"thresholds file"`` when it was neither loaded nor saved (``path`` is None).
+
+        Returns
+        -------
+        str
+        """
         where = f" ({self.path})" if self.path else ""
         return f"thresholds file{where}"
 
     def summary(self) -> str:
+        """One-line description for logs and CLI output.
+
+        Returns
+        -------
+        str
+            Model name, placement, k per layer (:func:`topth_ops.calibration.
+            format_layer_k`), alpha, max_row_id, whether an SDC table is present, and the
+            calibration text with its sample count.
+        """
         return (f"{self.model_name}: placement={self.placement}, k per layer "
                 f"[{format_layer_k(self.layer_k)}], alpha={self.alpha}, max_row_id="
                 f"{self.max_row_id}, sdc_table={'yes' if self.sdc_table is not None else 'no'}, "
@@ -228,6 +270,22 @@ class ThresholdSet:
     # ---------------------------------------------------------------- writing
 
     def metadata(self) -> dict[str, str]:
+        """The safetensors metadata map written by :meth:`save` (see the module docstring).
+
+        Returns
+        -------
+        dict of str to str
+            ``format``, ``format_version``, ``model_name``, ``attention_config`` (JSON),
+            ``attention_fingerprint``, ``placement``, ``layer_k`` (JSON list, 0 = dense),
+            ``alpha`` (JSON number or null), ``topk_at_calibration`` (JSON bool),
+            ``calibration_text``, ``calibration_samples``, ``calibration_tokens``,
+            ``source``, ``created_by``; every value a string, as safetensors requires.
+
+        Raises
+        ------
+        ValueError
+            ``attention_config`` lacks one of its keys (from :func:`attention_config_of`).
+        """
         from . import __version__
 
         return {
@@ -249,6 +307,12 @@ class ThresholdSet:
 
     def save(self, path: Union[str, os.PathLike]) -> Path:
         """Validate and write the file atomically (temporary file + fsync + rename).
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Destination ``.safetensors`` file; missing parent folders are created, an
+            existing file is replaced. On success ``self.path`` is set to it.
 
         Returns
         -------
@@ -502,8 +566,15 @@ def import_reference_text(th_path: Union[str, os.PathLike], sdc_path: Optional[U
     Raises
     ------
     ThresholdFileError
-        Malformed lines, layers or heads outside the model, several K in one layer, a
-        layer with some heads missing, or an sdc line for a layer without thresholds.
+        Malformed lines, an empty file, layers or heads outside the model, several K in
+        one layer, a layer with some heads missing, an sdc file with post_softmax, or an
+        sdc line for a layer without thresholds.
+    ValueError
+        ``placement`` is not "pre_softmax" or "post_softmax", or ``attention_config`` is
+        a dict lacking keys (:func:`attention_config_of`).
+    FileNotFoundError
+        ``th_path`` or ``sdc_path`` does not exist (other ``OSError`` for unreadable
+        files), raised by ``open``.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")

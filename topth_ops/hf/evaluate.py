@@ -73,6 +73,27 @@ class Variant:
         return self.family if self.k is None else f"{self.family} k={self.k}"
 
     def settings(self, backend: Optional[str]) -> TopthSettings:
+        """The attention settings of this variant (its family's mode, placement, sdc, vmc).
+
+        Parameters
+        ----------
+        backend : str or None
+            Decode-op backend name (None: automatic / ``TOPTH_BACKEND``).
+
+        Returns
+        -------
+        TopthSettings
+            Mode "topth" with ``thresholds``, mode "topk" with ``layer_k`` and the
+            family's placement, or mode "dense" for the "dense" family. Not validated
+            here: :func:`topth_ops.hf.enable` resolves and checks it.
+
+        Raises
+        ------
+        KeyError
+            ``family`` is neither "dense" nor in :data:`FAMILIES`.
+        TypeError
+            A top-k family whose ``layer_k`` is None.
+        """
         s = self.spec
         if s["mode"] == "topth":
             return TopthSettings(mode="topth", thresholds=self.thresholds, sdc=s["sdc"], vmc=s["vmc"],
@@ -122,6 +143,32 @@ class TextSet:
 
 
 def tokenize_texts(tokenizer, cfg: EvalConfig, problems: Sequence[dict], long_docs) -> TextSet:
+    """Tokenize the HumanEval problems (prompt and canonical solution separately, no
+    special tokens) and collect the already tokenized long documents.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+        Called as ``tokenizer(text, add_special_tokens=False).input_ids``.
+    cfg : EvalConfig
+        Unused (kept for a uniform signature).
+    problems : sequence of dict
+        Each with ``"task_id"``, ``"prompt"`` and ``"canonical_solution"`` (see
+        :func:`topth_ops.hf.texts.humaneval_problems`).
+    long_docs : iterable of (str, torch.Tensor)
+        ``(name, 1-D int64 token ids)`` (see :func:`topth_ops.hf.texts.stdlib_documents`).
+
+    Returns
+    -------
+    TextSet
+        ``problems`` as ``(task_id, prompt ids, solution ids)`` with lists of int, and
+        ``long_docs`` as a list.
+
+    Raises
+    ------
+    KeyError
+        A problem lacks one of the three keys.
+    """
     probs = []
     for p in problems:
         a = tokenizer(p["prompt"], add_special_tokens=False).input_ids
@@ -182,7 +229,45 @@ def _merge(a: StatsCollector, *others: StatsCollector) -> StatsCollector:
 
 
 def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: EvalConfig, progress) -> dict:
-    """Measure one variant; returns its JSON record."""
+    """Measure one variant; returns its JSON record.
+
+    Runs, with the variant's attention enabled: HumanEval teacher-forced perplexity over
+    ``cfg.problems`` problems (prefill rows thresholded), greedy agreement with the dense
+    continuations fed back token by token (decode steps through the op), and the
+    long-document perplexity; :func:`topth_ops.hf.disable` restores the model's previous
+    attention implementation afterwards, also on error.
+
+    Parameters
+    ----------
+    lm : topth_ops.hf.model.LoadedModel
+        The loaded model (``lm.model`` is the transformers model).
+    variant : Variant
+        Family and k (with its thresholds file or layer-k map).
+    texts : TextSet
+        From :func:`tokenize_texts`.
+    dense : dict
+        :func:`dense_reference` of the same ``texts`` and ``cfg`` (perplexities and
+        greedy continuations).
+    cfg : EvalConfig
+        Sizes (problems, agreement problems and tokens, long-document rows) and backend.
+    progress : callable
+        ``progress(iterable, desc) -> iterable``, e.g. a tqdm wrapper or identity.
+
+    Returns
+    -------
+    dict
+        JSON-serializable record: ``ppl`` / ``ppl_dense`` / ``ppl_rel_change``,
+        ``token_agreement``, V-row and kept-element fractions of the decode steps
+        (``v_rows_frac``, ``attn_kept_frac``, ``*_sparse_layers``), of the prefill rows
+        and of long-document rows with row id >= ``cfg.long_min_row``, k~/k overall and by
+        row-length bucket, ``seconds``, and ``targets`` (:func:`targets_met`).
+
+    Raises
+    ------
+    ValueError, ThresholdFileError
+        From :func:`topth_ops.hf.enable` when the settings or the thresholds file do
+        not fit the model.
+    """
     model = lm.model
     t0 = time.time()
     he, dec, long = _collector(model), _collector(model), _collector(model)

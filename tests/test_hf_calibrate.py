@@ -1,0 +1,211 @@
+"""topth_ops.hf.calibrate.calibrate on a tiny random Llama against an independent float64
+oracle of algorithm 1 (arXiv 2502.08363, section 3.1) and of the offline SDC table
+(section 3.2.1).
+
+The oracle runs the model dense with transformers' eager attention, takes each attention
+layer's input hidden states and rotary (cos, sin) from a forward pre-hook, and recomputes
+q, k and the logits a = q k^T / sqrt(head_dim) itself in float64 numpy (GQA: query head h
+reads KV head h // (Hq / Hkv)). softmax(a) is checked against the probabilities eager
+attention returns (output_attentions=True), so the oracle's layer, head, row and scale
+wiring is pinned by transformers, not by topth_ops. Calibration keeps every layer dense,
+so every layer's inputs are the dense run's and every layer's thresholds must match.
+
+This catches wiring bugs in the model integration (samples recorded into the wrong layer,
+head or row id; pre- and post-softmax domains swapped; wrong k) that the accumulator's
+own tests cannot see. About 2 s on CPU.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import transformers  # noqa: F401 - the hf extra is part of the dev extra
+
+from topth_ops.calibration import DENSE
+from topth_ops.hf.calibrate import CalibrationText, calibrate
+
+L, HQ, HKV, D, HIDDEN, VOCAB = 3, 6, 2, 16, 96, 96
+LENGTHS = [40, 40, 33, 40]  # row ids 34..40 get 3 samples, 1..33 get 4
+TARGETS = [[3, 3, 3], [DENSE, 6, 2]]
+ALPHA = 0.5
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=L,
+                      num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=128,
+                      attn_implementation="sdpa")
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper attention than the default init, so rows differ clearly
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return m
+
+
+@pytest.fixture(scope="module")
+def samples():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def _oracle_logits(model, ids):
+    """Float64 logits ``[L, HQ, T, T]`` (-inf above the diagonal) of a dense eager run."""
+    captured = {}
+
+    def pre_hook(module, args, kwargs):
+        hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+        captured[module.layer_idx] = (hs[0].double().numpy(), cos[0].double().numpy(), sin[0].double().numpy())
+
+    attns = [layer.self_attn for layer in model.model.layers]
+    handles = [a.register_forward_pre_hook(pre_hook, with_kwargs=True) for a in attns]
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids.view(1, -1), use_cache=False, output_attentions=True)
+    finally:
+        model.set_attn_implementation(prev)
+        for h in handles:
+            h.remove()
+    T = ids.numel()
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    logits = np.empty((L, HQ, T, T))
+    for layer, attn in enumerate(attns):
+        hs, cos, sin = captured[layer]
+        wq = attn.q_proj.weight.detach().double().numpy()
+        wk = attn.k_proj.weight.detach().double().numpy()
+        q = (hs @ wq.T).reshape(T, HQ, D).transpose(1, 0, 2)  # [HQ, T, D]
+        k = (hs @ wk.T).reshape(T, HKV, D).transpose(1, 0, 2)  # [HKV, T, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = np.repeat(k, HQ // HKV, axis=0)  # query head h reads KV head h // (HQ // HKV)
+        a = q @ k.transpose(0, 2, 1) / math.sqrt(D)
+        logits[layer] = np.where(causal, a, -np.inf)
+        # the reconstruction agrees with transformers' own eager attention probabilities
+        p = np.exp(logits[layer] - logits[layer].max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        np.testing.assert_allclose(p, out.attentions[layer][0].double().numpy(), atol=2e-5)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def oracle(model, samples):
+    return [_oracle_logits(model, ids) for ids in samples]
+
+
+def _algorithm_1(oracle, layer_k, placement, alpha):
+    """theta[layer, h, n-1] = mean + alpha * population std over samples of the row's
+    (k+1)-th largest logit / probability; -inf for n <= k and dense layers; counts."""
+    R = max(LENGTHS)
+    vals = {}
+    for logits in oracle:
+        T = logits.shape[-1]
+        for layer, k in enumerate(layer_k):
+            if k == DENSE:
+                continue
+            for h in range(HQ):
+                for i in range(k, T):  # row id n = i + 1 > k
+                    a = logits[layer, h, i, : i + 1]
+                    x = a if placement == "pre_softmax" else np.exp(a - a.max()) / np.exp(a - a.max()).sum()
+                    vals.setdefault((layer, h, i + 1), []).append(np.sort(x)[::-1][k])
+    theta = np.full((L, HQ, R), -np.inf)
+    counts = np.zeros((L, HQ, R), dtype=np.int64)
+    for (layer, h, n), v in vals.items():
+        v = np.array(v)
+        theta[layer, h, n - 1] = v.mean() + alpha * v.std()
+        counts[layer, h, n - 1] = v.size
+    return theta, counts
+
+
+@pytest.fixture(scope="module")
+def calibrated(model, samples):
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    return calibrate(model, text, TARGETS, ["pre_softmax", "post_softmax"], alpha=ALPHA, model_name="tiny",
+                     progress=False)
+
+
+@pytest.mark.parametrize("target", range(len(TARGETS)))
+@pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
+def test_hf_calibration_matches_float64_algorithm_1_in_every_layer(calibrated, oracle, target, placement):
+    ts = calibrated[(target, placement)]
+    expected, counts = _algorithm_1(oracle, TARGETS[target], placement, ALPHA)
+    got = ts.thresholds.numpy().astype(np.float64)
+    assert ts.layer_k == TARGETS[target] and ts.placement == placement and ts.alpha == ALPHA
+    assert got.shape == expected.shape == (L, HQ, max(LENGTHS))
+    assert np.array_equal(ts.counts.numpy(), counts)  # samples land in their own (layer, head, row id)
+    assert np.array_equal(np.isneginf(got), np.isneginf(expected))
+    fin = np.isfinite(expected)
+    assert fin.sum() == HQ * sum(max(LENGTHS) - k for k in TARGETS[target] if k != DENSE)  # all n > k
+    tol = dict(rtol=1e-4, atol=1e-4) if placement == "pre_softmax" else dict(rtol=1e-4, atol=1e-6)
+    for layer in range(L):
+        for h in range(HQ):
+            m = fin[layer, h]
+            np.testing.assert_allclose(got[layer, h, m], expected[layer, h, m], **tol,
+                                       err_msg=f"{placement} target {target} layer {layer} head {h}")
+    # the check is sharp: every two layers, heads or neighbouring row ids differ far
+    # beyond the tolerance, so samples recorded in the wrong place cannot pass
+    e, scale = np.where(fin, expected, np.nan), np.abs(expected[fin]).max()
+    pairs = [(e[i], e[j]) for i in range(L) for j in range(i + 1, L)]
+    pairs += [(e[:, i], e[:, j]) for i in range(HQ) for j in range(i + 1, HQ)]
+    pairs += [(e[..., 1:], e[..., :-1])]
+    for x, y in pairs:
+        d = np.abs(x - y)
+        if np.isfinite(d).any():
+            assert np.nanmax(d) > 1e-2 * scale
+
+
+def test_hf_offline_sdc_table_is_mean_dropped_mass(calibrated, oracle):
+    """Section 3.2.1: sdc_table[layer, h, n-1] = mean over rows with row id n of
+    sum_{a_j <= theta} exp(a_j - max a), at the file's own (float32) thresholds."""
+    for target, layer_k in enumerate(TARGETS):
+        ts = calibrated[(target, "pre_softmax")]
+        assert calibrated[(target, "post_softmax")].sdc_table is None
+        theta = ts.thresholds.numpy().astype(np.float64)
+        sums = {}
+        for logits in oracle:
+            T = logits.shape[-1]
+            for layer, k in enumerate(layer_k):
+                if k == DENSE:
+                    continue
+                for h in range(HQ):
+                    for i in range(k, T):
+                        a = logits[layer, h, i, : i + 1]
+                        dropped = a <= theta[layer, h, i]
+                        sums.setdefault((layer, h, i + 1), []).append(np.exp(a - a.max())[dropped].sum())
+        table = ts.sdc_table.numpy()
+        expect = np.zeros_like(table, dtype=np.float64)
+        for (layer, h, n), v in sums.items():
+            expect[layer, h, n - 1] = np.mean(v)
+        np.testing.assert_allclose(table, expect, rtol=1e-3, atol=1e-5, err_msg=f"target {target}")
+        assert expect.max() > 0.1
+
+
+def test_calibrated_thresholds_keep_about_k_on_the_calibration_rows(model, samples, oracle):
+    """alpha = 0: theta is the mean (k+1)-th largest value, so on the calibration rows
+    (dense activations) the kept count k~ = #{a_j > theta} averages about k (k~/k ~ 1)."""
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    sets = calibrate(model, text, [[4, 4, 4]], ["pre_softmax", "post_softmax"], alpha=0.0, sdc_table=False,
+                     progress=False)
+    for p in ("pre_softmax", "post_softmax"):
+        theta = sets[(0, p)].thresholds.numpy().astype(np.float64)
+        ratios = []
+        for logits in oracle:
+            for layer in range(L):
+                for h in range(HQ):
+                    for i in range(4, logits.shape[-1]):
+                        a = logits[layer, h, i, : i + 1]
+                        x = a if p == "pre_softmax" else np.exp(a - a.max()) / np.exp(a - a.max()).sum()
+                        ratios.append((x > theta[layer, h, i]).sum() / 4)
+        assert 0.8 < np.mean(ratios) < 1.4, (p, np.mean(ratios))
