@@ -105,11 +105,9 @@ def oracle(model, samples):
     return [_oracle_logits(model, ids) for ids in samples]
 
 
-def _algorithm_1(oracle, layer_k, placement, alpha):
-    """theta[layer, h, n-1] = mean + alpha * population std over samples of the row's
-    (k+1)-th largest logit / probability; -inf for n <= k and dense layers; counts."""
-    R = max(LENGTHS)
-    vals = {}
+def _thresholded_rows(oracle, layer_k):
+    """(layer, head, row id n, logits of the row's n keys) of every row with n > k in a
+    thresholded layer, over all samples."""
     for logits in oracle:
         T = logits.shape[-1]
         for layer, k in enumerate(layer_k):
@@ -117,9 +115,17 @@ def _algorithm_1(oracle, layer_k, placement, alpha):
                 continue
             for h in range(HQ):
                 for i in range(k, T):  # row id n = i + 1 > k
-                    a = logits[layer, h, i, : i + 1]
-                    x = a if placement == "pre_softmax" else np.exp(a - a.max()) / np.exp(a - a.max()).sum()
-                    vals.setdefault((layer, h, i + 1), []).append(np.sort(x)[::-1][k])
+                    yield layer, h, i + 1, logits[layer, h, i, : i + 1]
+
+
+def _algorithm_1(oracle, layer_k, placement, alpha):
+    """theta[layer, h, n-1] = mean + alpha * population std over samples of the row's
+    (k+1)-th largest logit / probability; -inf for n <= k and dense layers; counts."""
+    R = max(LENGTHS)
+    vals = {}
+    for layer, h, n, a in _thresholded_rows(oracle, layer_k):
+        x = a if placement == "pre_softmax" else np.exp(a - a.max()) / np.exp(a - a.max()).sum()
+        vals.setdefault((layer, h, n), []).append(np.sort(x)[::-1][layer_k[layer]])
     theta = np.full((L, HQ, R), -np.inf)
     counts = np.zeros((L, HQ, R), dtype=np.int64)
     for (layer, h, n), v in vals.items():
@@ -174,16 +180,9 @@ def test_hf_offline_sdc_table_is_mean_dropped_mass(calibrated, oracle):
         assert calibrated[(target, "post_softmax")].sdc_table is None
         theta = ts.thresholds.numpy().astype(np.float64)
         sums = {}
-        for logits in oracle:
-            T = logits.shape[-1]
-            for layer, k in enumerate(layer_k):
-                if k == DENSE:
-                    continue
-                for h in range(HQ):
-                    for i in range(k, T):
-                        a = logits[layer, h, i, : i + 1]
-                        dropped = a <= theta[layer, h, i]
-                        sums.setdefault((layer, h, i + 1), []).append(np.exp(a - a.max())[dropped].sum())
+        for layer, h, n, a in _thresholded_rows(oracle, layer_k):
+            dropped = a <= theta[layer, h, n - 1]
+            sums.setdefault((layer, h, n), []).append(np.exp(a - a.max())[dropped].sum())
         table = ts.sdc_table.numpy()
         expect = np.zeros_like(table, dtype=np.float64)
         for (layer, h, n), v in sums.items():
