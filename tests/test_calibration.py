@@ -153,6 +153,10 @@ def test_fill_unsampled_nearest_ties_smaller_and_ends():
 
 def test_parse_layer_k():
     assert parse_layer_k("0:dense,1:256", 16, 4) == [DENSE, 256, 16, 16]
+    with pytest.raises(ValueError, match="names layer 0 twice"):
+        parse_layer_k("0:16,0:dense", 16, 4)
+    with pytest.raises(ValueError, match="names layer 3 twice"):
+        parse_layer_k("3:16,-1:8", 16, 4)
     assert parse_layer_k("-1:dense", 8, 3) == [8, 8, DENSE]
     assert parse_layer_k(None, 4, 2) == [4, 4]
     assert format_layer_k([0, 0, 16, 16, 16]) == "0-1:dense, 2-4:16"

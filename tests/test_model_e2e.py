@@ -125,6 +125,16 @@ def test_output_paths_and_cheap_flags_are_checked_before_the_model_loads(tmp_pat
         (["evaluate", "--json", str(tmp_path / "e.json"), "--plots", str(afile)], "--plots"),
         (["evaluate", "--json", str(tmp_path / "e.json"), "--thresholds-dir", str(afile)], "--thresholds-dir"),
         (["evaluate", "--json", str(tmp_path / "e.json"), "--calib-samples", "0"], "--calib-samples must be >= 1"),
+        (["calibrate", "--k", "16", "--out", "/proc/t.safetensors"], "cannot create files in '/proc'"),
+        (["evaluate", "--json", "/proc/e.json"], "--json '/proc/e.json': cannot create files"),
+        (["calibrate", "--k", "16", "--layer-k", "0:16,0:32", "--out", "t.st"], "names layer 0 twice"),
+        (["calibrate", "--k", "16", "--layer-k", "0=16", "--out", "t.st"], "LAYER:K"),
+        (["calibrate", "--import-reference", str(tmp_path), "--placement", "pre_softmax", "--out", "t.st"],
+         "is a directory"),
+        (["calibrate", "--import-reference", str(afile), "--import-sdc", str(afile), "--out", "t.st"],
+         "--import-sdc applies to pre_softmax"),
+        (["generate", "--thresholds", str(tmp_path), "--prompt", "p"], "is a directory"),
+        (["generate", "--thresholds", str(afile), "--prompt", ""], "--prompt is empty"),
     ]
     for argv, needle in cases:
         assert main(argv) == 2, argv
@@ -153,3 +163,34 @@ def test_reference_import_needs_no_k(tmp_path, capsys):
 
     ts = load_thresholds(out)
     assert ts.k == 8 and ts.placement == "post_softmax" and ts.max_row_id == 39
+
+
+def test_repeated_flags_extend_and_files_are_checked_before_the_model_loads(evaluated, tmp_path, capsys,
+                                                                            monkeypatch):
+    _, out = evaluated
+    post = str(next((out / "thresholds").glob("*post_softmax.safetensors")))
+    pre = str(next((out / "thresholds").glob("*pre_softmax.safetensors")))
+    import topth_ops.hf.model as model_mod
+
+    monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["evaluate", "--thresholds", post, "--thresholds", post, "--json", str(tmp_path / "e.json")]) == 2
+    assert "is given twice" in capsys.readouterr().err
+    assert main(["evaluate", "--thresholds", post, "--variants", "topth-pre-offline-vmc",
+                 "--json", str(tmp_path / "e.json")]) == 2
+    assert "no variant of --variants topth-pre-offline-vmc applies" in capsys.readouterr().err
+    assert main(["generate", "--thresholds", post, "--prompt", "x", "--sdc", "exact"]) == 2
+    assert "--sdc exact" in capsys.readouterr().err
+    from topth_ops.hf.cli_evaluate import _file_variants
+    from topth_ops.threshold_file import load_thresholds
+
+    # --thresholds A --thresholds B keeps both files (argparse "extend"), as --k 16 --k 32 keeps both k
+    from topth_ops.cli import build_parser
+
+    a = build_parser().parse_args(["evaluate", "--thresholds", post, "--thresholds", pre, "--json", "x.json"])
+    assert a.thresholds == [post, pre]
+    a = build_parser().parse_args(["calibrate", "--k", "16", "--k", "32,8", "--out", "t{k}.st"])
+    from topth_ops.hf.cli_common import flat_k
+
+    assert flat_k(a.k) == [16, 32, 8]
+    vs = _file_variants([load_thresholds(post), load_thresholds(pre)], ["topth-post-vmc", "topth-pre-offline-vmc"])
+    assert sorted(v.thresholds.placement for v in vs) == ["post_softmax", "pre_softmax"]

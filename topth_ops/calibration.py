@@ -66,14 +66,46 @@ def parse_layer_k(spec: Optional[str], k: int, num_layers: int) -> LayerK:
     Raises
     ------
     ValueError
-        k < 1, a malformed pair, a layer index out of range or a value < 0.
+        k < 1, a malformed pair, a layer index out of range, a value < 0, or a layer
+        named twice (also as ``-1`` and ``num_layers - 1``).
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     out = [k] * num_layers
-    if not spec:
-        return out
-    for part in spec.split(","):
+    seen: dict[int, str] = {}
+    for layer, val, part in layer_k_overrides(spec):
+        if not -num_layers <= layer < num_layers:
+            raise ValueError(f"--layer-k layer must lie in [0, {num_layers - 1}], got {layer} in {part!r}")
+        idx = layer % num_layers
+        if idx in seen:
+            raise ValueError(f"--layer-k names layer {idx} twice ({seen[idx]!r} and {part!r})")
+        seen[idx] = part
+        out[idx] = val
+    return out
+
+
+def layer_k_overrides(spec: Optional[str]) -> list[tuple[int, int, str]]:
+    """Parse the syntax of a ``--layer-k`` string without knowing the model.
+
+    Parameters
+    ----------
+    spec : str or None
+        See :func:`parse_layer_k`.
+
+    Returns
+    -------
+    list of (layer, value, text)
+        Layer index as written (may be negative), k value (:data:`DENSE` for "dense" or
+        0) and the entry's text, in order.
+
+    Raises
+    ------
+    ValueError
+        A malformed pair, a non-integer layer or value, a value < 0, or a layer index
+        written twice.
+    """
+    out: list[tuple[int, int, str]] = []
+    for part in (spec or "").split(","):
         part = part.strip()
         if not part:
             continue
@@ -84,8 +116,6 @@ def parse_layer_k(spec: Optional[str], k: int, num_layers: int) -> LayerK:
             layer = int(layer_s)
         except ValueError:
             raise ValueError(f"--layer-k layer must be an integer, got {layer_s!r} in {part!r}") from None
-        if not -num_layers <= layer < num_layers:
-            raise ValueError(f"--layer-k layer must lie in [0, {num_layers - 1}], got {layer} in {part!r}")
         if val_s.lower() == "dense":
             val = DENSE
         else:
@@ -93,11 +123,13 @@ def parse_layer_k(spec: Optional[str], k: int, num_layers: int) -> LayerK:
                 val = int(val_s)
             except ValueError:
                 raise ValueError(
-                    f"--layer-k value must be an integer >= 1 or 'dense', got {val_s!r} in {part!r}"
+                    f"--layer-k value must be an integer >= 1, or 0 / 'dense', got {val_s!r} in {part!r}"
                 ) from None
             if val < 0:
-                raise ValueError(f"--layer-k value must be >= 1 or 'dense', got {val} in {part!r}")
-        out[layer % num_layers] = val
+                raise ValueError(f"--layer-k value must be >= 1, or 0 / 'dense', got {val} in {part!r}")
+        if any(layer == prev for prev, _, _ in out):
+            raise ValueError(f"--layer-k names layer {layer} twice in {spec!r}")
+        out.append((layer, val, part))
     return out
 
 
@@ -330,8 +362,8 @@ class ThresholdAccumulator:
             if k != DENSE and cnt[layer].sum() == 0:
                 raise ValueError(
                     f"no calibration row longer than k={k} in layer {layer} (k per layer comes "
-                    f"from k and the --layer-k overrides): use longer calibration samples "
-                    f"(--max-tokens), a smaller k, or another --layer-k (e.g. {layer}:dense)"
+                    f"from k and the --layer-k overrides): use longer calibration samples, a "
+                    f"smaller k, or another --layer-k (e.g. {layer}:dense)"
                 )
         sampled_any = np.flatnonzero(cnt.reshape(-1, cnt.shape[-1]).sum(0) > 0)
         R = int(sampled_any[-1]) + 1 if sampled_any.size else 1

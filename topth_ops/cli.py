@@ -44,11 +44,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # warns about inf/NaN arithmetic that the kernels discard by design.
     warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
     args = build_parser().parse_args(argv)
+    seen: set = set()
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        # one line per distinct warning, without the Python source location
+        if str(message) not in seen:
+            seen.add(str(message))
+            print(f"topth-ops {args.command}: warning: {message}", file=sys.stderr)
+
+    saved, warnings.showwarning = warnings.showwarning, show_warning
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except CliError as e:
         print(f"topth-ops {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        warnings.showwarning = saved
 
 
 if __name__ == "__main__":

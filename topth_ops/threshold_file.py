@@ -219,7 +219,8 @@ class ThresholdSet:
                 f"[{format_layer_k(self.layer_k)}], alpha={self.alpha}, max_row_id="
                 f"{self.max_row_id}, sdc_table={'yes' if self.sdc_table is not None else 'no'}, "
                 f"calibration: {self.calibration_text}"
-                + (f" ({self.calibration_samples} samples, {self.calibration_tokens} tokens)"
+                + (f" ({self.calibration_samples} sample{'s' if self.calibration_samples != 1 else ''}, "
+                   f"{self.calibration_tokens} tokens)"
                    if self.calibration_samples else ""))
 
     def check_model(self, config: Any, model_name: Optional[str] = None,
@@ -430,7 +431,7 @@ def load_thresholds(path: Union[str, os.PathLike]) -> ThresholdSet:
     FileNotFoundError
         No such file.
     ThresholdFileError
-        Not a threshold file, corrupt or truncated, written by a newer format version,
+        A directory, not a threshold file, corrupt or truncated, written by a newer format version,
         missing or malformed metadata, tensors of the wrong dtype or shape, or values
         that cannot be thresholds (NaN, +inf, probabilities outside [0, 1], finite
         values in rows that must be dense).
@@ -438,6 +439,8 @@ def load_thresholds(path: Union[str, os.PathLike]) -> ThresholdSet:
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise ThresholdFileError(f"thresholds file {str(path)!r} is a directory; expected a .safetensors file")
     if not path.is_file():
         raise FileNotFoundError(f"thresholds file {str(path)!r} does not exist")
     where = f"thresholds file {str(path)!r}"
@@ -567,8 +570,9 @@ def import_reference_text(th_path: Union[str, os.PathLike], sdc_path: Optional[U
     ------
     ThresholdFileError
         Malformed lines, an empty file, layers or heads outside the model, several K in
-        one layer, a layer with some heads missing, an sdc file with post_softmax, or an
-        sdc line for a layer without thresholds.
+        one layer, a layer with some heads missing, an sdc file with post_softmax,
+        post_softmax values outside [0, 1] (logits imported with the wrong placement), or
+        an sdc line for a layer without thresholds.
     ValueError
         ``placement`` is not "pre_softmax" or "post_softmax", or ``attention_config`` is
         a dict lacking keys (:func:`attention_config_of`).
@@ -612,6 +616,13 @@ def import_reference_text(th_path: Union[str, os.PathLike], sdc_path: Optional[U
         missing = [h for h in range(H) if not present[l, h].any()]
         if missing:
             raise ThresholdFileError(f"reference thresholds file: layer {l} has no lines for heads {missing}")
+    if placement == "post_softmax":
+        vals = theta[present]
+        if vals.size and bool(((vals < 0) | (vals > 1)).any()):
+            raise ThresholdFileError(
+                f"reference thresholds file has values outside [0, 1] (min {vals.min():.4g}, max "
+                f"{vals.max():.4g}), which cannot be post_softmax probabilities: were they calibrated "
+                "on logits? then use placement pre_softmax")
     theta = fill_unsampled(np.where(present, theta, 0.0), present.astype(np.int64))
     theta = _dense_rows(theta, layer_k, -np.inf)
     sdc_table = None

@@ -96,14 +96,18 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         if all(k == DENSE for k in t):
             raise ValueError("every layer is dense in a layer-k map: nothing to calibrate")
     max_len = max(int(s.numel()) for s in text.samples)
+    longer = "longer calibration samples (calibrate --max-tokens, evaluate --calib-max-tokens)"
     for t in targets:  # checked here, before the forward passes
+        ks = [k for k in t if k != DENSE]
+        base = max(set(ks), key=ks.count)  # the target's k; other values are --layer-k overrides
         for layer, k in enumerate(t):
             if k != DENSE and k >= max_len:
+                fix = (f"a smaller k or {longer}" if k == base else
+                       f"{longer}, or another --layer-k for layer {layer} (e.g. {layer}:dense; the "
+                       f"default --layer-k keeps layers 0 and 1 at k=256)")
                 raise ValueError(
                     f"layer {layer} has k={k}, but the longest calibration sample has {max_len} "
-                    f"tokens, so no row is longer than k (k per layer comes from k and the "
-                    f"--layer-k overrides): use longer samples (--max-tokens), a smaller k, or "
-                    f"another --layer-k (e.g. {layer}:dense)")
+                    f"tokens, so no row is longer than k: use {fix}")
     if not math.isfinite(alpha):
         raise ValueError(f"alpha must be finite, got {alpha!r}")
     results: dict[tuple[int, str], CalibrationResult] = {}

@@ -8,14 +8,15 @@ import os
 import time
 
 from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_context,
-                         check_output_file, check_sizes, fail, flat_k, parse_k_list, show_progress)
+                         check_layer_k_syntax, check_output_file, check_sizes, fail, flat_k,
+                         note_short_text, parse_k_list, show_progress)
 
 PLACEMENT_CHOICES = ("pre_softmax", "post_softmax", "both")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p)
-    p.add_argument("--k", type=parse_k_list, nargs="+", default=None, metavar="K",
+    p.add_argument("--k", type=parse_k_list, nargs="+", action="extend", default=None, metavar="K",
                    help="target k (keep ~k elements per row); several, e.g. '8,16,32', are "
                         "calibrated from the same forward passes (required unless --import-reference)")
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="post_softmax",
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--k is required (unless --import-reference)")
         check_sizes(args, {"samples": 1, "max_tokens": 2})
         check_alpha(args.alpha)
+        check_layer_k_syntax(args.layer_k)
         placements = ["pre_softmax", "post_softmax"] if args.placement == "both" else [args.placement]
         ks = flat_k(args.k)
         for k in ks:  # validate the output names before the long work
@@ -63,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
 
         docs, desc = calibration_documents(args.text)
         t0 = time.time()
-        lm = load_model(args.model)
+        lm = load_model(args.model, progress=show_progress(args))
         check_context(args.max_tokens, "--max-tokens", lm.max_context)
         L = int(lm.config.num_hidden_layers)
         targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
         samples = token_samples(lm.tokenizer, docs, args.samples, args.max_tokens)
+        note_short_text(samples, args.samples, args.max_tokens)
         text = CalibrationText(samples, f"{desc}; samples of <= {args.max_tokens} tokens")
         print(f"model {lm.name} loaded in {time.time() - t0:.1f} s; calibrating k={ks} "
               f"({', '.join(placements)}) on {text.tokens} tokens of {desc}")
@@ -90,7 +93,11 @@ def _import(args) -> int:
 
     if args.placement == "both":
         return fail("--import-reference needs --placement pre_softmax or post_softmax (th.txt does not record it)")
+    if args.import_sdc is not None and args.placement != "pre_softmax":
+        raise ValueError("--import-sdc applies to pre_softmax thresholds: add --placement pre_softmax")
     for flag, f in (("--import-reference", args.import_reference), ("--import-sdc", args.import_sdc)):
+        if f is not None and os.path.isdir(f):
+            raise ValueError(f"{flag} {f!r} is a directory; expected a text file")
         if f is not None and not os.path.isfile(f):
             raise ValueError(f"{flag} {f!r}: no such file")
     check_output_file(args.out, "--out")

@@ -19,7 +19,8 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
     """Flags of the calibration (``prefix`` = "calib-" in evaluate)."""
     p.add_argument("--layer-k", metavar="SPEC", default=DEFAULT_LAYER_K,
-                   help="per-layer k overrides, LAYER:K or LAYER:dense, comma-separated "
+                   help="per-layer k overrides, LAYER:K or LAYER:dense, comma-separated; negative "
+                        "layers count from the end (write --layer-k=-1:dense); '' = none "
                         f"(default {DEFAULT_LAYER_K!r}: the paper keeps layers 0 and 1 at a higher k)")
     p.add_argument("--alpha", type=float, default=0.0,
                    help="theta = mean + alpha * std of the per-sample thresholds (default 0)")
@@ -72,7 +73,10 @@ def check_backend(name: Optional[str]) -> None:
         return
     from ..registry import get_backend, list_backends
 
-    b = get_backend(name)  # ValueError listing every registered backend
+    try:
+        b = get_backend(name)  # ValueError listing every registered backend
+    except ValueError as e:
+        raise ValueError(f"--backend: {e}") from None
     reasons = b.unavailable_reasons()
     if reasons:
         known = ", ".join(x.name for x in list_backends())
@@ -92,7 +96,7 @@ def show_progress(args: argparse.Namespace) -> bool:
     carriage-return redraws otherwise)."""
     import sys
 
-    return not args.quiet and sys.stderr.isatty()
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
 
 
 def check_output_file(path: str, flag: str) -> None:
@@ -117,13 +121,22 @@ def check_output_dir(path: str, flag: str) -> None:
 
 
 def _check_creatable_dir(d: Path, flag: str, path: str) -> None:
+    """The nearest existing folder at or above ``d`` must accept a new file: tried with a
+    temporary file (``os.access`` says yes to root even on read-only or virtual file
+    systems such as /proc)."""
+    import tempfile
+
     a = d.absolute()
     while not a.exists() and a != a.parent:
         a = a.parent
     if not a.is_dir():
         raise ValueError(f"{flag} {path!r}: {str(a)!r} is not a directory")
-    if not os.access(a, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path!r}: directory {str(a)!r} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".topth-write-check.", dir=a)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r}: cannot create files in {str(a)!r} ({e.strerror})") from None
 
 
 def check_sizes(args: argparse.Namespace, minimum: dict) -> None:
@@ -146,3 +159,23 @@ def check_context(tokens: int, flag: str, max_context: int) -> None:
     """Raise ValueError when ``tokens`` exceeds the model's context (0: unknown)."""
     if max_context and tokens > max_context:
         raise ValueError(f"{flag} {tokens} exceeds the model's context of {max_context} tokens")
+
+
+def check_layer_k_syntax(spec: Optional[str]) -> None:
+    """Check ``--layer-k`` syntax before the model loads (its layer range needs the model)."""
+    from ..calibration import layer_k_overrides
+
+    layer_k_overrides(spec)
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, "sample")`` -> "1 sample", ``plural(2, "sample")`` -> "2 samples"."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def note_short_text(samples: list, asked: int, max_tokens: int) -> None:
+    """Say so when the calibration text ran out before ``asked`` samples of ``max_tokens``."""
+    got = sum(int(s.numel()) for s in samples)
+    if len(samples) < asked or got < asked * max_tokens:
+        print(f"note: the calibration text gave {plural(len(samples), 'sample')} ({got} tokens), fewer "
+              f"than the {asked} x {max_tokens} tokens asked for")

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_backend,
-                         check_context, check_output_dir, check_output_file, check_sizes, fail, flat_k,
-                         parse_k_list, show_progress)
+                         check_context, check_layer_k_syntax, check_output_dir, check_output_file,
+                         check_sizes, fail, flat_k, note_short_text, parse_k_list, show_progress)
 
 DEFAULT_KS = "16,32,64,96"
 
@@ -24,12 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = EvalConfig()
     add_model_argument(p)
-    p.add_argument("--thresholds", nargs="+", metavar="FILE", default=None,
+    p.add_argument("--thresholds", nargs="+", action="extend", metavar="FILE", default=None,
                    help="threshold files to evaluate (their k and placement); without it the "
                         "command calibrates for every --k first")
-    p.add_argument("--k", type=parse_k_list, nargs="+", default=None, metavar="K",
+    p.add_argument("--k", type=parse_k_list, nargs="+", action="extend", default=None, metavar="K",
                    help=f"k sweep, e.g. '8,16,32' or '8 16 32' (default {DEFAULT_KS}; ignored with --thresholds)")
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_FAMILIES), metavar="NAME",
+    p.add_argument("--variants", nargs="+", action="extend", default=None, metavar="NAME",
                    help=f"variant families (default {' '.join(DEFAULT_FAMILIES)}; known: {', '.join(FAMILIES)})")
     p.add_argument("--problems", type=int, default=d.problems, metavar="N",
                    help=f"HumanEval problems for teacher-forced perplexity (default {d.problems})")
@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args) -> int:
+    from .evaluate import DEFAULT_FAMILIES
+
+    args.variants = list(dict.fromkeys(args.variants or DEFAULT_FAMILIES))  # order kept, no repeats
     check_backend(args.backend)
     for name in ("problems", "agreement_problems", "agreement_tokens", "long_docs", "long_tokens"):
         if getattr(args, name) < 0:
@@ -72,6 +75,7 @@ def _run(args) -> int:
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
         check_alpha(args.alpha)
+        check_layer_k_syntax(args.layer_k)
         tdir = Path(args.thresholds_dir or Path(args.json).absolute().parent / "thresholds")
         check_output_dir(str(tdir), "--thresholds-dir")
     from .evaluate import FAMILIES, EvalConfig, dense_reference, evaluate_variant, make_variants, tokenize_texts
@@ -84,7 +88,7 @@ def _run(args) -> int:
     from ..calibration import parse_layer_k
     from ..threshold_file import load_thresholds
     from .model import load_model
-    from .report import format_table, make_plots
+    from .report import format_table, make_plots, num, pct
     from .texts import humaneval_problems, stdlib_documents
 
     cfg = EvalConfig(problems=args.problems, agreement_problems=min(args.agreement_problems, args.problems),
@@ -93,8 +97,9 @@ def _run(args) -> int:
     if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
     files = [load_thresholds(f) for f in args.thresholds] if args.thresholds else []
+    file_variants = _file_variants(files, args.variants) if files else None
     t_start = time.time()
-    lm = load_model(args.model)
+    lm = load_model(args.model, progress=show_progress(args))
     if cfg.long_docs:
         check_context(cfg.long_tokens, "--long-tokens", lm.max_context)
     if not files:
@@ -110,23 +115,7 @@ def _run(args) -> int:
     calibration = None
     if files:
         ks = sorted({ts.k for ts in files})
-        for ts in files:
-            thresholds[(ts.k, ts.placement)] = ts
-        from .evaluate import Variant
-
-        variants = []
-        for ts in files:
-            for fam in args.variants:
-                spec = FAMILIES[fam]
-                if spec["mode"] == "topth" and spec["placement"] == ts.placement and (
-                        spec["sdc"] != "offline" or ts.sdc_table is not None):
-                    variants.append(Variant(fam, ts.k, thresholds=ts))
-        for k in ks:
-            layer_k = next(ts.layer_k for ts in files if ts.k == k)
-            variants += [Variant(f, k, layer_k=list(layer_k)) for f in args.variants if FAMILIES[f]["mode"] == "topk"]
-        if not variants:
-            raise ValueError("no variant applies to the given --thresholds files (check --variants and the "
-                             "files' placements)")
+        variants = file_variants
     else:
         ks = flat_k(args.k) or parse_k_list(DEFAULT_KS)
         placements = sorted({FAMILIES[f]["placement"] for f in args.variants if FAMILIES[f]["mode"] == "topth"})
@@ -136,6 +125,7 @@ def _run(args) -> int:
 
             docs, desc = calibration_documents(args.calib_text)
             samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens)
+            note_short_text(samples, args.calib_samples, args.calib_max_tokens)
             text = CalibrationText(samples, f"{desc}; samples of <= {args.calib_max_tokens} tokens")
             targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
             need_sdc = any(FAMILIES[f]["sdc"] == "offline" for f in args.variants) and not args.no_sdc_table
@@ -164,10 +154,10 @@ def _run(args) -> int:
     for v in tqdm(variants, desc="variants", disable=not bars):
         rec = evaluate_variant(lm, v, texts, dense, cfg, progress)
         records.append(rec)
-        print(f"{v.label}: ppl {rec['ppl']:.4f} ({100 * rec['ppl_rel_change']:+.2f}%), V rows "
-              f"{rec['v_rows_frac']:.3f}, agreement {rec['token_agreement']:.3f}, k~/k "
-              f"{rec['k_tilde_over_k']:.2f}, long {100 * rec['long_ppl_rel_change']:+.2f}% @ "
-              f"{rec['long_v_rows_frac']:.3f} ({rec['seconds']:.0f} s)")
+        print(f"{v.label}: ppl {rec['ppl']:.4f} ({pct(rec['ppl_rel_change'])}), V rows "
+              f"{num(rec['v_rows_frac'])}, agreement {num(rec['token_agreement'])}, k~/k "
+              f"{num(rec['k_tilde_over_k'], 2)}, long {pct(rec['long_ppl_rel_change'])} @ "
+              f"{num(rec['long_v_rows_frac'])} ({rec['seconds']:.0f} s)")
     table = format_table(records, dense)
     print()
     print(table)
@@ -191,6 +181,38 @@ def _run(args) -> int:
             print(f"wrote {p}")
     print(f"total {time.time() - t_start:.0f} s")
     return 0
+
+
+def _file_variants(files: list, families: list) -> list:
+    """Variants of the given threshold files: each file with every Top-Theta family of its
+    placement (offline SDC only with a table), plus the top-k families at each file's k."""
+    from .evaluate import FAMILIES, Variant
+
+    seen: dict = {}
+    for ts in files:
+        key = (ts.k, ts.placement)
+        if key in seen:
+            same = os.path.realpath(seen[key].path) == os.path.realpath(ts.path)
+            raise ValueError(f"--thresholds {ts.path!r} is given twice" if same else
+                             f"--thresholds {seen[key].path!r} and {ts.path!r} both hold k={ts.k} "
+                             f"{ts.placement} thresholds; evaluate them in separate runs")
+        seen[key] = ts
+    variants = []
+    for ts in files:
+        for fam in families:
+            spec = FAMILIES[fam]
+            if spec["mode"] == "topth" and spec["placement"] == ts.placement and (
+                    spec["sdc"] != "offline" or ts.sdc_table is not None):
+                variants.append(Variant(fam, ts.k, thresholds=ts))
+    for k in sorted({ts.k for ts in files}):
+        layer_k = next(ts.layer_k for ts in files if ts.k == k)
+        variants += [Variant(f, k, layer_k=list(layer_k)) for f in families if FAMILIES[f]["mode"] == "topk"]
+    if not variants:
+        have = ", ".join(f"{ts.placement}{' + SDC table' if ts.sdc_table is not None else ''}" for ts in files)
+        raise ValueError(f"no variant of --variants {' '.join(families)} applies to the --thresholds files "
+                         f"({have}); e.g. topth-post-vmc needs post_softmax, topth-pre-offline-vmc "
+                         "pre_softmax with an SDC table")
+    return variants
 
 
 def _slug(name: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .cli_common import add_model_argument, check_backend, fail
+from .cli_common import add_model_argument, check_backend, fail, plural, show_progress
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-prefill", action="store_true", help="keep the prompt (prefill) dense")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--compare-dense", action="store_true", help="also generate densely and report agreement")
+    p.add_argument("--quiet", action="store_true", help="no progress bars while the model loads")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,9 +39,17 @@ def run(args: argparse.Namespace) -> int:
         from .model import load_model
         from .runner import greedy
 
+        if not args.prompt:
+            raise ValueError("--prompt is empty")
         ts = load_thresholds(args.thresholds)
         sdc = args.sdc or ("offline" if ts.sdc_table is not None else "none")
-        lm = load_model(args.model)
+        settings = TopthSettings(mode="topth", thresholds=ts, sdc=sdc, vmc=not args.no_vmc,
+                                 prefill="dense" if args.dense_prefill else "thresholded", backend=args.backend)
+        try:  # before the model loads: --sdc against the file's placement and SDC table
+            settings.resolved(len(ts.layer_k))
+        except ValueError as e:
+            raise ValueError(f"--sdc {sdc} with {args.thresholds!r}: {e}") from None
+        lm = load_model(args.model, progress=show_progress(args))
         tok = lm.tokenizer
         if args.chat:
             prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
@@ -55,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
                 f"model's context of {ctx} tokens")
-        settings = TopthSettings(mode="topth", thresholds=ts, sdc=sdc, vmc=not args.no_vmc,
-                                 prefill="dense" if args.dense_prefill else "thresholded", backend=args.backend)
         c = lm.config
         stats = StatsCollector(int(c.num_hidden_layers), int(c.num_attention_heads),
                                int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads))
@@ -80,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         if stats.num_rows():
             ktk, ktk_rows = stats.k_tilde_over_k(layer_k)
             print(f"decode steps: V rows read {stats.v_rows_frac():.3f} of dense (all layers), "
-                  f"{stats.v_rows_frac(layers=at_k):.3f} (the {len(at_k)} layers at k={ts.k}); attention "
+                  f"{stats.v_rows_frac(layers=at_k):.3f} ({plural(len(at_k), 'layer')} at k={ts.k}); attention "
                   f"kept {stats.attn_kept_frac():.3f}; k~/k "
                   + (f"{ktk:.3f}" if ktk_rows else "n/a (no decode row longer than its layer's k)"))
             for lo, hi in bucket_edges(stats.R):

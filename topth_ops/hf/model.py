@@ -10,6 +10,8 @@ Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is import
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -112,8 +114,35 @@ def load_config(path: Optional[str] = None):
 _CACHE: dict = {}
 
 
+@contextlib.contextmanager
+def _quiet_loading(quiet: bool):
+    """Turn off transformers' load-time progress bars ("Loading weights", and the GGUF
+    dequantization bar, which uses tqdm directly) while loading, when ``quiet``."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - gguf support missing
+        gguf_utils = None
+    was_on = hf_logging.is_progress_bar_enabled()
+    old_tqdm = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if old_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(old_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if old_tqdm is not None:
+            gguf_utils.tqdm = old_tqdm
+
+
 def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               reuse: bool = True) -> LoadedModel:
+               reuse: bool = True, progress: bool = True) -> LoadedModel:
     """Load a causal LM and tokenizer, offline.
 
     Parameters
@@ -128,6 +157,8 @@ def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.
     reuse : bool
         Return the model this process already loaded with the same arguments (one is
         kept), instead of loading it again.
+    progress : bool
+        Show transformers' load-time progress bars.
 
     Returns
     -------
@@ -147,8 +178,9 @@ def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.
     key = (d, extra.get("gguf_file"), str(device), dtype)
     if reuse and key in _CACHE:
         return _CACHE[key]
-    tok = AutoTokenizer.from_pretrained(d, local_files_only=True, **extra)
-    model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=dtype, **extra)
+    with _quiet_loading(not progress):
+        tok = AutoTokenizer.from_pretrained(d, local_files_only=True, **extra)
+        model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=dtype, **extra)
     model.to(device)
     model.eval()
     if not getattr(model, "_supports_attention_backend", False):

@@ -10,11 +10,13 @@ from typing import Sequence
 from .evaluate import TARGET_HE, TARGET_KTK, TARGET_LONG
 
 
-def _pct(x: float) -> str:
+def pct(x: float) -> str:
+    """A relative change as "+1.23%", or "n/a" for None / NaN."""
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:+.2f}%"
 
 
-def _f(x, nd=3) -> str:
+def num(x, nd=3) -> str:
+    """A number with ``nd`` decimals, or "n/a" for None / NaN."""
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
@@ -36,10 +38,10 @@ def format_table(records: Sequence[dict], dense: dict) -> str:
         rng = f"{min(vals):.2f}..{max(vals):.2f}" if vals else "n/a"
         t = r["targets"]
         lines.append(
-            f"| {r['variant']} | {r['k']} | {r['ppl']:.4f} | {_pct(r['ppl_rel_change'])} | "
-            f"{_f(r['token_agreement'])} | {_f(r['v_rows_frac'])} | {_f(r['v_rows_frac_sparse_layers'])} | "
-            f"{_f(r['attn_kept_frac'])} | {_f(r['k_tilde_over_k'], 2)} | {rng} | "
-            f"{_pct(r['long_ppl_rel_change'])} | {_f(r['long_v_rows_frac'])} | "
+            f"| {r['variant']} | {r['k']} | {r['ppl']:.4f} | {pct(r['ppl_rel_change'])} | "
+            f"{num(r['token_agreement'])} | {num(r['v_rows_frac'])} | {num(r['v_rows_frac_sparse_layers'])} | "
+            f"{num(r['attn_kept_frac'])} | {num(r['k_tilde_over_k'], 2)} | {rng} | "
+            f"{pct(r['long_ppl_rel_change'])} | {num(r['long_v_rows_frac'])} | "
             f"{_yn(t['humaneval'])}/{_yn(t['long_docs'])}/{_yn(t['k_tilde_over_k'])} |"
         )
     return "\n".join(lines)

@@ -67,7 +67,8 @@ def calibration_documents(source: Optional[str] = None) -> tuple[list[str], str]
     FileNotFoundError
         ``source`` does not exist.
     ValueError
-        No text at all.
+        No text at all, a file that is not UTF-8, or a .jsonl line that is not JSON (the
+        message names the file and line).
     """
     if source is None:
         import pydoc_data.topics as topics
@@ -82,13 +83,23 @@ def calibration_documents(source: Optional[str] = None) -> tuple[list[str], str]
             f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".jsonl"))
         docs = []
         for f in files:
+            try:
+                text = f.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"calibration text {str(f)!r} is not UTF-8 text ({e.reason} at byte "
+                                 f"{e.start})") from None
             if f.suffix == ".jsonl":
-                for line in f.read_text(encoding="utf-8").splitlines():
+                for i, line in enumerate(text.splitlines(), 1):
                     if line.strip():
-                        docs.append(_jsonl_text(json.loads(line), f))
+                        try:
+                            obj = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"calibration text {str(f)!r} line {i} is not JSON ({e.msg}); "
+                                             "a .jsonl file holds one JSON value per line") from None
+                        docs.append(_jsonl_text(obj, f))
             else:
-                docs.append(f.read_text(encoding="utf-8"))
-        desc = f"{source} ({len(files)} file{'s' if len(files) != 1 else ''}, {len(docs)} documents)"
+                docs.append(text)
+        desc = f"{source} ({len(files)} file{'s' if len(files) != 1 else ''}, {len(docs)} document{'s' if len(docs) != 1 else ''})"
     docs = [d for d in docs if d and d.strip()]
     if not docs:
         raise ValueError(f"calibration text is empty: {source or 'pydoc_data.topics'} holds no text "
