@@ -84,6 +84,13 @@ def parse_layer_k(spec: Optional[str], k: int, num_layers: int) -> LayerK:
     return out
 
 
+def base_k(layer_k: Sequence[int]) -> int:
+    """The k of a layer-k map: its most common non-dense value (the others are
+    ``--layer-k`` overrides); 0 when every layer is dense."""
+    ks = [k for k in layer_k if k != DENSE]
+    return max(set(ks), key=ks.count) if ks else 0
+
+
 def layer_k_overrides(spec: Optional[str]) -> list[tuple[int, int, str]]:
     """Parse the syntax of a ``--layer-k`` string without knowing the model.
 

@@ -105,22 +105,23 @@ class StatsCollector:
         Dense reads n V rows per KV head per row; the union over a GQA group's heads is
         what a kernel reads (paper section 4.6). ``layers`` restricts the layers.
         """
-        sel = self._row_mask(lo, hi)
-        ls = list(range(self.L)) if layers is None else list(layers)
-        n = torch.arange(self.R + 1, dtype=torch.float64)
-        read = self.v_rows[ls][..., sel].sum()
-        dense = (self.rows[ls][:, sel] * n[sel]).sum() * self.Hkv
-        return float(read / dense) if dense > 0 else float("nan")
+        return self._frac_of_dense(self.v_rows, self.Hkv, lo, hi, layers)
 
     def attn_kept_frac(self, lo: int = 0, hi: Optional[int] = None,
                        layers: Optional[Sequence[int]] = None) -> float:
         """Kept attention elements / dense attention elements over rows lo < n <= hi."""
+        return self._frac_of_dense(self.kept, self.Hq, lo, hi, layers)
+
+    def _frac_of_dense(self, counts: torch.Tensor, heads: int, lo: int, hi: Optional[int],
+                       layers: Optional[Sequence[int]]) -> float:
+        """``counts`` ([L, heads, R + 1] per row id) summed over the selected rows, divided by
+        what dense attention would count there: n per row and head (NaN for no rows)."""
         sel = self._row_mask(lo, hi)
         ls = list(range(self.L)) if layers is None else list(layers)
         n = torch.arange(self.R + 1, dtype=torch.float64)
-        kept = self.kept[ls][..., sel].sum()
-        dense = (self.rows[ls][:, sel] * n[sel]).sum() * self.Hq
-        return float(kept / dense) if dense > 0 else float("nan")
+        got = counts[ls][..., sel].sum()
+        dense = (self.rows[ls][:, sel] * n[sel]).sum() * heads
+        return float(got / dense) if dense > 0 else float("nan")
 
     def k_tilde_over_k(self, layer_k: Sequence[int], lo: int = 0, hi: Optional[int] = None) -> tuple[float, int]:
         """Mean k~ / k over thresholded rows (layers with k, rows with n > k and lo < n <= hi).

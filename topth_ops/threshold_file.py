@@ -45,7 +45,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from .calibration import DENSE, PLACEMENTS, _dense_rows, fill_unsampled, format_layer_k
+from .calibration import DENSE, PLACEMENTS, _dense_rows, base_k, fill_unsampled, format_layer_k
 
 FORMAT = "topth-thresholds"
 FORMAT_VERSION = 1
@@ -191,8 +191,7 @@ class ThresholdSet:
     @property
     def k(self) -> int:
         """The k of the thresholded layers (the most common non-dense value)."""
-        ks = [k for k in self.layer_k if k != DENSE]
-        return max(set(ks), key=ks.count) if ks else 0
+        return base_k(self.layer_k)
 
     def name(self) -> str:
         """How messages refer to this set: ``"thresholds file (PATH)"``, or

@@ -158,8 +158,9 @@ class TopthAttention:
         cfg = model.config
         self.num_layers = int(cfg.num_hidden_layers)
         if settings.mode == "topth" and settings.thresholds is not None:
-            settings.thresholds.check_model(cfg, model_display_name(model), placement=settings.placement,
-                                            compare_name=_has_name(model))
+            name = _model_name(model)
+            settings.thresholds.check_model(cfg, name or type(model).__name__, placement=settings.placement,
+                                            compare_name=name is not None)
         self.settings = settings.resolved(self.num_layers)
         self.prefill_stats = prefill_stats
         self.decode_stats = decode_stats
@@ -304,15 +305,16 @@ class TopthAttention:
 def model_display_name(model) -> str:
     """The name used in messages and threshold files: the one :func:`~topth_ops.hf.model.load_model`
     gave the model, else the last component of ``name_or_path``, else the class name."""
+    return _model_name(model) or type(model).__name__
+
+
+def _model_name(model) -> Optional[str]:
+    """The model's own name (see :func:`model_display_name`), or None for an unnamed model."""
     given = getattr(model, "_topth_name", None)
     if given:
         return given
     path = str(getattr(model, "name_or_path", "") or "").rstrip("/\\")
-    return os.path.basename(path) or type(model).__name__
-
-
-def _has_name(model) -> bool:
-    return bool(getattr(model, "_topth_name", None) or getattr(model, "name_or_path", None))
+    return os.path.basename(path) or None
 
 
 def _rows_from_mask(mask, B: int, T: int, S: int, dev) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

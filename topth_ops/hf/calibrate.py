@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..calibration import DENSE, CalibrationResult, SdcAccumulator, ThresholdAccumulator
+from ..calibration import DENSE, CalibrationResult, SdcAccumulator, ThresholdAccumulator, base_k
 from ..threshold_file import ThresholdSet, attention_config_of
 from .attention import TopthSettings, disable, enable, model_display_name
 
@@ -98,8 +98,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     max_len = max(int(s.numel()) for s in text.samples)
     longer = "longer calibration samples (calibrate --max-tokens, evaluate --calib-max-tokens)"
     for t in targets:  # checked here, before the forward passes
-        ks = [k for k in t if k != DENSE]
-        base = max(set(ks), key=ks.count)  # the target's k; other values are --layer-k overrides
+        base = base_k(t)  # the target's k; other values are --layer-k overrides
         for layer, k in enumerate(t):
             if k != DENSE and k >= max_len:
                 fix = (f"a smaller k or {longer}" if k == base else

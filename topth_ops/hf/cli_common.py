@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -94,8 +97,6 @@ def fail(msg: str) -> int:
 def show_progress(args: argparse.Namespace) -> bool:
     """Progress bars unless --quiet or stderr is not a terminal (a log file fills with
     carriage-return redraws otherwise)."""
-    import sys
-
     return not getattr(args, "quiet", False) and sys.stderr.isatty()
 
 
@@ -124,8 +125,6 @@ def _check_creatable_dir(d: Path, flag: str, path: str) -> None:
     """The nearest existing folder at or above ``d`` must accept a new file: tried with a
     temporary file (``os.access`` says yes to root even on read-only or virtual file
     systems such as /proc)."""
-    import tempfile
-
     a = d.absolute()
     while not a.exists() and a != a.parent:
         a = a.parent
@@ -149,8 +148,7 @@ def check_sizes(args: argparse.Namespace, minimum: dict) -> None:
 
 
 def check_alpha(alpha: float) -> None:
-    import math
-
+    """Raise ValueError unless ``--alpha`` is finite (before the model loads)."""
     if not math.isfinite(alpha):
         raise ValueError(f"--alpha must be a finite number, got {alpha!r}")
 

@@ -97,9 +97,10 @@ def _run(args) -> int:
     if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
     files = [load_thresholds(f) for f in args.thresholds] if args.thresholds else []
-    file_variants = _file_variants(files, args.variants) if files else None
+    variants = _file_variants(files, args.variants) if files else None  # checked before the model loads
+    bars = show_progress(args)
     t_start = time.time()
-    lm = load_model(args.model, progress=show_progress(args))
+    lm = load_model(args.model, progress=bars)
     if cfg.long_docs:
         check_context(cfg.long_tokens, "--long-tokens", lm.max_context)
     if not files:
@@ -107,7 +108,6 @@ def _run(args) -> int:
     for ts in files:
         ts.check_model(lm.config, lm.name)
     L = int(lm.config.num_hidden_layers)
-    bars = show_progress(args)
     progress = (lambda it, desc: tqdm(it, desc=desc, leave=False)) if bars else (lambda it, desc: it)
     print(f"model {lm.name} loaded in {time.time() - t_start:.1f} s")
 
@@ -115,7 +115,6 @@ def _run(args) -> int:
     calibration = None
     if files:
         ks = sorted({ts.k for ts in files})
-        variants = file_variants
     else:
         ks = flat_k(args.k) or parse_k_list(DEFAULT_KS)
         placements = sorted({FAMILIES[f]["placement"] for f in args.variants if FAMILIES[f]["mode"] == "topth"})
