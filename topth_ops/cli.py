@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("topth_ops.hf.cli_calibrate", "calibrate Top-Theta thresholds of a model on real text"),
     "generate": ("topth_ops.hf.cli_generate", "generate text with Top-Theta attention, with V-row statistics"),
     "evaluate": ("topth_ops.hf.cli_evaluate", "main job: calibrate + evaluate dense / Top-Theta / top-k on real text"),
+    "export-hf": ("topth_ops.hf.export", "write the default GGUF model as a Hugging Face folder (for vLLM, offline)"),
 }
 
 
