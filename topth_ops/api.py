@@ -26,6 +26,10 @@ def decode_attention(
     value_mean: Optional[torch.Tensor] = None,
     return_stats: bool = False,
     backend: Optional[str] = None,
+    block_table: Optional[torch.Tensor] = None,
+    kv_layout: Optional[str] = None,
+    selection: str = "head",
+    threshold_set: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, DecodeStats]]:
     """Top-Theta thresholded decode (incremental) attention, one new query token per sequence.
 
@@ -45,15 +49,20 @@ def decode_attention(
     query : torch.Tensor
         ``[batch, num_q_heads, head_dim]``, float16, bfloat16 or float32; RoPE applied.
     key_cache, value_cache : torch.Tensor
-        ``[batch, num_kv_heads, max_seq_len, head_dim]`` (BNSD), the query's dtype and
-        device; the current token already appended. Positions ``>= seq_lens[b]`` are
-        never read. GQA: query head h uses KV head ``h // (num_q_heads // num_kv_heads)``.
+        The query's dtype and device; the current token already appended. Without
+        ``block_table``: ``[batch, num_kv_heads, max_seq_len, head_dim]`` (BNSD). With it
+        (paged): ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``kv_layout="NHD"``,
+        vLLM's layout) or ``[num_blocks, num_kv_heads, block_size, head_dim]`` ("HND").
+        Positions ``>= seq_lens[b]`` are never read. GQA: query head h uses KV head
+        ``h // (num_q_heads // num_kv_heads)``.
     seq_lens : torch.Tensor
         ``[batch]`` int32/int64 on the query's device: valid positions n_b, 0 <= n_b <=
-        max_seq_len.
+        max_seq_len (BNSD dim 2, or max_blocks_per_seq * block_size when paged).
     thresholds : torch.Tensor
-        ``[num_q_heads, max_row_id]`` float32: theta per query head and row id (logits
-        for pre_softmax, probabilities for post_softmax); -inf keeps everything.
+        float32 ``[H, max_row_id]``, or ``[num_sets, H, max_row_id]`` with
+        ``threshold_set``: theta per head and row id (logits for pre_softmax,
+        probabilities for post_softmax); -inf keeps everything. H is num_q_heads
+        (``selection="head"``) or num_kv_heads (``selection="group"``).
     scale : float, optional
         Softmax scale, finite and > 0; default ``1 / sqrt(head_dim)``.
     placement : {"post_softmax", "pre_softmax"}
@@ -64,8 +73,9 @@ def decode_attention(
         gamma of ``exp_threshold``: E~ = gamma * (n - k~) * exp(theta - m). Default 0.05;
         another value with another ``sdc`` is an error.
     sdc_table : torch.Tensor, optional
-        ``[num_q_heads, max_row_id]`` float32, E~ in units of exp(a - m), finite and >= 0;
-        required by and only allowed with ``sdc="offline"``.
+        float32 ``[num_q_heads, max_row_id]`` (``[num_sets, num_q_heads, max_row_id]``
+        with threshold sets), E~ in units of exp(a - m), finite and >= 0; required by and
+        only allowed with ``sdc="offline"``.
     vmc : bool
         Add beta * mean(V) (V-mean compensation).
     value_mean : torch.Tensor, optional
@@ -77,6 +87,21 @@ def decode_attention(
         Backend name (see ``topth-ops info``); default: the ``TOPTH_BACKEND`` environment
         variable, else the first backend of the device's priority list that supports the
         inputs.
+    block_table : torch.Tensor, optional
+        ``[batch, max_blocks_per_seq]`` int32: position j of sequence b is slot
+        ``j % block_size`` of cache block ``block_table[b, j // block_size]``. Entries of
+        blocks past ``ceil(n_b / block_size)`` are never read.
+    kv_layout : {None, "BNSD", "NHD", "HND"}
+        Cache layout; None means "BNSD" without a block table and "NHD" with one.
+    selection : {"head", "group"}
+        "head": one threshold per query head (paper section 3.1). "group": one threshold
+        per KV head, compared with the maximum over the group's query heads (of logits
+        for pre_softmax, of probabilities for post_softmax), so every head of a GQA group
+        keeps the same positions and the group reads exactly the V rows it keeps;
+        compensation stays per head.
+    threshold_set : torch.Tensor, optional
+        ``[batch]`` int32/int64, required with 3-D thresholds: the threshold set (e.g. a
+        target k) each sequence uses, so one batch can mix sparsity levels.
 
     Returns
     -------
@@ -89,9 +114,10 @@ def decode_attention(
     -----
     Inference only: the op has no autograd formula. The same op is
     ``torch.ops.topth.decode_attention(query, key_cache, value_cache, seq_lens, thresholds,
-    scale, placement, sdc, sdc_gamma, sdc_table, vmc, value_mean, return_stats, backend)``
-    with every argument positional (``scale=None`` for the default, ``backend=""`` for
-    automatic), returning ``(out, kept, v_rows, dropped_mass)`` (stats empty when not
+    scale, placement, sdc, sdc_gamma, sdc_table, vmc, value_mean, return_stats, backend,
+    block_table, kv_layout, selection, threshold_set)`` with every argument positional
+    (``scale=None`` for the default, ``backend=""`` for automatic, ``kv_layout=""`` for
+    the default), returning ``(out, kept, v_rows, dropped_mass)`` (stats empty when not
     asked for).
 
     Raises
@@ -109,11 +135,13 @@ def decode_attention(
     make_inputs(
         query, key_cache, value_cache, seq_lens, thresholds, scale=scale, placement=placement,
         sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
-        return_stats=return_stats,
+        return_stats=return_stats, block_table=block_table, kv_layout=kv_layout,
+        selection=selection, threshold_set=threshold_set,
     )
     out, kept, v_rows, dropped = decode_attention_op(
         query, key_cache, value_cache, seq_lens, thresholds, scale, placement, sdc, sdc_gamma,
-        sdc_table, vmc, value_mean, return_stats, backend or "",
+        sdc_table, vmc, value_mean, return_stats, backend or "", block_table, kv_layout or "",
+        selection, threshold_set,
     )
     if return_stats is True:
         return out, DecodeStats(kept, v_rows, dropped)

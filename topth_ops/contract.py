@@ -3,24 +3,29 @@
 Every backend, the dispatcher, the conformance suite and the benchmarks share
 :class:`DecodeInputs` and :func:`make_inputs`, so a bad input is rejected once, before
 any backend is chosen or any kernel is launched. The semantics are written out in
-``docs/semantics.md``.
+``docs/semantics.md``; the individual checks live in :mod:`topth_ops.validation`.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
+
+from . import validation as V
+from .validation import KV_LAYOUTS, LAYOUT_DIMS, cache_dims, cache_strides  # noqa: F401 (re-export)
 
 PLACEMENTS = ("pre_softmax", "post_softmax")
 SDC_MODES = ("none", "exact", "exp_threshold", "offline")
+SELECTIONS = ("head", "group")
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SEQ_LEN_DTYPES = (torch.int32, torch.int64)
 DEFAULT_SDC_GAMMA = 0.05  # paper section 3.2.1
+
+_shape = V.shape_str
+_dtype = V.dtype_str
 
 
 class DecodeStats(NamedTuple):
@@ -43,14 +48,6 @@ class DecodeStats(NamedTuple):
     dropped_mass: torch.Tensor
 
 
-def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
-
-
-def _dtype(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
 @dataclass(frozen=True)
 class DecodeInputs:
     """One validated decode-attention call, shared by dispatch, backends, tests and benchmarks.
@@ -62,12 +59,16 @@ class DecodeInputs:
     query : torch.Tensor
         ``[batch, num_q_heads, head_dim]``, float16 / bfloat16 / float32, RoPE applied.
     key_cache, value_cache : torch.Tensor
-        ``[batch, num_kv_heads, max_seq_len, head_dim]`` (BNSD), same dtype and device as
-        ``query``; the current token is already appended.
+        Same dtype and device as ``query``; the current token is already appended. BNSD
+        ``[batch, num_kv_heads, max_seq_len, head_dim]`` without a block table; paged
+        ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD) or ``[num_blocks,
+        num_kv_heads, block_size, head_dim]`` (HND) with one.
     seq_lens : torch.Tensor
         ``[batch]`` int32 or int64: n_b, the number of valid positions (row id).
     thresholds : torch.Tensor
-        ``[num_q_heads, max_row_id]`` float32; row id n reads column ``min(n, max_row_id) - 1``.
+        float32 ``[H, max_row_id]`` or ``[num_sets, H, max_row_id]``, H = num_q_heads
+        (``selection="head"``) or num_kv_heads (``"group"``); row id n reads column
+        ``min(n, max_row_id) - 1``.
     scale : float
         Resolved softmax scale (``1/sqrt(head_dim)`` when the caller passed None).
     placement, sdc : str
@@ -75,13 +76,23 @@ class DecodeInputs:
     sdc_gamma : float
         gamma of the exp_threshold estimate (paper section 3.2.1).
     sdc_table : torch.Tensor or None
-        ``[num_q_heads, max_row_id]`` float32, only with ``sdc="offline"``.
+        float32 ``[num_q_heads, max_row_id]`` (``[num_sets, num_q_heads, max_row_id]``
+        with threshold sets), only with ``sdc="offline"``.
     vmc : bool
         V-mean compensation (paper section 3.2.2).
     value_mean : torch.Tensor or None
         ``[batch, num_kv_heads, head_dim]`` float32, only with ``vmc=True``.
     return_stats : bool
         Whether the caller asked for :class:`DecodeStats`.
+    block_table : torch.Tensor or None
+        ``[batch, max_blocks_per_seq]`` int32: position j of sequence b is slot
+        ``j % block_size`` of block ``block_table[b, j // block_size]``.
+    kv_layout : str
+        ``"BNSD"`` (no block table), ``"NHD"`` or ``"HND"`` (paged).
+    selection : str
+        ``"head"`` or ``"group"`` (one threshold per KV head against the group maximum).
+    threshold_set : torch.Tensor or None
+        ``[batch]`` int32/int64 index into dim 0 of 3-D thresholds.
     """
 
     query: torch.Tensor
@@ -97,6 +108,10 @@ class DecodeInputs:
     vmc: bool = False
     value_mean: Optional[torch.Tensor] = None
     return_stats: bool = False
+    block_table: Optional[torch.Tensor] = None
+    kv_layout: str = "BNSD"
+    selection: str = "head"
+    threshold_set: Optional[torch.Tensor] = None
 
     @property
     def batch(self) -> int:
@@ -108,7 +123,7 @@ class DecodeInputs:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.key_cache.shape[1]
+        return cache_dims(self.key_cache, self.kv_layout)[1]
 
     @property
     def group_size(self) -> int:
@@ -120,12 +135,42 @@ class DecodeInputs:
         return self.query.shape[2]
 
     @property
+    def paged(self) -> bool:
+        """True when the caches are paged (a block table was given)."""
+        return self.block_table is not None
+
+    @property
+    def block_size(self) -> int:
+        """Positions per cache block (BNSD: max_seq_len, one block per sequence)."""
+        return cache_dims(self.key_cache, self.kv_layout)[2]
+
+    @property
+    def num_blocks(self) -> int:
+        """Cache blocks (BNSD: batch)."""
+        return self.key_cache.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_table.shape[1] if self.paged else 1
+
+    @property
     def max_seq_len(self) -> int:
-        return self.key_cache.shape[2]
+        """Positions a sequence can hold: BNSD dim 2, or max_blocks_per_seq * block_size."""
+        return self.max_blocks_per_seq * self.block_size
 
     @property
     def max_row_id(self) -> int:
-        return self.thresholds.shape[1]
+        return self.thresholds.shape[-1]
+
+    @property
+    def num_sets(self) -> int:
+        """Threshold sets (1 for 2-D thresholds)."""
+        return self.thresholds.shape[0] if self.thresholds.dim() == 3 else 1
+
+    @property
+    def threshold_heads(self) -> int:
+        """Rows of one threshold set: num_q_heads ("head") or num_kv_heads ("group")."""
+        return self.num_q_heads if self.selection == "head" else self.num_kv_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,17 +180,48 @@ class DecodeInputs:
     def device(self) -> torch.device:
         return self.query.device
 
+    def cache_strides(self, which: str = "key") -> tuple[int, int, int, int]:
+        """Element strides ``(block, kv_head, slot, dim)`` of the key or value cache (see
+        :func:`topth_ops.validation.cache_strides`)."""
+        t = self.key_cache if which == "key" else self.value_cache
+        return cache_strides(t, self.kv_layout)
+
+    def block_table_or_identity(self) -> torch.Tensor:
+        """int32 ``[batch, max_blocks_per_seq]``: the block table, or for BNSD the identity
+        ``[[0], [1], ...]`` that makes the BNSD cache one HND block per sequence."""
+        if self.paged:
+            return self.block_table
+        return torch.arange(self.batch, dtype=torch.int32, device=self.device).view(self.batch, 1)
+
+    def thresholds_3d(self) -> torch.Tensor:
+        """``[num_sets, threshold_heads, max_row_id]`` (a view; 2-D thresholds are one set)."""
+        th = self.thresholds
+        return th if th.dim() == 3 else th.unsqueeze(0)
+
+    def sdc_table_3d(self) -> Optional[torch.Tensor]:
+        """``[num_sets, num_q_heads, max_row_id]`` view of sdc_table, or None."""
+        t = self.sdc_table
+        if t is None:
+            return None
+        return t if t.dim() == 3 else t.unsqueeze(0)
+
     def describe(self) -> str:
         """One line naming every shape, dtype, device and option; used in error messages."""
         parts = [
             f"query {_shape(self.query)} {_dtype(self.dtype)} on {self.device}",
-            f"key/value cache {_shape(self.key_cache)}",
+            f"key/value cache {_shape(self.key_cache)} {self.kv_layout}",
             f"seq_lens {_shape(self.seq_lens)} {_dtype(self.seq_lens.dtype)}",
             f"thresholds {_shape(self.thresholds)}",
             f"placement={self.placement}",
             f"sdc={self.sdc}",
             f"vmc={self.vmc}",
         ]
+        if self.paged:
+            parts.append(f"block_table {_shape(self.block_table)}")
+        if self.selection != "head":
+            parts.append(f"selection={self.selection}")
+        if self.threshold_set is not None:
+            parts.append(f"threshold_set {_shape(self.threshold_set)}")
         if self.value_mean is not None:
             parts.append("value_mean given")
         return "; ".join(parts)
@@ -177,50 +253,6 @@ class DecodeInputs:
         return out, stats
 
 
-def _require_tensor(name: str, value) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _require_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have shape {layout} ({rank} dims), got shape {_shape(t)}")
-
-
-def _require_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _require_real(name: str, value, *, positive: bool) -> float:
-    # numbers.Real covers int, float and numpy's scalars; bools (numpy's too) are rejected.
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number (Python or numpy scalar), "
-                        f"got {type(value).__name__} {value!r}")
-    try:
-        value = float(value)
-    except OverflowError:
-        raise ValueError(f"{name} must be a finite number, got an int too large for a float") from None
-    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-    if not ok:
-        expected = "a finite number > 0" if positive else "a finite number >= 0"
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-    return value
-
-
-def _values_checkable(t: torch.Tensor) -> bool:
-    """True when the values of ``t`` can be read without a device sync or a trace break."""
-    if t.device.type != "cpu":
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    from torch._subclasses.fake_tensor import is_fake
-
-    return not is_fake(t)
-
-
 def make_inputs(
     query,
     key_cache,
@@ -236,6 +268,10 @@ def make_inputs(
     vmc=False,
     value_mean=None,
     return_stats=False,
+    block_table=None,
+    kv_layout=None,
+    selection="head",
+    threshold_set=None,
     check_values=True,
 ) -> DecodeInputs:
     """Validate one decode-attention call and return the frozen :class:`DecodeInputs`.
@@ -246,10 +282,11 @@ def make_inputs(
     Parameters
     ----------
     check_values : bool
-        Also check the values of ``seq_lens`` (0 <= n <= max_seq_len) and of ``sdc_table``
-        (finite, >= 0). Done only where it needs no device sync (CPU tensors outside a
-        trace); on accelerators a backend must clamp the lengths into [0, max_seq_len] so
-        that it never reads out of bounds.
+        Also check the values of ``seq_lens`` (0 <= n <= max_seq_len), of the used
+        ``block_table`` entries (in [0, num_blocks)), of ``threshold_set`` (in
+        [0, num_sets)) and of ``sdc_table`` (finite, >= 0). Done only where it needs no
+        device sync (CPU tensors outside a trace); elsewhere a backend clamps lengths,
+        set indices and block ids into range so that it never reads out of bounds.
 
     Returns
     -------
@@ -259,84 +296,70 @@ def make_inputs(
     ------
     TypeError
         A tensor argument is not a tensor, or has the wrong dtype (query not float16 /
-        bfloat16 / float32, caches not of the query's dtype, seq_lens not int32/int64,
-        thresholds / sdc_table / value_mean not float32); a flag is not a bool; a number
-        is not a real number.
+        bfloat16 / float32, caches not of the query's dtype, seq_lens / threshold_set not
+        int32/int64, block_table not int32, thresholds / sdc_table / value_mean not
+        float32); a flag is not a bool; a number is not a real number.
     ValueError
-        Wrong rank or shape, head_dim mismatch, num_q_heads not a multiple of
-        num_kv_heads, tensors on different devices, seq_lens out of [0, max_seq_len],
-        unknown placement or sdc, sdc other than "none" with post_softmax, "offline"
-        without sdc_table, sdc_table without "offline", sdc_table values negative or not
-        finite (CPU), value_mean without vmc, sdc_gamma other than its default without
-        "exp_threshold", scale not finite and > 0, sdc_gamma not finite and >= 0.
+        Wrong rank or shape (caches against ``kv_layout``), head_dim mismatch,
+        num_q_heads not a multiple of num_kv_heads, tensors on different devices, values
+        out of range (see ``check_values``), unknown placement / sdc / selection /
+        kv_layout, a paged layout without block_table or BNSD with one, sdc other than
+        "none" with post_softmax, "offline" without sdc_table, sdc_table without
+        "offline", value_mean without vmc, threshold_set without 3-D thresholds or the
+        reverse, sdc_gamma other than its default without "exp_threshold", scale not
+        finite and > 0, sdc_gamma not finite and >= 0.
     """
-    q = _require_tensor("query", query)
-    k = _require_tensor("key_cache", key_cache)
-    v = _require_tensor("value_cache", value_cache)
-    lens = _require_tensor("seq_lens", seq_lens)
-    th = _require_tensor("thresholds", thresholds)
-    if sdc_table is not None:
-        _require_tensor("sdc_table", sdc_table)
-    if value_mean is not None:
-        _require_tensor("value_mean", value_mean)
+    q = V.require_tensor("query", query)
+    k = V.require_tensor("key_cache", key_cache)
+    v = V.require_tensor("value_cache", value_cache)
+    lens = V.require_tensor("seq_lens", seq_lens)
+    th = V.require_tensor("thresholds", thresholds)
+    optional = {"sdc_table": sdc_table, "value_mean": value_mean, "block_table": block_table,
+                "threshold_set": threshold_set}
+    for name, t in optional.items():
+        if t is not None:
+            V.require_tensor(name, t)
+    layout = V.resolve_layout(kv_layout, block_table is not None)
+    selection = V.require_choice("selection", selection, SELECTIONS)
 
-    _require_rank("query", q, 3, "[batch, num_q_heads, head_dim]")
-    _require_rank("key_cache", k, 4, "[batch, num_kv_heads, max_seq_len, head_dim]")
-    _require_rank("value_cache", v, 4, "[batch, num_kv_heads, max_seq_len, head_dim]")
-    _require_rank("seq_lens", lens, 1, "[batch]")
-    _require_rank("thresholds", th, 2, "[num_q_heads, max_row_id]")
+    V.require_rank("query", q, 3, "[batch, num_q_heads, head_dim]")
+    V.require_rank("seq_lens", lens, 1, "[batch]")
+    if block_table is not None:
+        V.require_rank("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
 
     if q.dtype not in INPUT_DTYPES:
         raise TypeError(f"query dtype must be float16, bfloat16 or float32, got {_dtype(q.dtype)}")
     for name, t in (("key_cache", k), ("value_cache", v)):
         if t.dtype != q.dtype:
-            raise TypeError(
-                f"{name} dtype must equal the query dtype {_dtype(q.dtype)}, got {_dtype(t.dtype)}"
-            )
-    if lens.dtype not in SEQ_LEN_DTYPES:
-        raise TypeError(f"seq_lens dtype must be int32 or int64, got {_dtype(lens.dtype)}")
+            raise TypeError(f"{name} dtype must equal the query dtype {_dtype(q.dtype)}, got {_dtype(t.dtype)}")
+    V.require_dtype("seq_lens", lens, SEQ_LEN_DTYPES, "int32 or int64")
+    V.require_dtype("threshold_set", threshold_set, SEQ_LEN_DTYPES, "int32 or int64")
+    V.require_dtype("block_table", block_table, (torch.int32,), "int32")
     for name, t in (("thresholds", th), ("sdc_table", sdc_table), ("value_mean", value_mean)):
-        if t is not None and t.dtype != torch.float32:
-            raise TypeError(f"{name} dtype must be float32, got {_dtype(t.dtype)}")
+        V.require_dtype(name, t, (torch.float32,), "float32")
 
     named = [("key_cache", k), ("value_cache", v), ("seq_lens", lens), ("thresholds", th),
-             ("sdc_table", sdc_table), ("value_mean", value_mean)]
+             *optional.items()]
     for name, t in named:
         if t is not None and t.device != q.device:
-            raise ValueError(
-                f"{name} must be on the query's device {q.device}, got {t.device}"
-            )
+            raise ValueError(f"{name} must be on the query's device {q.device}, got {t.device}")
 
     batch, num_q_heads, head_dim = q.shape
     if batch < 1 or num_q_heads < 1 or head_dim < 1:
         raise ValueError(f"query must have batch, num_q_heads and head_dim >= 1, got shape {_shape(q)}")
-    if k.shape[0] != batch:
-        raise ValueError(f"key_cache batch must equal the query batch {batch}, got shape {_shape(k)}")
-    num_kv_heads, max_seq_len = k.shape[1], k.shape[2]
-    if num_kv_heads < 1 or max_seq_len < 1:
-        raise ValueError(
-            f"key_cache must have num_kv_heads >= 1 and max_seq_len >= 1, got shape {_shape(k)}"
-        )
-    if k.shape[3] != head_dim:
-        raise ValueError(
-            f"key_cache head_dim must equal the query head_dim {head_dim}, got shape {_shape(k)}"
-        )
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(
-            f"value_cache shape must equal the key_cache shape {_shape(k)}, got {_shape(v)}"
-        )
+    num_kv_heads, block_size = V.check_caches(k, v, layout, batch, head_dim)
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_q_heads ({num_q_heads}, query dim 1) must be a multiple of num_kv_heads "
-            f"({num_kv_heads}, key_cache dim 1)"
-        )
+            f"({num_kv_heads}, key_cache {layout} {LAYOUT_DIMS[layout]})")
     if lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape [{batch}] (the query batch), got {_shape(lens)}")
-    if th.shape[0] != num_q_heads or th.shape[1] < 1:
-        raise ValueError(
-            f"thresholds must have shape [{num_q_heads}, max_row_id >= 1] (num_q_heads from "
-            f"query), got {_shape(th)}"
-        )
+    max_seq_len = block_size
+    if block_table is not None:
+        if block_table.shape[0] != batch or block_table.shape[1] < 1:
+            raise ValueError(f"block_table must have shape [{batch}, max_blocks_per_seq >= 1] (batch "
+                             f"from query), got {_shape(block_table)}")
+        max_seq_len = block_table.shape[1] * block_size
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
@@ -345,68 +368,50 @@ def make_inputs(
     if placement == "post_softmax" and sdc != "none":
         raise ValueError(
             f"sdc must be 'none' with placement='post_softmax' (compensation of the softmax "
-            f"denominator applies to pre_softmax only), got sdc={sdc!r}"
-        )
-    if sdc == "offline":
-        if sdc_table is None:
-            raise ValueError("sdc_table is required with sdc='offline' (shape [num_q_heads, max_row_id], float32)")
-        if tuple(sdc_table.shape) != tuple(th.shape):
-            raise ValueError(
-                f"sdc_table must have the thresholds' shape {_shape(th)}, got {_shape(sdc_table)}"
-            )
-    elif sdc_table is not None:
-        raise ValueError(f"sdc_table is only used with sdc='offline', got sdc={sdc!r}")
-    sdc_gamma = _require_real("sdc_gamma", sdc_gamma, positive=False)
-    if sdc != "exp_threshold" and sdc_gamma != DEFAULT_SDC_GAMMA:
+            f"denominator applies to pre_softmax only), got sdc={sdc!r}")
+    V.check_thresholds(th, sdc_table, sdc, selection, num_q_heads, num_kv_heads, threshold_set, batch)
+    sdc_gamma = V.require_real("sdc_gamma", sdc_gamma, positive=False)
+    if sdc != "exp_threshold" and not V.is_symbolic(sdc_gamma) and sdc_gamma != DEFAULT_SDC_GAMMA:
         raise ValueError(
             f"sdc_gamma is only used with sdc='exp_threshold', got sdc={sdc!r} and "
-            f"sdc_gamma={sdc_gamma!r} (leave it at its default {DEFAULT_SDC_GAMMA})"
-        )
+            f"sdc_gamma={sdc_gamma!r} (leave it at its default {DEFAULT_SDC_GAMMA})")
 
-    vmc = _require_bool("vmc", vmc)
-    return_stats = _require_bool("return_stats", return_stats)
+    vmc = V.require_bool("vmc", vmc)
+    return_stats = V.require_bool("return_stats", return_stats)
     if value_mean is not None:
         if not vmc:
             raise ValueError("value_mean is only used with vmc=True, got vmc=False")
-        expected = (batch, num_kv_heads, head_dim)
-        if tuple(value_mean.shape) != expected:
+        if tuple(value_mean.shape) != (batch, num_kv_heads, head_dim):
             raise ValueError(
                 f"value_mean must have shape [{batch}, {num_kv_heads}, {head_dim}] "
-                f"([batch, num_kv_heads, head_dim]), got {_shape(value_mean)}"
-            )
+                f"([batch, num_kv_heads, head_dim]), got {_shape(value_mean)}")
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
-        scale = _require_real("scale", scale, positive=True)
+        scale = V.require_real("scale", scale, positive=True)
 
-    if check_values and _values_checkable(lens):
+    if check_values and V.values_checkable(lens):
         lo, hi = int(lens.min()), int(lens.max())
         if lo < 0 or hi > max_seq_len:
-            raise ValueError(
-                f"seq_lens values must lie in [0, max_seq_len={max_seq_len}] (key_cache dim 2), "
-                f"got min {lo}, max {hi}"
-            )
-    if check_values and sdc_table is not None and _values_checkable(sdc_table):
+            where = (f"max_blocks_per_seq {block_table.shape[1]} x block_size {block_size}"
+                     if block_table is not None else "key_cache dim 2")
+            raise ValueError(f"seq_lens values must lie in [0, max_seq_len={max_seq_len}] ({where}), "
+                             f"got min {lo}, max {hi}")
+        if block_table is not None and V.values_checkable(block_table):
+            V.check_block_table_values(block_table, lens, block_size, k.shape[0])
+    if check_values and threshold_set is not None and V.values_checkable(threshold_set):
+        V.check_index_values("threshold_set", threshold_set, th.shape[0], "thresholds dim 0, num_sets")
+    if check_values and sdc_table is not None and V.values_checkable(sdc_table):
         bad = ~(torch.isfinite(sdc_table) & (sdc_table >= 0))
         if bool(bad.any()):
             raise ValueError(
                 "sdc_table values must be finite and >= 0 (an estimate of a sum of exponentials), "
-                f"got {int(bad.sum())} other values, e.g. {sdc_table[bad][0].item()!r}"
-            )
+                f"got {int(bad.sum())} other values, e.g. {sdc_table[bad][0].item()!r}")
 
     return DecodeInputs(
-        query=q,
-        key_cache=k,
-        value_cache=v,
-        seq_lens=lens,
-        thresholds=th,
-        scale=scale,
-        placement=placement,
-        sdc=sdc,
-        sdc_gamma=sdc_gamma,
-        sdc_table=sdc_table,
-        vmc=vmc,
-        value_mean=value_mean,
-        return_stats=return_stats,
+        query=q, key_cache=k, value_cache=v, seq_lens=lens, thresholds=th, scale=scale,
+        placement=placement, sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc,
+        value_mean=value_mean, return_stats=return_stats, block_table=block_table,
+        kv_layout=layout, selection=selection, threshold_set=threshold_set,
     )

@@ -72,6 +72,10 @@ def decode_attention_op(
     value_mean: Optional[Tensor],
     return_stats: bool,
     backend: str,
+    block_table: Optional[Tensor] = None,
+    kv_layout: str = "",
+    selection: str = "head",
+    threshold_set: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Custom-op form of :func:`topth_ops.decode_attention`; ``backend=""`` means automatic.
 
@@ -81,7 +85,8 @@ def decode_attention_op(
     inputs = make_inputs(
         query, key_cache, value_cache, seq_lens, thresholds, scale=scale, placement=placement,
         sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
-        return_stats=return_stats,
+        return_stats=return_stats, block_table=block_table, kv_layout=kv_layout or None,
+        selection=selection, threshold_set=threshold_set,
     )
     return _flat(*run(inputs, backend or None))
 
@@ -96,11 +101,13 @@ def _flat(out: Tensor, stats: Optional[DecodeStats]) -> tuple[Tensor, Tensor, Te
 @decode_attention_op.register_fake
 def _decode_attention_fake(
     query, key_cache, value_cache, seq_lens, thresholds, scale, placement, sdc, sdc_gamma,
-    sdc_table, vmc, value_mean, return_stats, backend,
+    sdc_table, vmc, value_mean, return_stats, backend, block_table=None, kv_layout="",
+    selection="head", threshold_set=None,
 ):
     inputs = make_inputs(
         query, key_cache, value_cache, seq_lens, thresholds, scale=scale, placement=placement,
         sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
-        return_stats=return_stats, check_values=False,
+        return_stats=return_stats, block_table=block_table, kv_layout=kv_layout or None,
+        selection=selection, threshold_set=threshold_set, check_values=False,
     )
     return _flat(*inputs.empty_outputs())

@@ -68,6 +68,11 @@ class Backend:
         :meth:`input_reasons`), shown by ``topth-ops info`` instead of "any".
     description : str
         One line for ``topth-ops info``.
+    features : frozenset of str
+        Optional parts of the contract it implements: ``"paged"`` (block_table, NHD/HND
+        caches), ``"group_selection"`` (``selection="group"``), ``"threshold_sets"``
+        (3-D thresholds with threshold_set). Inputs that use a missing one are refused
+        with a reason, never computed wrongly.
     """
 
     name: str = ""
@@ -76,6 +81,7 @@ class Backend:
     head_dims: Optional[tuple] = None
     head_dims_note: str = ""
     description: str = ""
+    features: frozenset = frozenset()
 
     def unavailable_reasons(self) -> list[str]:
         """Why this backend cannot run on this machine at all (empty list: available)."""
@@ -104,9 +110,20 @@ class Backend:
             reasons.append(f"dtype {_dtype(inputs.dtype)} not supported (supports {names})")
         if self.head_dims is not None and inputs.head_dim not in self.head_dims:
             reasons.append(f"head_dim {inputs.head_dim} not supported (supports {list(self.head_dims)})")
+        reasons.extend(self.feature_reasons(inputs))
         if not reasons:
             reasons.extend(self.input_reasons(inputs))
         return reasons
+
+    def feature_reasons(self, inputs: DecodeInputs) -> list[str]:
+        """Reasons for inputs that use an optional part of the contract not in :attr:`features`."""
+        used = {
+            "paged": (inputs.paged, f"paged KV caches (block_table, kv_layout={inputs.kv_layout})"),
+            "group_selection": (inputs.selection == "group", "selection='group'"),
+            "threshold_sets": (inputs.threshold_set is not None, "threshold sets (3-D thresholds)"),
+        }
+        return [f"{what} not implemented by this backend" for feat, (on, what) in used.items()
+                if on and feat not in self.features]
 
     def supports(self, inputs: DecodeInputs) -> bool:
         return not self.not_supported_reasons(inputs)

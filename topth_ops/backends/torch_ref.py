@@ -1,9 +1,9 @@
 """Backend ``torch``: the vectorized PyTorch reference of the op contract.
 
 Runs on any torch device, float16 / bfloat16 / float32 inputs, float32 math, output in
-the input dtype. No Python loop over batch, heads or tokens. It is the default on the
-CPU and the fallback elsewhere; it is *not* the conformance oracle (that one is float64
-numpy code in :mod:`topth_ops.conformance.oracle`).
+the input dtype. No Python loop over batch, heads or tokens. It is the fallback on every
+device; it is *not* the conformance oracle (that one is float64 numpy code in
+:mod:`topth_ops.conformance.oracle`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,61 @@ from ..contract import DecodeInputs, DecodeStats
 from ..registry import Backend
 
 
+def clamped_lengths(inputs: DecodeInputs) -> torch.Tensor:
+    """int64 ``[batch]`` lengths clamped into [0, max_seq_len] in their own dtype's full
+    range (the contract's rule for paths that do not check values; no int32 wrap-around)."""
+    return inputs.seq_lens.to(torch.int64).clamp(0, inputs.max_seq_len)
+
+
+def dense_caches(inputs: DecodeInputs, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as BNSD ``[batch, num_kv_heads, max_seq_len, head_dim]`` views or copies.
+
+    Paged caches are gathered through the block table. Table entries of blocks a sequence
+    does not use are never followed (index 0 stands in; those positions are masked out by
+    the caller), and used entries are clamped into [0, num_blocks) so that unchecked
+    inputs never index out of bounds.
+    """
+    if not inputs.paged:
+        return inputs.key_cache, inputs.value_cache
+    bt = inputs.block_table.to(torch.int64)
+    B, M = bt.shape
+    bs = inputs.block_size
+    used = torch.arange(M, device=bt.device)[None, :] < ((n + bs - 1) // bs)[:, None]
+    idx = torch.where(used, bt.clamp(0, inputs.num_blocks - 1), 0)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        blocks = cache[idx]  # NHD: [B, M, bs, H, D]; HND: [B, M, H, bs, D]
+        if inputs.kv_layout == "NHD":
+            blocks = blocks.permute(0, 3, 1, 2, 4)  # [B, H, M, bs, D]
+        else:
+            blocks = blocks.permute(0, 2, 1, 3, 4)
+        return blocks.reshape(B, blocks.shape[1], M * bs, blocks.shape[-1])
+
+    return gather(inputs.key_cache), gather(inputs.value_cache)
+
+
+def per_sequence_rows(inputs: DecodeInputs, table: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``table[set_b, :, row_b]`` for every sequence: ``[batch, rows]`` float32.
+
+    ``table`` is ``[num_sets, rows, max_row_id]``; row_b = min(max(n_b, 1), max_row_id) - 1
+    and set_b = threshold_set[b] (0 without sets), clamped into [0, num_sets).
+    """
+    row = n.clamp(min=1).clamp(max=inputs.max_row_id) - 1
+    if inputs.threshold_set is None:
+        sets = torch.zeros_like(row)
+    else:
+        sets = inputs.threshold_set.to(torch.int64).clamp(0, inputs.num_sets - 1)
+    return table[sets, :, row]  # [B, rows]
+
+
 def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
     """Thresholded decode attention, formulas of docs/semantics.md (paper sections 3.1-3.2).
 
     Parameters
     ----------
     inputs : DecodeInputs
-        Validated inputs (see :func:`topth_ops.contract.make_inputs`).
+        Validated inputs (see :func:`topth_ops.contract.make_inputs`); BNSD or paged
+        caches, per-head or group selection, one or several threshold sets.
 
     Returns
     -------
@@ -35,31 +83,45 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
     Notes
     -----
     Memory is O(batch x num_q_heads x max_seq_len) for the scores plus a float32 copy of
-    the caches: a reference, not a fast path.
+    the caches (gathered, when paged): a reference, not a fast path.
     """
     B, Hq, D = inputs.query.shape
     Hkv, S, G = inputs.num_kv_heads, inputs.max_seq_len, inputs.group_size
     dev = inputs.device
     f32 = torch.float32
-
-    n = inputs.seq_lens.to(torch.int64).clamp(0, S)  # [B]; the contract allows clamping only
+    n = clamped_lengths(inputs)  # [B]
+    k_cache, v_cache = dense_caches(inputs, n)
     pos = torch.arange(S, device=dev)
     valid = (pos[None, :] < n[:, None])[:, None, :]  # [B, 1, S]
 
     q = inputs.query.to(f32).reshape(B, Hkv, G, D)
-    k = inputs.key_cache.to(f32)
+    k = k_cache.to(f32)
     # a_j = scale * <q, k_j> in fp32 (semantics step 1); tail positions are masked out below.
     a = torch.einsum("bkgd,bksd->bkgs", q, k).reshape(B, Hq, S) * inputs.scale
     a = torch.where(valid, a, float("-inf"))
     m = a.amax(dim=-1, keepdim=True)  # NaN if a valid score is NaN; -inf when n = 0
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     e = torch.where(valid, torch.exp(a - m_safe), 0.0)  # exp(a_j - m); NaN propagates
+    Z = e.sum(-1, keepdim=True)
 
-    row = (n.clamp(min=1).clamp(max=inputs.max_row_id) - 1)  # [B] column of the row id
-    theta = inputs.thresholds[:, row].transpose(0, 1).unsqueeze(-1)  # [B, Hq, 1]
+    theta = per_sequence_rows(inputs, inputs.thresholds_3d(), n)  # [B, threshold_heads]
+    if inputs.placement == "pre_softmax":
+        x, cut = a, theta
+    else:
+        x = a - m_safe - torch.log(Z)  # log s_j; compared in the log domain
+        # theta <= 0 keeps every finite score (s_j > 0); a NaN theta keeps nothing.
+        cut = torch.where(theta > 0, torch.log(theta), float("-inf"))
+        cut = torch.where(torch.isnan(theta), theta, cut)
+    if inputs.selection == "group":
+        # One threshold per KV head against the group maximum of x (NaN-propagating max).
+        x_group = x.view(B, Hkv, G, S).amax(dim=2)  # [B, Hkv, S]
+        kept = (valid & (x_group > cut.unsqueeze(-1))).repeat_interleave(G, dim=1)
+        theta_h = theta.repeat_interleave(G, dim=1).unsqueeze(-1)  # [B, Hq, 1]
+    else:
+        kept = valid & (x > cut.unsqueeze(-1))
+        theta_h = theta.unsqueeze(-1)
 
     if inputs.placement == "pre_softmax":
-        kept = valid & (a > theta)
         R = (e * kept).sum(-1, keepdim=True)
         k_tilde = kept.sum(-1, keepdim=True)
         if inputs.sdc == "none":
@@ -68,22 +130,16 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
             E = (e * (valid & ~kept)).sum(-1, keepdim=True)
         elif inputs.sdc == "exp_threshold":
             dropped = (n[:, None, None] - k_tilde).to(f32)
-            E = inputs.sdc_gamma * dropped * torch.exp(theta - m_safe)
+            E = inputs.sdc_gamma * dropped * torch.exp(theta_h - m_safe)
             E = torch.where(dropped > 0, E, torch.zeros_like(E))  # 0 x inf when nothing dropped
         else:  # offline
-            E = inputs.sdc_table[:, row].transpose(0, 1).unsqueeze(-1)
+            E = per_sequence_rows(inputs, inputs.sdc_table_3d(), n).unsqueeze(-1)
         w = torch.where(kept, e / (R + E), 0.0)
     else:
-        Z = e.sum(-1, keepdim=True)
-        log_s = a - m_safe - torch.log(Z)  # log of s_j; compared in the log domain
-        # theta <= 0 keeps every finite score (s_j > 0); a NaN theta keeps nothing.
-        log_theta = torch.where(theta > 0, torch.log(theta), float("-inf"))
-        log_theta = torch.where(torch.isnan(theta), theta, log_theta)
-        kept = valid & (log_s > log_theta)
         w = torch.where(kept, e / Z, 0.0)
 
     beta = (1.0 - w.sum(-1)).clamp(0.0, 1.0)  # [B, Hq]; NaN stays NaN
-    v = inputs.value_cache.to(f32)
+    v = v_cache.to(f32)
     union = kept.view(B, Hkv, G, S).any(dim=2)  # [B, Hkv, S]
     # Rows kept by no head of the group are never read: zero them so that NaN or inf in
     # a dropped row (or in the tail) cannot leak through 0 * NaN.
@@ -116,6 +172,7 @@ class TorchBackend(Backend):
     name = "torch"
     device_type = "any"
     description = "vectorized PyTorch reference (fp32 math), any torch device"
+    features = frozenset({"paged", "group_selection", "threshold_sets"})
 
     def devices(self) -> list[torch.device]:
         devs = [torch.device("cpu")]

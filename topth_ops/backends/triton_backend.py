@@ -78,6 +78,7 @@ class TritonBackend(Backend):
                            "(the interpreter cannot compute bfloat16 tl.dot)")
         if inputs.head_dim not in self.head_dims:
             reasons.append(f"head_dim {inputs.head_dim} not supported (supports {list(self.head_dims)})")
+        reasons.extend(self.feature_reasons(inputs))
         if not reasons:
             reasons.extend(self.input_reasons(inputs))
         return reasons

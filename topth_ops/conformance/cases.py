@@ -161,27 +161,41 @@ def _pick_threshold(values: np.ndarray, keep_frac: float) -> float:
     return float(s[0] - 1.0)  # every value tied: keep them all
 
 
-def guarded_thresholds(q, k, lens, *, scale, placement, max_row_id, rng,
-                       keep_range=(0.05, 0.95)) -> torch.Tensor:
-    """float32 thresholds ``[num_q_heads, max_row_id]`` with a guard band around every score.
+def _group_max(rows_b: list, group: int) -> list:
+    """Per KV head: the elementwise maximum over its query heads' score rows."""
+    return [np.max(rows_b[g * group:(g + 1) * group], axis=0) for g in range(len(rows_b) // group)]
 
-    Columns that no sequence reads are NaN, so reading a wrong column keeps nothing and
-    shows up as a mismatch. Each (head, column) gets its own target kept fraction drawn
-    from ``keep_range``.
+
+def guarded_thresholds(q, k, lens, *, scale, placement, max_row_id, rng,
+                       keep_range=(0.05, 0.95), selection="head", sets=None,
+                       num_sets=1) -> torch.Tensor:
+    """float32 thresholds with a guard band around every score.
+
+    ``[H, max_row_id]``, or ``[num_sets, H, max_row_id]`` when ``sets`` (one set index per
+    sequence) is given; H = num_q_heads, or num_kv_heads with ``selection="group"``,
+    where the band is kept around the group maximum of the scores (what group selection
+    compares). Columns that no sequence reads are NaN, so reading a wrong column (or a
+    wrong set) keeps nothing and shows up as a mismatch. Each (set, head, column) gets
+    its own target kept fraction drawn from ``keep_range``. ``k`` is a BNSD cache.
     """
     rows = _score_rows(q, k, lens, scale, placement)
-    Hq = q.shape[1]
-    th = np.full((Hq, max_row_id), np.nan)
-    users: dict[int, list[int]] = {}
+    group = q.shape[1] // k.shape[1]
+    if selection == "group":
+        rows = [_group_max(r, group) for r in rows]
+    H = len(rows[0])
+    th = np.full((num_sets, H, max_row_id), np.nan)
+    users: dict[tuple, list[int]] = {}
     for b, n in enumerate(lens.tolist()):
         if n > 0:
-            users.setdefault(min(n, max_row_id) - 1, []).append(b)
-    for col, bs in users.items():
-        for h in range(Hq):
+            s = int(sets[b]) if sets is not None else 0
+            users.setdefault((s, min(n, max_row_id) - 1), []).append(b)
+    for (s, col), bs in users.items():
+        for h in range(H):
             vals = np.concatenate([rows[b][h] for b in bs])
             t = _pick_threshold(vals, rng.uniform(*keep_range))
-            th[h, col] = np.exp(t) if placement == "post_softmax" else t
-    return torch.from_numpy(th).to(torch.float32)
+            th[s, h, col] = np.exp(t) if placement == "post_softmax" else t
+    th = torch.from_numpy(th).to(torch.float32)
+    return th if sets is not None else th[0]
 
 
 def random_case(name: str, shape: Shape, dtype: torch.dtype, *, placement: str,
@@ -189,11 +203,14 @@ def random_case(name: str, shape: Shape, dtype: torch.dtype, *, placement: str,
                 value_mean: bool = False, scale: Optional[float] = None,
                 max_row_id: Optional[int] = None, keep_range=(0.05, 0.95),
                 tail: Optional[float] = float("nan"), seed: int = 0,
-                mutate: Optional[Callable] = None) -> Case:
+                mutate: Optional[Callable] = None, selection: str = "head",
+                num_sets: Optional[int] = None) -> Case:
     """A random call with guard-banded thresholds (see module docstring).
 
     ``mutate(q, k, v)``, if given, edits the tensors in place before the thresholds are
-    chosen (used to inject NaN / inf).
+    chosen (used to inject NaN / inf). ``selection="group"`` makes one threshold per KV
+    head; ``num_sets`` makes 3-D thresholds (and sdc_table) with a random
+    ``threshold_set`` per sequence.
     """
     rng = np.random.default_rng(seed)
     q, k, v, lens = random_tensors(shape, dtype, rng, tail=tail)
@@ -201,13 +218,49 @@ def random_case(name: str, shape: Shape, dtype: torch.dtype, *, placement: str,
         mutate(q, k, v)
     R = max_row_id or shape.max_seq_len
     eff_scale = scale if scale is not None else 1.0 / np.sqrt(shape.head_dim)
+    sets = None
+    if num_sets is not None:
+        sets = torch.from_numpy(rng.integers(0, num_sets, size=len(shape.seq_lens)))
     th = guarded_thresholds(q, k, lens, scale=eff_scale, placement=placement, max_row_id=R,
-                            rng=rng, keep_range=keep_range)
+                            rng=rng, keep_range=keep_range, selection=selection, sets=sets,
+                            num_sets=num_sets or 1)
     kw = dict(query=q, key_cache=k, value_cache=v, seq_lens=lens, thresholds=th, scale=scale,
               placement=placement, sdc=sdc, sdc_gamma=sdc_gamma, vmc=vmc)
+    if selection != "head":
+        kw["selection"] = selection
+    if sets is not None:
+        kw["threshold_set"] = sets.to(torch.int32 if num_sets % 2 else torch.int64)
     if sdc == "offline":
-        kw["sdc_table"] = torch.from_numpy(rng.uniform(0.05, 5.0, size=th.shape)).to(torch.float32)
+        table_shape = (*th.shape[:-2], shape.num_q_heads, R)
+        kw["sdc_table"] = torch.from_numpy(rng.uniform(0.05, 5.0, size=table_shape)).to(torch.float32)
     if value_mean:
         vm = rng.standard_normal((len(shape.seq_lens), shape.num_kv_heads, shape.head_dim))
         kw["value_mean"] = torch.from_numpy(vm).to(torch.float32)
     return Case(f"{name}[{shape.id}]", kw)
+
+
+# Values that unused block-table slots hold in paged cases: padding (-1), ids past the pool,
+# the largest int32: a backend that follows one of them reads out of bounds or NaN blocks.
+UNUSED_TABLE_FILL = (-1, 1 << 30, 2**31 - 1)
+
+
+def paged_case(case: Case, block_size: int, kv_layout: str, *, seed: int = 0,
+               spare_blocks: int = 3) -> Case:
+    """The same call with paged caches: shuffled blocks, partial last blocks.
+
+    Unallocated blocks (``spare_blocks`` of them in the pool) and slots past n are NaN;
+    table slots past a sequence's blocks hold :data:`UNUSED_TABLE_FILL` values.
+    """
+    from ..paged import to_paged
+
+    kw = dict(case.kwargs)
+    lens = kw["seq_lens"]
+    need = sum(-(-int(n) // block_size) for n in lens.tolist())
+    gen = torch.Generator().manual_seed(seed)
+    k, v, table = to_paged(kw["key_cache"], kw["value_cache"], lens, block_size, kv_layout=kv_layout,
+                           num_blocks=need + spare_blocks, generator=gen, fill=float("nan"))
+    unused = table < 0
+    fills = torch.tensor(UNUSED_TABLE_FILL, dtype=torch.int32)
+    table[unused] = fills[torch.arange(int(unused.sum())) % len(fills)]
+    kw.update(key_cache=k, value_cache=v, block_table=table, kv_layout=kv_layout)
+    return Case(f"{case.name}[paged {kv_layout} bs{block_size}]", kw)

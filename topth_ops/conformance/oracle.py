@@ -52,6 +52,49 @@ def _f64(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return t.detach().to("cpu", torch.float64).numpy()
 
 
+def _sequence_kv(k: np.ndarray, v: np.ndarray, b: int, g: int, n: int, block_table, kv_layout):
+    """Keys and values ``[n, head_dim]`` of sequence b, KV head g, assembled position by
+    position (paged: block ``block_table[b, j // block_size]``, slot ``j % block_size``)."""
+    if block_table is None:
+        return k[b, g, :n], v[b, g, :n]
+    bs = k.shape[1] if kv_layout == "NHD" else k.shape[2]
+    keys, vals = [], []
+    for j in range(n):
+        blk, slot = int(block_table[b, j // bs]), j % bs
+        if kv_layout == "NHD":
+            keys.append(k[blk, slot, g]), vals.append(v[blk, slot, g])
+        else:
+            keys.append(k[blk, g, slot]), vals.append(v[blk, g, slot])
+    return np.array(keys), np.array(vals)
+
+
+def _keep_values(a: np.ndarray, placement: str) -> np.ndarray:
+    """What the threshold is compared with: the logits a (pre_softmax) or, for post_softmax,
+    the log-probabilities log s_j (compared with ln theta; exact enough in float64)."""
+    if placement == "pre_softmax":
+        return a
+    m = a.max()
+    e = np.zeros_like(a) if np.isneginf(m) else np.exp(a - m)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(e) - np.log(e.sum())
+
+
+def _keep_mask(x: np.ndarray, theta: float, placement: str) -> tuple[np.ndarray, float]:
+    """Kept positions (strict ``>``) and the margin |x - cut| over the finite x."""
+    if placement == "post_softmax":
+        if np.isnan(theta):
+            return np.zeros(x.shape, dtype=bool), np.inf
+        if theta <= 0:
+            return x > -np.inf, np.inf  # every finite score, also where exp underflows
+        cut = np.log(theta)
+    else:
+        cut = theta
+    keep = x > cut
+    finite = np.isfinite(x)
+    margin = np.min(np.abs(x[finite] - cut)) if finite.any() and np.isfinite(cut) else np.inf
+    return keep, margin
+
+
 def oracle_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -66,18 +109,35 @@ def oracle_decode(
     sdc_table: Optional[torch.Tensor] = None,
     vmc: bool = False,
     value_mean: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    kv_layout: Optional[str] = None,
+    selection: str = "head",
+    threshold_set: Optional[torch.Tensor] = None,
 ) -> OracleResult:
     """Float64 thresholded decode attention; arguments as :func:`topth_ops.decode_attention`.
+
+    Inputs must be valid (in-range lengths, table entries and set indices).
 
     Returns
     -------
     OracleResult
+        With ``selection="group"``, ``margin`` is the distance of the group maximum from
+        the threshold, and ``nonfinite`` marks every head of a group in which some head
+        has a NaN or +inf score (the other heads' outputs are unspecified then).
     """
     q, k, v = _f64(query), _f64(key_cache), _f64(value_cache)
     th, table, vmean = _f64(thresholds), _f64(sdc_table), _f64(value_mean)
+    if th.ndim == 2:  # one set
+        th = th[None]
+        table = None if table is None else table[None]
+    sets = (np.zeros(len(seq_lens), dtype=np.int64) if threshold_set is None
+            else threshold_set.detach().cpu().numpy().astype(np.int64))
+    bt = None if block_table is None else block_table.detach().cpu().numpy().astype(np.int64)
+    layout = kv_layout or ("NHD" if bt is not None else "BNSD")
     lens = seq_lens.detach().cpu().numpy().astype(np.int64)
     B, Hq, D = q.shape
-    Hkv, R = k.shape[1], th.shape[1]
+    Hkv = k.shape[2] if layout == "NHD" else k.shape[1]
+    R = th.shape[2]
     group = Hq // Hkv
     if scale is None:
         scale = 1.0 / np.sqrt(D)
@@ -93,63 +153,61 @@ def oracle_decode(
         n = int(lens[b])
         if n == 0:
             continue  # semantics 6: out = 0, stats 0
-        row = min(n, R) - 1
-        union = [np.zeros(n, dtype=bool) for _ in range(Hkv)]
-        for h in range(Hq):
-            g = h // group
-            keys, vals = k[b, g, :n], v[b, g, :n]
-            theta = th[h, row]
-            with np.errstate(invalid="ignore", over="ignore"):
-                a = scale * (keys @ q[b, h])  # semantics 1
-            if np.isnan(a).any() or np.isposinf(a).any():
-                nonfinite[b, h] = True
-                out[b, h] = np.nan
-                continue
-            m = a.max()
-            if np.isneginf(m):  # every score -inf: no weight anywhere
-                e = np.zeros(n)
-                m = 0.0
-            else:
-                e = np.exp(a - m)
-            if placement == "pre_softmax":
-                keep = a > theta  # semantics 2, strict
-                finite = np.isfinite(a)
-                if finite.any() and np.isfinite(theta):
-                    margin[b, h] = np.min(np.abs(a[finite] - theta))
-                R_sum = e[keep].sum()
-                if sdc == "none":
-                    E = 0.0
-                elif sdc == "exact":
-                    E = e[~keep].sum()
-                elif sdc == "exp_threshold":
-                    n_drop = n - int(keep.sum())
-                    E = sdc_gamma * n_drop * np.exp(theta - m) if n_drop > 0 else 0.0
-                else:
-                    E = table[h, row]
-                w = e[keep] / (R_sum + E) if keep.any() else np.zeros(0)
-            else:
-                Z = e.sum()
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    log_s = np.log(e) - np.log(Z)  # log s_j, exact enough in float64
-                if np.isnan(theta):
-                    keep = np.zeros(n, dtype=bool)
-                elif theta <= 0:
-                    keep = a > -np.inf  # every finite score (also where exp(a - m) underflows)
-                else:
-                    keep = log_s > np.log(theta)
-                    finite = np.isfinite(log_s)
-                    if finite.any() and np.isfinite(theta):
-                        margin[b, h] = np.min(np.abs(log_s[finite] - np.log(theta)))
-                w = e[keep] / Z
-            beta = min(max(1.0 - w.sum(), 0.0), 1.0)  # semantics 4
-            o = w @ vals[keep] if keep.any() else np.zeros(D)
-            if vmc:
-                mu = vmean[b, g] if vmean is not None else vals.mean(axis=0)
-                o = o + beta * mu
-            out[b, h] = o
-            kept_count[b, h] = int(keep.sum())
-            dropped[b, h] = beta
-            union[g] |= keep
+        row, s = min(n, R) - 1, sets[b]
         for g in range(Hkv):
-            v_rows[b, g] = int(union[g].sum())
+            keys, vals = _sequence_kv(k, v, b, g, n, bt, layout)
+            heads = range(g * group, (g + 1) * group)
+            with np.errstate(invalid="ignore", over="ignore"):
+                a_all = {h: scale * (keys @ q[b, h]) for h in heads}  # semantics 1
+            bad = {h for h in heads if np.isnan(a_all[h]).any() or np.isposinf(a_all[h]).any()}
+            for h in bad:
+                out[b, h] = np.nan
+            if selection == "group":
+                if bad:  # the group's selection is unspecified
+                    nonfinite[b, list(heads)] = True
+                    out[b, [h for h in heads if h not in bad]] = np.nan
+                    continue
+                x = np.max([_keep_values(a_all[h], placement) for h in heads], axis=0)
+                keep_g, marg = _keep_mask(x, th[s, g, row], placement)
+            union = np.zeros(n, dtype=bool)
+            for h in heads:
+                if h in bad:
+                    nonfinite[b, h] = True
+                    continue
+                a = a_all[h]
+                if selection == "group":
+                    keep, margin[b, h] = keep_g, marg
+                    theta = th[s, g, row]
+                else:
+                    theta = th[s, h, row]
+                    keep, margin[b, h] = _keep_mask(_keep_values(a, placement), theta, placement)
+                m = a.max()
+                if np.isneginf(m):  # every score -inf: no weight anywhere
+                    e, m = np.zeros(n), 0.0
+                else:
+                    e = np.exp(a - m)
+                if placement == "pre_softmax":
+                    R_sum = e[keep].sum()
+                    if sdc == "none":
+                        E = 0.0
+                    elif sdc == "exact":
+                        E = e[~keep].sum()
+                    elif sdc == "exp_threshold":
+                        n_drop = n - int(keep.sum())
+                        E = sdc_gamma * n_drop * np.exp(theta - m) if n_drop > 0 else 0.0
+                    else:
+                        E = table[s, h, row]
+                    w = e[keep] / (R_sum + E) if keep.any() else np.zeros(0)
+                else:
+                    w = e[keep] / e.sum()
+                beta = min(max(1.0 - w.sum(), 0.0), 1.0)  # semantics 4
+                o = w @ vals[keep] if keep.any() else np.zeros(D)
+                if vmc:
+                    mu = vmean[b, g] if vmean is not None else vals.mean(axis=0)
+                    o = o + beta * mu
+                out[b, h] = o
+                kept_count[b, h] = int(keep.sum())
+                dropped[b, h] = beta
+                union |= keep
+            v_rows[b, g] = int(union.sum())
     return OracleResult(out, kept_count, v_rows, dropped, nonfinite, margin)
