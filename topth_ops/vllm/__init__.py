@@ -1,0 +1,80 @@
+"""Top-Theta decode attention as a vLLM attention backend (needs the ``vllm`` extra and
+vLLM itself; see docs/vllm.md).
+
+The package registers itself with every vLLM process through the entry point group
+``vllm.general_plugins`` (:func:`register`). Top-Theta is switched on per engine by
+``TOPTH_VLLM_THRESHOLDS=th.safetensors`` (or ``TOPTH_VLLM_MODE=dense`` for the A/B
+baseline), or by ``additional_config={"topth": {"thresholds": ...}}``; otherwise vLLM's
+own attention runs unchanged. Importing this package does not import vLLM; ``import
+topth_ops`` never imports this package.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from .settings import ENV, MODES, TopthConfigError, VllmTopthSettings, from_sources, is_active
+
+logger = logging.getLogger("vllm.topth_ops")
+
+__all__ = ["register", "enable", "ENV", "MODES", "TopthConfigError", "VllmTopthSettings",
+           "from_sources", "is_active"]
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``: register the backend with vLLM's attention
+    registry for this process's platform (see :mod:`topth_ops.vllm.platforms`).
+    Idempotent; vLLM calls it once in every process it starts."""
+    from .platforms import register_for_platform
+
+    register_for_platform()
+
+
+def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc: bool = False,
+           sdc: str = "none", stats_file: Optional[str] = None, log_interval: Optional[float] = None,
+           op_backend: Optional[str] = None) -> VllmTopthSettings:
+    """Switch Top-Theta on for vLLM engines this process starts from now on, by setting
+    the ``TOPTH_VLLM_*`` environment variables (inherited by vLLM's engine and worker
+    processes).
+
+    Parameters
+    ----------
+    thresholds : str, optional
+        Threshold file from ``topth-ops calibrate``; required unless ``mode="dense"``.
+    mode : {"topth", "dense"}, optional
+        Default "topth" with a file, else "dense".
+    vmc : bool
+        V-mean compensation (paper section 3.2.2).
+    sdc : {"none", "exact", "exp_threshold", "offline"}
+        Softmax-denominator compensation (pre_softmax files only).
+    stats_file : str, optional
+        JSON report of V rows read vs dense (docs/vllm.md, "Statistics").
+    log_interval : float, optional
+        Seconds between statistics log lines (0: off).
+    op_backend : str, optional
+        Backend of the decode op.
+
+    Returns
+    -------
+    VllmTopthSettings
+        The settings the engines will read.
+
+    Raises
+    ------
+    TopthConfigError
+        Invalid settings (checked now, before any engine starts); the environment is
+        left unchanged then.
+    """
+    values = {"mode": mode, "thresholds": os.fspath(thresholds) if thresholds is not None else None,
+              "vmc": "1" if vmc else "0", "sdc": sdc, "stats_file": stats_file,
+              "log_interval": None if log_interval is None else str(log_interval), "op_backend": op_backend}
+    new = {ENV[k]: str(v) for k, v in values.items() if v is not None}
+    env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
+    env.update(new)
+    settings = from_sources(env)  # raises before touching os.environ
+    for var in ENV.values():
+        os.environ.pop(var, None)
+    os.environ.update(new)
+    return settings

@@ -1,0 +1,313 @@
+"""The vLLM attention backend: Top-Theta decode through :func:`topth_ops.decode_attention`
+on vLLM's paged KV cache, dense causal prefill, mixed batches (vLLM 0.32 interfaces).
+
+Per forward of one attention layer, vLLM hands the backend a flat batch: decode requests
+first (one new token each; the builder asks vLLM to reorder them to the front), then
+prefill requests (several new tokens: a prompt, a chunk of one, or the tail after a
+prefix-cache hit). Before the forward, :meth:`TopthAttentionImpl.do_kv_cache_update`
+writes the new tokens' K and V through the slot mapping (and updates the per-block V sum
+when VMC is on). Then:
+
+- decode tokens call the op once for all decode requests, with the request's block-table
+  row, its length (``seq_lens``, the current token included) and this layer's threshold
+  rows for this rank's query heads; VMC takes its V mean from the per-block sums;
+- each prefill request runs dense causal attention over its cached positions.
+
+Settings, model checks and statistics: :mod:`topth_ops.vllm.settings`,
+:mod:`topth_ops.vllm.stats`, docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+from .. import decode_attention
+from ..contract import DEFAULT_SDC_GAMMA
+from ..paged import write_kv
+from . import stats as stats_mod
+from .paged_ops import PagedValueSum, nhd_views, prefill_dense
+from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of, rank_rows
+
+logger = logging.getLogger("vllm.topth_ops")
+
+BACKEND_NAME = "CUSTOM"
+
+
+class TopthAttentionBackend(AttentionBackend):
+    """Top-Theta decode attention on vLLM's paged cache (NHD: ``LBNHC`` layout)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["TopthAttentionImpl"]:
+        return TopthAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["TopthMetadataBuilder"]:
+        return TopthMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Block tokens outermost: per-layer K and V are NHD views of one tensor.
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class TopthAttentionMetadata:
+    """One batch, as the backend reads it.
+
+    ``seq_lens`` count each request's positions after this step (new tokens included);
+    requests ``[0, num_decodes)`` are decodes with one new token each (in token order),
+    the rest are prefills; ``*_cpu`` copies serve the per-request prefill loop.
+    """
+
+    num_actual_tokens: int
+    max_seq_len: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class TopthMetadataBuilder(AttentionMetadataBuilder[TopthAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TopthAttentionMetadata:
+        cm = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(cm, decode_threshold=1)
+        if num_decode_tokens != num_decodes:
+            raise NotImplementedError(
+                f"topth vLLM backend: {num_decodes} decode requests carry {num_decode_tokens} tokens; "
+                "padded or multi-token decode batches (CUDA graphs, speculative decoding) are not supported")
+        return TopthAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            max_seq_len=cm.max_seq_len,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            query_start_loc=cm.query_start_loc,
+            query_start_loc_cpu=cm.query_start_loc_cpu,
+            seq_lens=cm.seq_lens,
+            seq_lens_cpu=cm.seq_lens.to("cpu"),
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+        )
+
+
+@dataclass
+class Runtime:
+    """Per-process state shared by every layer: settings, the checked threshold file and
+    this rank's place in tensor parallelism."""
+
+    settings: VllmTopthSettings
+    thresholds: Optional[object]  # ThresholdSet
+    tp_rank: int
+    tp_size: int
+    stats: Optional[stats_mod.ServingStats]
+    model_name: Optional[str]
+
+
+@functools.lru_cache(maxsize=1)
+def runtime() -> Runtime:
+    """Load and check the settings once per process, at the first attention layer's
+    construction (engine start). Raises on any problem: never a silent dense fallback."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    vcfg = get_current_vllm_config()
+    settings = from_sources(additional_config=vcfg.additional_config)
+    tp_size = int(vcfg.parallel_config.tensor_parallel_size)
+    tp_rank = int(get_tensor_model_parallel_rank()) if tp_size > 1 else 0
+    hf = vcfg.model_config.hf_config
+    name = model_name_of(hf, vcfg.model_config.model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ts = load_for_model(settings, hf, name, tp_size)
+    for w in caught:
+        logger.warning("topth: %s", w.message)
+    if vcfg.speculative_config is not None:
+        raise NotImplementedError("topth vLLM backend: speculative decoding is not supported "
+                                  "(its multi-token verification steps and rejected slots)")
+    if ts is not None:
+        dense_layers = [i for i, k in enumerate(ts.layer_k) if k == 0]
+        logger.info("topth: Top-Theta decode, %s; vmc=%s sdc=%s; TP rank %d of %d%s",
+                    ts.summary(), settings.vmc, settings.sdc, tp_rank, tp_size,
+                    f"; dense layers (k = dense in the file's layer map) {dense_layers}" if dense_layers else "")
+    else:
+        logger.info("topth: dense mode (every row kept, same backend; A/B baseline); TP rank %d of %d",
+                    tp_rank, tp_size)
+    st = None
+    if settings.stats_file or settings.log_interval > 0:
+        path = stats_mod.rank_path(settings.stats_file, tp_rank) if settings.stats_file else None
+        st = stats_mod.install(stats_mod.ServingStats(
+            settings.mode, path, settings.log_interval,
+            meta={"model": name, "thresholds": settings.thresholds, "vmc": settings.vmc, "sdc": settings.sdc,
+                  "placement": ts.placement if ts is not None else None, "tp_rank": tp_rank,
+                  "tp_size": tp_size}))
+    return Runtime(settings, ts, tp_rank, tp_size, st, name)
+
+
+class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
+    """One attention layer's Top-Theta implementation (see the module docstring)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
+                 alibi_slopes=None, sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, sinks=None, **kwargs) -> None:
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype not in ("auto", "float16", "bfloat16", "float32"),
+            "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
+            "attention sinks": sinks is not None,
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise NotImplementedError(f"topth vLLM backend does not support {', '.join(bad)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.rt = runtime()  # engine start: settings and threshold file checked here
+        self.layer: Optional[int] = None
+        self._th = self._sdc = None
+        self._vmc = False
+        self._vsum: Optional[PagedValueSum] = None
+
+    # ---------------------------------------------------------------- per-layer setup
+
+    def _bind(self, layer_module, device) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self.layer = extract_layer_index(layer_module.layer_name)
+        s, ts = self.rt.settings, self.rt.thresholds
+        if ts is None or ts.layer_k[self.layer] == 0:
+            # dense mode, or a layer the file keeps dense: every row kept, no compensation
+            self._th = torch.full((self.num_heads, 1), float("-inf"), device=device)
+            self._placement, self._sdc_mode, self._vmc = "post_softmax", "none", False
+        else:
+            self._th = rank_rows(ts.thresholds, self.layer, self.rt.tp_rank, self.num_heads).to(device)
+            if s.sdc == "offline":
+                self._sdc = rank_rows(ts.sdc_table, self.layer, self.rt.tp_rank, self.num_heads).to(device)
+            self._placement, self._sdc_mode, self._vmc = ts.placement, s.sdc, s.vmc
+
+    def _value_sum(self, value_cache: torch.Tensor) -> PagedValueSum:
+        nb, bs = value_cache.shape[0], value_cache.shape[1]
+        vs = self._vsum
+        if vs is None or vs.num_blocks != nb or vs.block_size != bs or vs.sum.device != value_cache.device:
+            vs = self._vsum = PagedValueSum(nb, bs, self.num_kv_heads, self.head_size, value_cache.device)
+        return vs
+
+    # ---------------------------------------------------------------- vLLM hooks
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """Write the new tokens' K and V into the paged cache through ``slot_mapping``
+        (negative slots skipped); with VMC, update the per-block V sums first."""
+        if self.layer is None:
+            self._bind(layer, key.device)
+        k_cache, v_cache = nhd_views(kv_cache, self.head_size)
+        n = slot_mapping.shape[0]
+        key, value = key[:n], value[:n]
+        if self._vmc:
+            self._value_sum(v_cache).update(v_cache, value, slot_mapping)
+        write_kv(k_cache, v_cache, key, value, slot_mapping, "NHD")
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Optional[TopthAttentionMetadata], output: torch.Tensor,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        """Attention of one layer for a mixed batch; writes ``output`` ``[num_tokens,
+        num_heads, head_size]`` and returns it."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("topth vLLM backend: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output.fill_(0)
+        if self.layer is None:
+            self._bind(layer, query.device)
+        m = attn_metadata
+        k_cache, v_cache = nhd_views(kv_cache, self.head_size)
+        out = output.view(-1, self.num_heads, self.head_size)
+        v_rows = lens = None
+        if m.num_decodes:
+            v_rows, lens = self._decode(query, k_cache, v_cache, m, out)
+        prefill_tokens = 0
+        if m.num_prefills:
+            qsl = m.query_start_loc_cpu.tolist()
+            lens_cpu = m.seq_lens_cpu.tolist()
+            for i in range(m.num_decodes, m.num_decodes + m.num_prefills):
+                lo, hi = qsl[i], qsl[i + 1]
+                if hi == lo:
+                    continue
+                out[lo:hi] = prefill_dense(query[lo:hi], k_cache, v_cache, m.block_table[i], int(lens_cpu[i]),
+                                           self.scale).to(out.dtype)
+                prefill_tokens += hi - lo
+        st = self.rt.stats
+        if st is not None:
+            st.add(self.layer, v_rows, lens, prefill_tokens)
+        return output
+
+    def _decode(self, query, k_cache, v_cache, m: TopthAttentionMetadata, out):
+        s = self.rt.settings
+        B = m.num_decodes
+        bs = k_cache.shape[1]
+        n = m.seq_lens[:B]
+        width = min(m.block_table.shape[1], max(1, -(-int(m.max_seq_len) // bs)))
+        bt = m.block_table[:B, :width]
+        if bt.dtype != torch.int32:
+            bt = bt.to(torch.int32)
+        value_mean = self._value_sum(v_cache).mean(bt, n) if self._vmc else None
+        want_stats = self.rt.stats is not None
+        res = decode_attention(
+            query[:B], k_cache, v_cache, n, self._th, scale=self.scale,
+            placement=self._placement, sdc=self._sdc_mode,
+            sdc_gamma=s.sdc_gamma if self._sdc_mode == "exp_threshold" else DEFAULT_SDC_GAMMA,
+            sdc_table=self._sdc, vmc=self._vmc, value_mean=value_mean, return_stats=want_stats,
+            backend=s.op_backend, block_table=bt, kv_layout="NHD",
+        )
+        if want_stats:
+            res, st = res
+            out[:B] = res.to(out.dtype)
+            return st.v_rows, n
+        out[:B] = res.to(out.dtype)
+        return None, None

@@ -1,0 +1,205 @@
+"""Per-step statistics of the vLLM backend: V rows read by Top-Theta decode vs dense.
+
+One :class:`ServingStats` per worker process (one per tensor-parallel rank) sums, for
+every decode step (one model forward that had decode tokens), the V rows the op read
+(``DecodeStats.v_rows``: per sequence and KV head, the union of the rows kept by the
+group's query heads) and the rows dense attention reads (``seq_len`` per sequence and KV
+head), over all layers. Prefill tokens are dense and counted apart.
+
+The counts stay on the device between log lines (no sync per layer). Every
+``log_interval`` seconds one INFO line goes to the ``topth_ops.vllm`` logger, and the
+JSON report (``stats_file``) is rewritten atomically; it is also written at process exit.
+With tensor parallelism each rank reports the rows of its own KV heads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("vllm.topth_ops")
+
+REPORT_FORMAT = "topth-vllm-stats"
+STEP_HISTORY = 4096
+
+
+def rank_path(path: str, rank: int) -> str:
+    """``path`` for rank 0, ``<stem>.rank<r><suffix>`` for rank r > 0."""
+    if rank == 0:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
+class ServingStats:
+    """Accumulates V-row counts of one process.
+
+    Parameters
+    ----------
+    mode : str
+        "topth" or "dense" (recorded in the report).
+    stats_file : str, optional
+        JSON report path (already rank-specific).
+    log_interval : float
+        Seconds between log lines / report writes; 0: log never, write the report only
+        at exit and on :meth:`flush`.
+    meta : dict, optional
+        Extra fields of the report (model, threshold file, TP rank, ...).
+    """
+
+    def __init__(self, mode: str, stats_file: Optional[str] = None, log_interval: float = 10.0,
+                 meta: Optional[dict] = None):
+        self.mode = mode
+        self.stats_file = stats_file
+        self.log_interval = float(log_interval)
+        self.meta = dict(meta or {})
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, seqs, read, dense)
+        self._step = 0
+        self._last_layer = None
+        self._step_has_decode = False
+        self._step_has_prefill = False
+        self.decode_steps = 0
+        self.decode_tokens = 0
+        self.prefill_tokens = 0
+        self.v_rows_read = 0
+        self.v_rows_dense = 0
+        self.layers_seen: set[int] = set()
+        self.history: deque = deque(maxlen=STEP_HISTORY)
+        self._last_flush = time.monotonic()
+        self._logged_read = 0
+        self._logged_dense = 0
+        if stats_file:
+            atexit.register(self.flush)
+
+    # ------------------------------------------------------------------ recording
+
+    def _advance(self, layer: int) -> None:
+        # A step is one model forward: layer indices rise within it.
+        if self._last_layer is None or layer <= self._last_layer:
+            self._step += 1
+            self._step_has_decode = False
+            self._step_has_prefill = False
+        self._last_layer = layer
+
+    def add(self, layer: int, v_rows: Optional[torch.Tensor] = None, seq_lens: Optional[torch.Tensor] = None,
+            prefill_tokens: int = 0) -> None:
+        """One layer's forward: its decode part (``v_rows`` ``[batch, num_kv_heads]`` int and
+        ``seq_lens`` ``[batch]``; dense reads ``seq_len`` rows per sequence and KV head) and
+        the number of its prefill tokens (dense). Call once per layer and forward."""
+        with self._lock:
+            self._advance(layer)
+            if prefill_tokens and not self._step_has_prefill:
+                self._step_has_prefill = True
+                self.prefill_tokens += int(prefill_tokens)
+            if v_rows is not None and v_rows.numel():
+                self.layers_seen.add(layer)
+                B, Hkv = v_rows.shape
+                read = v_rows.sum(dtype=torch.int64)
+                dense = seq_lens.to(torch.int64).sum() * Hkv
+                if not self._step_has_decode:
+                    self._step_has_decode = True
+                    self.decode_tokens += B
+                self._pending.append((self._step, B, read, dense))
+        self.maybe_flush()
+
+    # ------------------------------------------------------------------ reading
+
+    def _collect(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        reads = torch.stack([p[2] for p in pending]).cpu().tolist()
+        denses = torch.stack([p[3] for p in pending]).cpu().tolist()
+        by_step: dict[int, list] = {}
+        for (step, seqs, _, _), r, d in zip(pending, reads, denses):
+            e = by_step.setdefault(step, [seqs, 0, 0])
+            e[1] += r
+            e[2] += d
+        for step, (seqs, r, d) in by_step.items():
+            if self.history and self.history[-1][0] == step:
+                _, s0, r0, d0 = self.history[-1]
+                self.history[-1] = (step, s0, r0 + r, d0 + d)
+            else:
+                self.history.append((step, seqs, r, d))
+                self.decode_steps += 1
+            self.v_rows_read += r
+            self.v_rows_dense += d
+
+    def report(self) -> dict:
+        """The report as a dict (see docs/vllm.md, "Statistics")."""
+        with self._lock:
+            self._collect()
+            frac = self.v_rows_read / self.v_rows_dense if self.v_rows_dense else None
+            steps = [{"step": s, "decode_seqs": n, "v_rows_read": r, "v_rows_dense": d}
+                     for s, n, r, d in self.history]
+            return {
+                "format": REPORT_FORMAT,
+                "mode": self.mode,
+                **self.meta,
+                "layers": len(self.layers_seen),
+                "decode_steps": self.decode_steps,
+                "decode_tokens": self.decode_tokens,
+                "prefill_tokens_dense": self.prefill_tokens,
+                "v_rows_read": self.v_rows_read,
+                "v_rows_dense": self.v_rows_dense,
+                "v_rows_fraction": frac,
+                "v_rows_read_per_decode_step": (self.v_rows_read / self.decode_steps) if self.decode_steps else None,
+                "v_rows_dense_per_decode_step": (self.v_rows_dense / self.decode_steps) if self.decode_steps else None,
+                "last_steps": steps[-256:],
+                "updated_unix": time.time(),
+            }
+
+    def maybe_flush(self) -> None:
+        if self.log_interval <= 0 or time.monotonic() - self._last_flush < self.log_interval:
+            return
+        self.flush(log=True)
+
+    def flush(self, log: bool = False) -> None:
+        """Write the report (when a file is set) and, with ``log``, one INFO line."""
+        self._last_flush = time.monotonic()
+        rep = self.report()
+        if log and rep["v_rows_dense"] > self._logged_dense:
+            d_read = rep["v_rows_read"] - self._logged_read
+            d_dense = rep["v_rows_dense"] - self._logged_dense
+            logger.info("topth %s: %d decode steps, %d decode tokens; V rows read %.3f of dense "
+                        "(last interval %.3f; %d of %d rows)", self.mode, rep["decode_steps"],
+                        rep["decode_tokens"], rep["v_rows_fraction"] or 0.0, d_read / max(d_dense, 1),
+                        rep["v_rows_read"], rep["v_rows_dense"])
+            self._logged_read, self._logged_dense = rep["v_rows_read"], rep["v_rows_dense"]
+        if self.stats_file:
+            _write_json(self.stats_file, rep)
+
+
+def _write_json(path: str, data: dict) -> None:
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, p)
+    except OSError as e:  # statistics must never take the server down
+        logger.warning("topth: cannot write the statistics report %s: %s", path, e)
+
+
+_CURRENT: Optional[ServingStats] = None
+
+
+def current() -> Optional[ServingStats]:
+    """This process's statistics (None before the backend ran here)."""
+    return _CURRENT
+
+
+def install(stats: ServingStats) -> ServingStats:
+    global _CURRENT
+    _CURRENT = stats
+    return stats
