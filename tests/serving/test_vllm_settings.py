@@ -1,0 +1,136 @@
+"""Settings, model checks and TP slicing of the vLLM backend (no engine needed)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from topth_ops.threshold_file import ThresholdFileError
+from topth_ops.vllm import enable
+from topth_ops.vllm.settings import (ENV, TopthConfigError, from_sources, is_active, load_for_model,
+                                     model_name_of, rank_rows)
+
+from .helpers import Cfg, threshold_set
+
+
+def test_import_topth_ops_never_imports_vllm():
+    code = ("import sys, topth_ops, topth_ops.vllm, topth_ops.vllm.settings, topth_ops.vllm.stats, "
+            "topth_ops.vllm.paged_ops; print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_activation_and_defaults():
+    assert not is_active({}, None)
+    assert not is_active({ENV["mode"]: " "}, {"other": 1})
+    assert is_active({ENV["thresholds"]: "x.safetensors"}, None)
+    assert is_active({}, {"topth": {"mode": "dense"}})
+    s = from_sources({ENV["thresholds"]: "x.safetensors"})
+    assert (s.mode, s.thresholds, s.vmc, s.sdc) == ("topth", "x.safetensors", False, "none")
+    assert from_sources({ENV["mode"]: "dense"}).mode == "dense"
+    assert from_sources({}, {"topth": {}}).mode == "dense"
+
+
+def test_additional_config_overrides_env():
+    env = {ENV["thresholds"]: "a.safetensors", ENV["vmc"]: "0", ENV["log_interval"]: "3"}
+    s = from_sources(env, {"topth": {"thresholds": "b.safetensors", "vmc": True, "stats_file": "r.json"}})
+    assert (s.thresholds, s.vmc, s.stats_file, s.log_interval) == ("b.safetensors", True, "r.json", 3.0)
+    assert from_sources({ENV["vmc"]: "YES", ENV["mode"]: "dense"}).vmc is True
+
+
+@pytest.mark.parametrize("env,extra,match", [
+    ({ENV["mode"]: "sparse"}, None, "mode must be one of"),
+    ({ENV["mode"]: "topth"}, None, "needs a threshold file"),
+    ({ENV["mode"]: "dense", ENV["vmc"]: "maybe"}, None, "must be 1/0"),
+    ({ENV["mode"]: "dense", ENV["sdc"]: "approx"}, None, "sdc must be one of"),
+    ({ENV["mode"]: "dense", ENV["log_interval"]: "-1"}, None, "log_interval"),
+    ({ENV["mode"]: "dense", ENV["sdc_gamma"]: "abc"}, None, "must be a number"),
+    ({}, {"topth": {"threshold": "x"}}, "unknown additional_config"),
+    ({}, {"topth": ["x"]}, "must be a dict"),
+])
+def test_bad_settings_raise(env, extra, match):
+    with pytest.raises(TopthConfigError, match=match):
+        from_sources(env, extra)
+
+
+def test_rank_rows_slices_each_ranks_heads():
+    L, H, R = 3, 6, 5
+    table = torch.arange(L * H * R, dtype=torch.float32).reshape(L, H, R)
+    for tp in (1, 2, 3, 6):
+        local = H // tp
+        parts = [rank_rows(table, 2, r, local) for r in range(tp)]
+        assert all(p.shape == (local, R) and p.is_contiguous() for p in parts)
+        assert torch.equal(torch.cat(parts), table[2])  # ranks together cover every head once, in order
+    assert torch.equal(rank_rows(table, 1, 1, 3), table[1, 3:6])
+    with pytest.raises(ValueError, match="layer 3 out of range"):
+        rank_rows(table, 3, 0, 6)
+    with pytest.raises(ValueError, match="needs query heads"):
+        rank_rows(table, 0, 2, 3)
+
+
+def test_load_for_model_accepts_matching_file(tmp_path):
+    cfg = Cfg(name="tiny")
+    p = threshold_set(cfg).save(tmp_path / "th.safetensors")
+    ts = load_for_model(from_sources({ENV["thresholds"]: str(p)}), cfg, "tiny", tp_size=2)
+    assert ts.thresholds.shape == (4, 4, 64)
+    assert load_for_model(from_sources({ENV["mode"]: "dense"}), cfg, "tiny", tp_size=4) is None
+
+
+def test_wrong_model_file_names_both_models(tmp_path):
+    p = threshold_set(Cfg(heads=8, kv_heads=2), name="other-model").save(tmp_path / "th.safetensors")
+    with pytest.raises(ThresholdFileError, match=r"other-model.*8 query heads.*'tiny'.*4 query heads"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), Cfg(), "tiny", tp_size=1)
+
+
+def test_same_shape_other_name_warns(tmp_path):
+    p = threshold_set(Cfg(), name="base-model").save(tmp_path / "th.safetensors")
+    with pytest.warns(UserWarning, match="base-model"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), Cfg(), "instruct-model", tp_size=1)
+
+
+def test_tp_not_dividing_heads(tmp_path):
+    p = threshold_set(Cfg(heads=6, kv_heads=2)).save(tmp_path / "th.safetensors")
+    with pytest.raises(TopthConfigError, match="tensor-parallel size 4 does not divide the model's 6 query heads"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), Cfg(heads=6, kv_heads=2), "tiny", tp_size=4)
+
+
+def test_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(ThresholdFileError, match="does not exist"):
+        load_for_model(from_sources({ENV["thresholds"]: str(tmp_path / "nope.safetensors")}), Cfg(), "t", 1)
+    bad = tmp_path / "bad.safetensors"
+    good = threshold_set(Cfg()).save(tmp_path / "good.safetensors")
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # truncated
+    with pytest.raises(ThresholdFileError):
+        load_for_model(from_sources({ENV["thresholds"]: str(bad)}), Cfg(), "t", 1)
+    bad.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ThresholdFileError):
+        load_for_model(from_sources({ENV["thresholds"]: str(bad)}), Cfg(), "t", 1)
+
+
+def test_sdc_needs_pre_softmax_and_table(tmp_path):
+    post = threshold_set(Cfg()).save(tmp_path / "post.safetensors")
+    with pytest.raises(ThresholdFileError, match="needs pre_softmax"):
+        load_for_model(from_sources({ENV["thresholds"]: str(post), ENV["sdc"]: "exact"}), Cfg(), "tiny", 1)
+    pre = threshold_set(Cfg(), placement="pre_softmax", value=-2.0).save(tmp_path / "pre.safetensors")
+    with pytest.raises(ThresholdFileError, match="needs an sdc_table"):
+        load_for_model(from_sources({ENV["thresholds"]: str(pre), ENV["sdc"]: "offline"}), Cfg(), "tiny", 1)
+
+
+def test_model_name_of():
+    assert model_name_of(Cfg(name="SmolLM2-135M-Instruct.Q4_1"), "/x/smol-hf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert model_name_of(Cfg(), "/x/smol-hf/") == "smol-hf"
+    assert model_name_of(Cfg(), None) is None
+
+
+def test_enable_sets_env_and_refuses_bad_settings(monkeypatch):
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    s = enable("th.safetensors", vmc=True, stats_file="r.json")
+    assert (s.mode, s.vmc) == ("topth", True)
+    assert os.environ[ENV["thresholds"]] == "th.safetensors" and os.environ[ENV["vmc"]] == "1"
+    before = {v: os.environ.get(v) for v in ENV.values()}
+    with pytest.raises(TopthConfigError):
+        enable(mode="topth")  # no file
+    assert {v: os.environ.get(v) for v in ENV.values()} == before
