@@ -8,7 +8,8 @@ Parts (``--parts``, default all):
 - ``file``: a threshold file (``--thresholds``, e.g. k=16 post-softmax) with VMC through
   vLLM vs the transformers ``topth`` path (same file, same prompts, prefill dense as in
   the backend, and also thresholded prefill, the transformers default), greedy
-  agreement; V rows read per decode step from the backend's statistics report.
+  agreement; V rows read per decode step from the backend's statistics report. The
+  transformers side loads the GGUF default model, so this also checks ``export-hf``.
 
 Usage::
 
@@ -47,13 +48,13 @@ def part_equiv(model, ids, max_tokens, workdir) -> dict:
             "tokens": {"cpu_attn": base["tokens"], "topth_neg_inf": mine["tokens"]}}
 
 
-def part_file(model, ids, max_tokens, thresholds, vmc, workdir) -> dict:
+def part_file(model, ids, max_tokens, thresholds, vmc, workdir, hf_model=None) -> dict:
     stats_path = os.path.join(workdir, "file_stats.json")
     mine = vc.run_llm(model, ids, max_tokens, topth={"thresholds": thresholds, "vmc": vmc, "stats_file": stats_path})
     rep = json.load(open(stats_path))
     from topth_ops.hf import TopthSettings, enable, load_model
 
-    lm = load_model(model, progress=False)
+    lm = load_model(hf_model, progress=False)  # default: the GGUF model the export was made from
     out = {"vllm": {"gen_s": mine["gen_s"], "load_s": mine["load_s"], "tokens": mine["tokens"]},
            "vllm_stats": {k: rep[k] for k in ("decode_steps", "decode_tokens", "v_rows_read", "v_rows_dense",
                                               "v_rows_fraction", "v_rows_read_per_decode_step",
@@ -72,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="Hugging Face folder (topth-ops export-hf)")
     ap.add_argument("--thresholds", help="threshold file for the 'file' part")
     ap.add_argument("--no-vmc", action="store_true", help="file part without V-mean compensation")
+    ap.add_argument("--hf-model", default=None,
+                    help="model for the transformers path (default: the GGUF default model, which also "
+                         "checks the export); 'same' = --model")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--parts", default="equiv,file")
@@ -90,7 +94,8 @@ def main(argv=None) -> int:
             print(f"equiv: {c['identical']}/{c['prompts']} prompts identical to vLLM's CPU attention; "
                   f"diffs {c['diffs']}", flush=True)
         if "file" in parts:
-            res["file"] = part_file(args.model, ids, args.max_tokens, args.thresholds, not args.no_vmc, wd)
+            hf_model = args.model if args.hf_model == "same" else args.hf_model
+            res["file"] = part_file(args.model, ids, args.max_tokens, args.thresholds, not args.no_vmc, wd, hf_model)
             f = res["file"]
             s = f["vllm_stats"]
             print(f"file: V rows read {s['v_rows_fraction']:.3f} of dense, "

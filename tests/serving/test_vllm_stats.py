@@ -1,0 +1,34 @@
+"""ServingStats: per-step V-row accounting and the JSON report (no engine)."""
+
+import json
+
+import torch
+
+from topth_ops.vllm.stats import ServingStats, rank_path
+
+
+def test_steps_layers_and_report(tmp_path):
+    path = tmp_path / "r.json"
+    st = ServingStats("topth", str(path), log_interval=0)
+    # step 1: prefill only (2 layers); step 2: 2 decodes + a prefill chunk; step 3: 1 decode
+    for layer in (0, 1):
+        st.add(layer, None, None, prefill_tokens=7)
+    for layer in (0, 1):
+        st.add(layer, torch.tensor([[3, 4], [5, 6]]), torch.tensor([10, 20]), prefill_tokens=5)
+    for layer in (0, 1):
+        st.add(layer, torch.tensor([[1, 2]]), torch.tensor([11]))
+    rep = st.report()
+    assert rep["decode_steps"] == 2 and rep["decode_tokens"] == 3 and rep["prefill_tokens_dense"] == 12
+    assert rep["v_rows_read"] == 2 * 18 + 2 * 3
+    assert rep["v_rows_dense"] == 2 * (30 * 2) + 2 * (11 * 2)
+    assert rep["v_rows_fraction"] == rep["v_rows_read"] / rep["v_rows_dense"]
+    assert [s["decode_seqs"] for s in rep["last_steps"]] == [2, 1]
+    assert rep["last_steps"][0] == {"step": 2, "decode_seqs": 2, "v_rows_read": 36, "v_rows_dense": 120}
+    assert rep["v_rows_read_per_decode_step"] == 21.0
+    st.flush()
+    assert json.loads(path.read_text())["v_rows_read"] == 42
+
+
+def test_rank_path():
+    assert rank_path("/a/stats.json", 0) == "/a/stats.json"
+    assert rank_path("/a/stats.json", 3) == "/a/stats.rank3.json"
