@@ -48,7 +48,8 @@ def part_equiv(model, ids, max_tokens, workdir) -> dict:
             "tokens": {"cpu_attn": base["tokens"], "topth_neg_inf": mine["tokens"]}}
 
 
-def part_file(model, ids, max_tokens, thresholds, vmc, workdir, hf_model=None) -> dict:
+def part_file(model, ids, max_tokens, thresholds, vmc, workdir, hf_model=None,
+              hf_prefills=("dense", "thresholded")) -> dict:
     stats_path = os.path.join(workdir, "file_stats.json")
     mine = vc.run_llm(model, ids, max_tokens, topth={"thresholds": thresholds, "vmc": vmc, "stats_file": stats_path})
     rep = json.load(open(stats_path))
@@ -59,7 +60,7 @@ def part_file(model, ids, max_tokens, thresholds, vmc, workdir, hf_model=None) -
            "vllm_stats": {k: rep[k] for k in ("decode_steps", "decode_tokens", "v_rows_read", "v_rows_dense",
                                               "v_rows_fraction", "v_rows_read_per_decode_step",
                                               "v_rows_dense_per_decode_step")}}
-    for prefill in ("dense", "thresholded"):
+    for prefill in hf_prefills:
         enable(lm.model, TopthSettings(mode="topth", thresholds=thresholds, vmc=vmc, prefill=prefill))
         t0 = time.perf_counter()
         hf = vc.hf_greedy(lm.model, ids, max_tokens)
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-model", default=None,
                     help="model for the transformers path (default: the GGUF default model, which also "
                          "checks the export); 'same' = --model")
+    ap.add_argument("--hf-prefill", default="dense,thresholded",
+                    help="prefill modes of the transformers path to compare with (comma-separated)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--parts", default="equiv,file")
@@ -95,13 +98,15 @@ def main(argv=None) -> int:
                   f"diffs {c['diffs']}", flush=True)
         if "file" in parts:
             hf_model = args.model if args.hf_model == "same" else args.hf_model
-            res["file"] = part_file(args.model, ids, args.max_tokens, args.thresholds, not args.no_vmc, wd, hf_model)
+            prefills = tuple(p.strip() for p in args.hf_prefill.split(",") if p.strip())
+            res["file"] = part_file(args.model, ids, args.max_tokens, args.thresholds, not args.no_vmc, wd, hf_model,
+                                    prefills)
             f = res["file"]
             s = f["vllm_stats"]
             print(f"file: V rows read {s['v_rows_fraction']:.3f} of dense, "
                   f"{s['v_rows_read_per_decode_step']:.0f} of {s['v_rows_dense_per_decode_step']:.0f} per decode step",
                   flush=True)
-            for prefill in ("dense", "thresholded"):
+            for prefill in prefills:
                 c = f[f"hf_prefill_{prefill}"]["compare_vllm_vs_hf"]
                 print(f"file: vs transformers topth (prefill {prefill}): {c['identical']}/{c['prompts']} identical, "
                       f"prefix agreement {c['prefix_agreement']:.3f}; diffs {c['diffs']}", flush=True)

@@ -81,6 +81,8 @@ def run_llm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, topth:
     kw = engine_kwargs(model_dir, **engine)
     if topth is not None:
         kw["additional_config"] = {"topth": topth}
+        if torch.cuda.is_available():  # CUDA: the plugin registers vLLM's CUSTOM backend (untested)
+            kw.setdefault("attention_backend", "CUSTOM")
     llm = LLM(**kw)
     t1 = time.perf_counter()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)

@@ -54,18 +54,18 @@ def _near_tie_only(cmp, tol=1e-3):
 def test_smollm2_neg_inf_equals_cpu_attn_and_file_equals_transformers(smol, tmp_path):
     th = vc.write_threshold_file(smol, str(tmp_path / "uniform.safetensors"), kind="uniform", scale=0.5, k=16)
     out = tmp_path / "check.json"
-    r = _run(["-m", "topth_ops.bench.vllm_check", "--model", smol, "--thresholds", th, "--prompts", "4",
-              "--max-tokens", "24", "--json", str(out)])
+    r = _run(["-m", "topth_ops.bench.vllm_check", "--model", smol, "--thresholds", th, "--prompts", "3",
+              "--max-tokens", "16", "--hf-prefill", "dense", "--json", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     eq = res["equiv"]["compare_cpu_attn_vs_topth_neg_inf"]
-    assert eq["prompts"] == 4 and _near_tie_only(eq), eq
+    assert eq["prompts"] == 3 and _near_tie_only(eq), eq
     assert res["equiv"]["v_rows_fraction"] == 1.0  # -inf keeps every row
     f = res["file"]
     st = f["vllm_stats"]
-    assert st["decode_steps"] >= 23 and 0.0 < st["v_rows_fraction"] < 0.9, st
+    assert st["decode_steps"] >= 15 and 0.0 < st["v_rows_fraction"] < 0.9, st
     cmp = f["hf_prefill_dense"]["compare_vllm_vs_hf"]  # same file, same op, dense prefill on both sides
-    assert cmp["identical"] >= 3 and cmp["prefix_agreement"] >= 0.9, cmp
+    assert _near_tie_only(cmp, tol=0.05) and cmp["prefix_agreement"] >= 0.9, cmp
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vLLM's CPU engine needs 2 cores")
@@ -112,8 +112,10 @@ def test_engine_start_refuses_a_file_for_another_model(smol, tiny, tmp_path):
     t0 = time.monotonic()
     r = _run([str(script)], env=env, timeout=600)
     assert r.returncode != 0
-    assert "was calibrated for model 'SmolLM2-135M-Instruct.Q4_1'" in r.stderr, r.stderr[-3000:]
-    assert "differs in num_layers: file 30 vs model 2" in r.stderr
+    logs = r.stdout + r.stderr  # vLLM's engine processes log to stdout
+    assert "ThresholdFileError: thresholds file" in logs, logs[-3000:]
+    assert "was calibrated for model 'SmolLM2-135M-Instruct.Q4_1'" in logs
+    assert "differs in num_layers: file 30 vs model 2" in logs
     assert time.monotonic() - t0 < 600
 
 

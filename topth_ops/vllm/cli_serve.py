@@ -89,6 +89,8 @@ def build(args) -> tuple[list[str], dict[str, str]]:
         for flag, value in CPU_DEFAULTS:
             if flag not in given:
                 cmd += [flag] if value is None else [flag, value]
+    elif torch.cuda.is_available() and args.mode != "vllm" and "--attention-backend" not in vllm_args:
+        cmd += ["--attention-backend", "CUSTOM"]  # CUDA: the plugin's CUSTOM backend (untested)
     cmd += list(vllm_args)
     return cmd, env
 
