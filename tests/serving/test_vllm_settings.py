@@ -129,7 +129,7 @@ def test_enable_sets_env_and_refuses_bad_settings(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     s = enable("th.safetensors", vmc=True, stats_file="r.json")
     assert (s.mode, s.vmc) == ("topth", True)
-    assert os.environ[ENV["thresholds"]] == "th.safetensors" and os.environ[ENV["vmc"]] == "1"
+    assert os.environ[ENV["thresholds"]] == os.path.abspath("th.safetensors") and os.environ[ENV["vmc"]] == "1"
     before = {v: os.environ.get(v) for v in ENV.values()}
     with pytest.raises(TopthConfigError):
         enable(mode="topth")  # no file

@@ -67,8 +67,9 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
         Invalid settings (checked now, before any engine starts); the environment is
         left unchanged then.
     """
-    values = {"mode": mode, "thresholds": os.fspath(thresholds) if thresholds is not None else None,
-              "vmc": "1" if vmc else "0", "sdc": sdc, "stats_file": stats_file,
+    values = {"mode": mode, "thresholds": os.path.abspath(os.fspath(thresholds)) if thresholds is not None else None,
+              "vmc": "1" if vmc else "0", "sdc": sdc,
+              "stats_file": os.path.abspath(stats_file) if stats_file else None,
               "log_interval": None if log_interval is None else str(log_interval), "op_backend": op_backend}
     new = {ENV[k]: str(v) for k, v in values.items() if v is not None}
     env = {k: v for k, v in os.environ.items() if k not in ENV.values()}

@@ -19,7 +19,6 @@ Settings, model checks and statistics: :mod:`topth_ops.vllm.settings`,
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -145,16 +144,28 @@ class Runtime:
     model_name: Optional[str]
 
 
-@functools.lru_cache(maxsize=1)
+_RUNTIMES: dict = {}
+
+
 def runtime() -> Runtime:
-    """Load and check the settings once per process, at the first attention layer's
-    construction (engine start). Raises on any problem: never a silent dense fallback."""
+    """Load and check the settings once per engine in this process, at the first attention
+    layer's construction (engine start). Raises on any problem: never a silent dense
+    fallback. Engines with other settings or models in the same process (vLLM's
+    in-process mode) get their own runtime."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     vcfg = get_current_vllm_config()
     settings = from_sources(additional_config=vcfg.additional_config)
     tp_size = int(vcfg.parallel_config.tensor_parallel_size)
     tp_rank = int(get_tensor_model_parallel_rank()) if tp_size > 1 else 0
+    key = (settings, str(vcfg.model_config.model), tp_rank, tp_size)
+    if key not in _RUNTIMES:
+        _RUNTIMES.clear()
+        _RUNTIMES[key] = _load_runtime(vcfg, settings, tp_rank, tp_size)
+    return _RUNTIMES[key]
+
+
+def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int) -> Runtime:
     hf = vcfg.model_config.hf_config
     name = model_name_of(hf, vcfg.model_config.model)
     with warnings.catch_warnings(record=True) as caught:
