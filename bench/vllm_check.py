@@ -49,7 +49,7 @@ def part_equiv(model, ids, max_tokens, workdir) -> dict:
 
 
 def part_file(model, ids, max_tokens, thresholds, vmc, workdir, hf_model=None,
-              hf_prefills=("dense", "thresholded")) -> dict:
+              hf_prefills=("dense", "thresholded"), progress=None) -> dict:
     stats_path = os.path.join(workdir, "file_stats.json")
     mine = vc.run_llm(model, ids, max_tokens, topth={"thresholds": thresholds, "vmc": vmc, "stats_file": stats_path})
     rep = json.load(open(stats_path))
@@ -61,6 +61,8 @@ def part_file(model, ids, max_tokens, thresholds, vmc, workdir, hf_model=None,
                                               "v_rows_fraction", "v_rows_read_per_decode_step",
                                               "v_rows_dense_per_decode_step")}}
     for prefill in hf_prefills:
+        if progress is not None:
+            progress(out)
         enable(lm.model, TopthSettings(mode="topth", thresholds=thresholds, vmc=vmc, prefill=prefill))
         t0 = time.perf_counter()
         hf = vc.hf_greedy(lm.model, ids, max_tokens)
@@ -96,11 +98,18 @@ def main(argv=None) -> int:
             c = res["equiv"]["compare_cpu_attn_vs_topth_neg_inf"]
             print(f"equiv: {c['identical']}/{c['prompts']} prompts identical to vLLM's CPU attention; "
                   f"diffs {c['diffs']}", flush=True)
+            if args.json:
+                vc.save_json(args.json, res)
         if "file" in parts:
             hf_model = args.model if args.hf_model == "same" else args.hf_model
             prefills = tuple(p.strip() for p in args.hf_prefill.split(",") if p.strip())
+            def progress(partial):  # keep what is measured if a later step is interrupted
+                res["file"] = partial
+                if args.json:
+                    vc.save_json(args.json, res)
+
             res["file"] = part_file(args.model, ids, args.max_tokens, args.thresholds, not args.no_vmc, wd, hf_model,
-                                    prefills)
+                                    prefills, progress)
             f = res["file"]
             s = f["vllm_stats"]
             print(f"file: V rows read {s['v_rows_fraction']:.3f} of dense, "
