@@ -134,3 +134,27 @@ def test_enable_sets_env_and_refuses_bad_settings(monkeypatch):
     with pytest.raises(TopthConfigError):
         enable(mode="topth")  # no file
     assert {v: os.environ.get(v) for v in ENV.values()} == before
+
+
+def test_serve_checks_before_starting(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    good = threshold_set(Cfg(layers=4, heads=4, kv_heads=2, head_dim=16), name="m").save(tmp_path / "good.safetensors")
+    other = threshold_set(Cfg(layers=4, heads=8, kv_heads=2, head_dim=16), name="x").save(tmp_path / "bad.safetensors")
+    assert main(["serve", str(model), "--thresholds", str(good), "--vmc", "--dry-run", "--",
+                 "--max-num-seqs", "8"]) == 0
+    err = capsys.readouterr().err
+    assert f"TOPTH_VLLM_THRESHOLDS={good}" in err and "TOPTH_VLLM_VMC=1" in err
+    assert "-m vllm.entrypoints.openai.api_server --model" in err and err.rstrip().endswith("--max-num-seqs 8")
+    assert main(["serve", str(model), "--thresholds", str(other), "--dry-run"]) == 2
+    assert "was calibrated for model 'x'" in capsys.readouterr().err
+    assert main(["serve", str(model), "--thresholds", str(good), "--dry-run", "--", "-tp", "3"]) == 2
+    assert "tensor-parallel size 3 does not divide" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "nowhere"), "--mode", "dense", "--dry-run"]) == 2
+    assert main(["serve", str(model), "--mode", "vllm", "--dry-run"]) == 0
+    assert "TOPTH_VLLM" not in capsys.readouterr().err
