@@ -192,7 +192,7 @@ class ServingStats:
         if log and rep["v_rows_dense"] > self._logged_dense:
             d_read = rep["v_rows_read"] - self._logged_read
             d_dense = rep["v_rows_dense"] - self._logged_dense
-            logger.info("topth %s: %d decode steps, %d decode tokens; V rows read %.3f of dense "
+            logger.info("topth (mode %s): %d decode steps, %d decode tokens; V rows read %.3f of dense "
                         "(last interval %.3f; %d of %d rows)", self.mode, rep["decode_steps"],
                         rep["decode_tokens"], rep["v_rows_fraction"] or 0.0, d_read / max(d_dense, 1),
                         rep["v_rows_read"], rep["v_rows_dense"])
