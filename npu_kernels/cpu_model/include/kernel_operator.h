@@ -22,13 +22,36 @@
 #include "topth_model/core.h"
 #include "topth_model/types.h"
 
+// ----- toolchain version: CANN force-includes asc_devkit_version.h (asc-devkit >= 8.5);
+// the model emulates the toolchain given by -DTOPTH_MODEL_CANN_VERSION_NUM (default: an
+// older CANN without it, as 8.0 - 8.3) -----
+#ifdef TOPTH_MODEL_CANN_VERSION_NUM
+#define ASC_DEVKIT_VERSION_NUM TOPTH_MODEL_CANN_VERSION_NUM
+#endif
+#if defined(ASC_DEVKIT_VERSION_NUM) && (ASC_DEVKIT_VERSION_NUM >= 90099802)
+#define TOPTH_MODEL_HAS_WHOLE_REDUCE 0  // renamed ReduceRepeat in asc-devkit 9.1.0-beta.2
+#else
+#define TOPTH_MODEL_HAS_WHOLE_REDUCE 1
+#endif
+
 // ----- device qualifiers: nothing on the host -----
 #define __aicore__
 #define __global__
 #define __gm__
 #define GM_ADDR uint8_t*
-#define KERNEL_TASK_TYPE_DEFAULT(x)
-#define KERNEL_TYPE_AIV_ONLY 0
+
+// Kernel types (KERNEL_TASK_TYPE_DEFAULT records the kernel's type for the checks of SyncAll).
+enum KernelMetaType {
+    KERNEL_TYPE_AIV_ONLY, KERNEL_TYPE_AIC_ONLY, KERNEL_TYPE_MIX_AIV_1_0, KERNEL_TYPE_MIX_AIC_1_0,
+    KERNEL_TYPE_MIX_AIC_1_1, KERNEL_TYPE_MIX_AIC_1_2
+};
+#define KERNEL_TASK_TYPE_DEFAULT(x) topth_model::SetKernelType(static_cast<int>(x))
+
+// ----- CPU-model hooks of the kernel source (empty on the device) -----
+// The work item reads the caches of sequence b, KV head h (the model checks each K / V row).
+#define TOPTH_MODEL_OWNER(b, h) topth_model::SetOwner(static_cast<int64_t>(b), static_cast<int64_t>(h))
+// The kernel is launched in batch schedule mode (__schedmode__(1)): its blocks start together.
+#define TOPTH_MODEL_SCHED_BATCH() topth_model::DeclareBatchMode()
 
 enum pipe_t : int { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
 enum event_t : int {
@@ -56,6 +79,7 @@ enum class CMPMODE : uint8_t { LT = 0, GT, EQ, LE, GE, NE };
 enum class SELMODE : uint8_t { VSEL_CMPMASK_SPR = 0, VSEL_TENSOR_SCALAR_MODE, VSEL_TENSOR_TENSOR_MODE };
 enum class RoundMode : uint8_t { CAST_NONE = 0, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROUND, CAST_TRUNC, CAST_ODD };
 enum class ReduceOrder : uint8_t { ORDER_VALUE_INDEX = 0, ORDER_INDEX_VALUE, ORDER_ONLY_VALUE, ORDER_ONLY_INDEX };
+enum class ReduceType { NONE = -1, SUM = 0, MAX, MIN };
 
 // ----- copy and repeat parameter structs (field names, types and units as in Ascend C) -----
 struct DataCopyParams {

@@ -150,6 +150,21 @@ BlockCtx& Ctx() {
     return *g_ctx;
 }
 
+void SetKernelType(int type) {
+    auto& ctx = Ctx();
+    const auto t = static_cast<KernelType>(type);
+    if (ctx.kernelType != KernelType::Unset && ctx.kernelType != t) Fail("KERNEL_TASK_TYPE_DEFAULT set twice, differently");
+    ctx.kernelType = t;
+}
+
+void SetOwner(int64_t seq, int64_t head) {
+    auto& ctx = Ctx();
+    ctx.ownerSeq = seq;
+    ctx.ownerHead = head;
+}
+
+void DeclareBatchMode() { Ctx().launch->SetBatchMode(true); }
+
 Launch::Launch(uint32_t ubBytes, uint32_t coreCount) : ubBytes_(ubBytes), coreCount_(coreCount) {
     if (ubBytes % 32 != 0 || ubBytes == 0) throw ModelError("unified buffer size must be a positive multiple of 32");
     if (coreCount == 0) throw ModelError("core count must be >= 1");
@@ -243,6 +258,15 @@ void Launch::CheckSyncWorkspace(const uint8_t* p, uint64_t bytes, const std::sou
 void Launch::Barrier(uint32_t block, const std::source_location& loc) {
     std::unique_lock<std::mutex> lk(mu_);
     if (aborted_) throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": aborted (another block failed)");
+    if (resident_ > 0 && resident_ < running_ && !batchMode_.load()) {
+        aborted_ = true;
+        cv_.notify_all();
+        throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": SyncAll at " + Where(loc) +
+                         " would deadlock: another stream holds cores, so only " + std::to_string(resident_) +
+                         " of the " + std::to_string(running_) +
+                         " blocks start, and they wait here for blocks that cannot start (launch the kernel in "
+                         "batch schedule mode, __schedmode__(1), so that all its blocks start together)");
+    }
     const uint32_t gen = generation_;
     if (exited_ > 0) {
         aborted_ = true;
@@ -268,6 +292,64 @@ void Launch::Barrier(uint32_t block, const std::source_location& loc) {
     }
 }
 
+void PipeCounters::Add(const PipeCounters& o) {
+    mte2Bytes += o.mte2Bytes; mte2Requests += o.mte2Requests;
+    kBytes += o.kBytes; kRequests += o.kRequests; vBytes += o.vBytes; vRequests += o.vRequests;
+    mte3Bytes += o.mte3Bytes; mte3Requests += o.mte3Requests;
+    vecInstr += o.vecInstr; vecRepeats += o.vecRepeats;
+    scalarUbReads += o.scalarUbReads; scalarUbWrites += o.scalarUbWrites; scalarGmReads += o.scalarGmReads;
+    barriers += o.barriers; flags += o.flags; cubeInstr += o.cubeInstr;
+    selectScratchWrites += o.selectScratchWrites;
+}
+
+namespace {
+std::string OwnerName(const BlockCtx& ctx) {
+    return "sequence " + std::to_string(ctx.ownerSeq) + ", KV head " + std::to_string(ctx.ownerHead);
+}
+}  // namespace
+
+void Launch::CheckCacheRead(const GmBuffer& b, uint64_t lo, uint64_t hi, const BlockCtx& ctx, const char* op,
+                            const std::source_location& loc) const {
+    if (!own_.enabled) return;
+    const bool isK = b.tag == "K";
+    const uint64_t rowBytes = isK ? own_.kRowBytes : own_.vRowBytes;
+    if (ctx.ownerSeq < 0) {
+        Fail(std::string(op) + " at " + Where(loc) + ": reads '" + b.name +
+             "' outside a work item (no TOPTH_MODEL_OWNER before it)");
+    }
+    const auto& rows = (isK ? own_.kRows : own_.vRows)[uint64_t(ctx.ownerSeq) * own_.numKvHeads + ctx.ownerHead];
+    if ((hi - lo) % rowBytes != 0) {
+        Fail(std::string(op) + " at " + Where(loc) + ": reads " + std::to_string(hi - lo) + " bytes of '" + b.name +
+             "', not a whole number of " + std::to_string(rowBytes) + "-byte rows");
+    }
+    for (uint64_t r = lo; r < hi; r += rowBytes) {
+        if (!std::binary_search(rows.begin(), rows.end(), r)) {
+            std::ostringstream os;
+            os << op << " at " << Where(loc) << ": reads bytes [" << r << ", " << r + rowBytes << ") of '" << b.name
+               << "' for " << OwnerName(ctx) << ", which is not one of its valid rows (a block the block table "
+               << "names for that sequence, a slot below its length, its KV head)";
+            Fail(os.str());
+        }
+    }
+}
+
+void Launch::CheckTableRead(uint64_t index, const BlockCtx& ctx, const std::source_location& loc) const {
+    if (!own_.enabled) return;
+    const uint64_t b = index / own_.maxBlocksPerSeq, i = index % own_.maxBlocksPerSeq;
+    if (ctx.ownerSeq < 0 || b != uint64_t(ctx.ownerSeq) || i >= own_.usedBlocks[b]) {
+        std::ostringstream os;
+        os << "GlobalTensor::GetValue at " << Where(loc) << ": reads block_table[" << b << ", " << i << "]";
+        if (ctx.ownerSeq < 0) {
+            os << " outside a work item";
+        } else {
+            os << " for " << OwnerName(ctx) << ", which uses entries [0, "
+               << (b == uint64_t(ctx.ownerSeq) ? own_.usedBlocks[b] : own_.usedBlocks[ctx.ownerSeq])
+               << ") of its own row only (entries past a sequence's blocks are never read)";
+        }
+        Fail(os.str());
+    }
+}
+
 void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
     if (blockDim == 0) throw ModelError("[ascendc-cpu model] launch with blockDim 0");
     if (blockDim > coreCount_) {
@@ -276,6 +358,7 @@ void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
                          " vector cores: a kernel that uses SyncAll would hang on the device");
     }
     report_.blockDim = blockDim;
+    report_.perBlock.assign(blockDim, PipeCounters());
     running_ = blockDim;
     arrived_ = 0;
     exited_ = 0;
@@ -310,6 +393,9 @@ void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
                          " SetFlag without a matching WaitFlag");
                 }
                 NoteUb(ctx.pipeCursor);
+                std::lock_guard<std::mutex> lk(mu_);
+                report_.perBlock[b] = ctx.cnt;
+                report_.kernelType = static_cast<int>(ctx.kernelType);
             } catch (...) {
                 errors[b] = std::current_exception();
                 std::lock_guard<std::mutex> lk(mu_);
