@@ -26,10 +26,22 @@
 #ifndef TOPTH_MODEL_OWNER
 #define TOPTH_MODEL_OWNER(b, h)
 #endif
-// TOPTH_MODEL_SCHED_BATCH(): the kernel is launched in batch schedule mode (all blocks
-// start together); on the device that is the launch configuration (docs/ascendc.md).
+// TOPTH_MODEL_SCHED_BATCH(): the model's view of the batch schedule mode below.
 #ifndef TOPTH_MODEL_SCHED_BATCH
 #define TOPTH_MODEL_SCHED_BATCH()
+#endif
+
+// ---- batch schedule mode ---------------------------------------------------------------
+// The split-KV combine waits at an all-core SyncAll: if another stream holds some cores,
+// blocks that already started wait for blocks that cannot start (a deadlock, for the hard
+// and the soft SyncAll alike). __schedmode__(1) makes the runtime start all blocks of the
+// kernel together. Toolchains that have it (asc-devkit, CANN >= 8.5: the CMake build
+// defines TOPTH_HAS_SCHEDMODE) get it; older ones run in normal mode with that risk
+// (docs/ascendc.md, "All-core synchronisation").
+#if defined(TOPTH_HAS_SCHEDMODE)
+#define TOPTH_SCHED_BATCH __schedmode__(1)
+#else
+#define TOPTH_SCHED_BATCH
 #endif
 
 using namespace AscendC;

@@ -36,7 +36,7 @@
  */
 #include "topth_finalize.h"
 
-extern "C" __global__ __aicore__ void topth_decode_attn(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR seqLens,
+extern "C" TOPTH_SCHED_BATCH __global__ __aicore__ void topth_decode_attn(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR seqLens,
                                                          GM_ADDR thresholds, GM_ADDR sdcTable, GM_ADDR valueMean,
                                                          GM_ADDR blockTable, GM_ADDR thresholdSet, GM_ADDR out,
                                                          GM_ADDR kept, GM_ADDR vRows, GM_ADDR dropped,
@@ -45,7 +45,9 @@ extern "C" __global__ __aicore__ void topth_decode_attn(GM_ADDR query, GM_ADDR k
     // A vector-only kernel of mix type 0:1: the hard SyncAll<true>() of the split-KV
     // combine needs it (the launch starts blockDim vector cores, as AIV_ONLY would).
     KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0);
+#if defined(TOPTH_HAS_SCHEDMODE)
     TOPTH_MODEL_SCHED_BATCH();
+#endif
     TopthTilingData td;
     topth::LoadTiling(td, tiling);
     TPipe pipe;

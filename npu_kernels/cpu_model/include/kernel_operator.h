@@ -51,6 +51,10 @@ enum KernelMetaType {
 // The work item reads the caches of sequence b, KV head h (the model checks each K / V row).
 #define TOPTH_MODEL_OWNER(b, h) topth_model::SetOwner(static_cast<int64_t>(b), static_cast<int64_t>(h))
 // The kernel is launched in batch schedule mode (__schedmode__(1)): its blocks start together.
+// The model emulates a toolchain with the qualifier (its effect is recorded by the hook;
+// Launch::SetSchedModeNormal simulates a toolchain without it).
+#define TOPTH_HAS_SCHEDMODE 1
+#define __schedmode__(mode)
 #define TOPTH_MODEL_SCHED_BATCH() topth_model::DeclareBatchMode()
 
 enum pipe_t : int { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };

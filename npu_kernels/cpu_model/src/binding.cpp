@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "topth_model/core.h"
+#include "topth_launch.h"
 #include "topth_tiling_py.h"
 
 namespace py = pybind11;
@@ -49,7 +50,8 @@ Arg ArgFrom(const py::dict& args, const char* name) {
 
 // The rows each (sequence, KV head) may read, from the lengths, the block table and the
 // strides (the expectation the model checks every K / V read against).
-topth_model::RowOwnership Ownership(const TopthTilingData& t, const Arg& lens, const Arg& table) {
+topth_model::RowOwnership Ownership(const TopthTilingData& t, const Arg& lens, const Arg& table,
+                                    int64_t lengthDelta = 0) {
     topth_model::RowOwnership o;
     o.enabled = true;
     o.kRowBytes = o.vRowBytes = uint64_t(t.headDim) * t.elemBytes;
@@ -61,7 +63,7 @@ topth_model::RowOwnership Ownership(const TopthTilingData& t, const Arg& lens, c
     const auto* len = reinterpret_cast<const int32_t*>(lens.ptr);
     const auto* tab = reinterpret_cast<const int32_t*>(table.ptr);
     for (uint32_t b = 0; b < t.batch; ++b) {
-        const int64_t raw = len[b];
+        const int64_t raw = int64_t(len[b]) + lengthDelta;  // lengthDelta: tests of the check itself
         const uint32_t n = raw < 0 ? 0u : (raw > int64_t(t.maxSeqLen) ? t.maxSeqLen : uint32_t(raw));
         o.usedBlocks[b] = (n + t.blockSize - 1) / t.blockSize;
         for (uint32_t h = 0; h < t.numKvHeads; ++h) {
@@ -142,6 +144,11 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     }
     if (topth::DictGet<bool>(launchOpts, "check_rows", true)) launch.SetOwnership(Ownership(t, a[3], a[7]));
     launch.SetResidentBlocks(topth::DictGet<uint32_t>(launchOpts, "resident_blocks", 0));
+    launch.SetSchedModeNormal(topth::DictGet<bool>(launchOpts, "sched_mode_normal", false));
+    if (topth::DictGet<bool>(launchOpts, "check_rows", true)) {
+        const int64_t delta = topth::DictGet<int64_t>(launchOpts, "owned_length_delta", 0);
+        if (delta != 0) launch.SetOwnership(Ownership(t, a[3], a[7], delta));
+    }
     launch.SetTranscendentalError(topth::DictGet<float>(launchOpts, "transcendental_error", 0.0f));
     launch.AddGm("workspace", workspace.data(), workspace.size(), true, "");
     launch.AddGm("tiling", tilingBytes.data(), tilingBytes.size(), false, "");
@@ -190,6 +197,48 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     return report;
 }
 
+// topth::GuardedLaunch (the NPU binding's launch path) driven by a fake runtime: device 0
+// current, tensors on `tensorDevice`; `brokenGuard`: SetDevice has no effect; `nullStream`;
+// `rc`: what the launch returns. Returns the runtime's event log and the error, if any.
+py::dict LaunchSelftest(int tensorDevice, bool brokenGuard, bool nullStream, uint32_t rc) {
+    struct FakeRuntime {
+        int current = 0;
+        bool broken = false, nullStream = false;
+        std::vector<std::string> log;
+        int CurrentDevice() { return current; }
+        void SetDevice(int d) {
+            log.push_back("set_device " + std::to_string(d));
+            if (!broken) current = d;
+        }
+        void RestoreDevice(int d) {
+            log.push_back("restore_device " + std::to_string(d));
+            current = d;
+        }
+        void* CurrentStream(int d) {
+            log.push_back("stream " + std::to_string(d) + " (current " + std::to_string(current) + ")");
+            static int token = 0;
+            return nullStream ? nullptr : &token;
+        }
+    } rt;
+    rt.broken = brokenGuard;
+    rt.nullStream = nullStream;
+    std::string error;
+    try {
+        topth::GuardedLaunch(rt, tensorDevice, "topth_decode_attn", [&](void* stream) -> uint32_t {
+            rt.log.push_back(std::string("launch on device ") + std::to_string(rt.current) +
+                             (stream ? " with a stream" : " with a null stream"));
+            return rc;
+        });
+    } catch (const topth::LaunchError& e) {
+        error = e.what();
+    }
+    py::dict d;
+    d["log"] = rt.log;
+    d["error"] = error;
+    d["device_after"] = rt.current;
+    return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_ascendc_cpu, m) {
@@ -213,6 +262,9 @@ PYBIND11_MODULE(_ascendc_cpu, m) {
           "(bool, default true), resident_blocks (int, 0 = all), transcendental_error (float). Returns the report "
           "(GM->UB bytes per buffer, K and V bytes, per-block pipe counters, UB peak, block count, tiling).");
     m.def("selftest_cases", &topth_selftest::Cases, "Names of the model self-test mini-kernels.");
+    m.def("launch_selftest", &LaunchSelftest, py::arg("tensor_device"), py::arg("broken_guard") = false,
+          py::arg("null_stream") = false, py::arg("rc") = 0,
+          "Drive the NPU binding's launch path (topth_launch.h) with a fake runtime; returns log and error.");
     m.def("selftest", &topth_selftest::Run, py::arg("name"),
           "Run one deliberately faulty (or, for 'ok', correct) mini-kernel on the model; faults raise ModelError.");
 }

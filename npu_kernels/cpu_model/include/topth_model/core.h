@@ -259,7 +259,9 @@ public:
                         const std::source_location& loc) const;
     // A scalar read of block_table element `index` by `block`.
     void CheckTableRead(uint64_t index, const BlockCtx& ctx, const std::source_location& loc) const;
-    void SetBatchMode(bool on) { batchMode_.store(on); }
+    void SetBatchMode(bool on) { batchMode_.store(on && !schedNormal_); }
+    // Simulate a toolchain without __schedmode__: the kernel's batch-mode declaration has no effect.
+    void SetSchedModeNormal(bool on) { schedNormal_ = on; }
     bool BatchMode() const { return batchMode_.load(); }
 
 private:
@@ -275,6 +277,7 @@ private:
     bool syncWsChecked_ = false;
     uint32_t resident_ = 0;
     std::atomic<bool> batchMode_{false};
+    bool schedNormal_ = false;
     float transErr_ = 0.0f;
     RowOwnership own_;
 };

@@ -1,0 +1,177 @@
+"""Host glue of the Ascend C kernel, shared by the ``ascendc`` and ``ascendc-cpu`` backends:
+the kernel's view of one call (shapes, option codes, cache strides), the tensors in the
+layouts it reads, and a mirror of its work split (for the byte expectations of tests and
+benchmarks). No compiled module is imported here.
+
+The kernel reads the KV caches in place through their (block, KV head, slot) strides:
+contiguous BNSD caches as one block per sequence, paged NHD / HND caches through the block
+table (docs/ascendc.md, "Cache layouts"). Small tensors (query, lengths, thresholds,
+sdc_table, value_mean, block_table, threshold_set) are copied to contiguous int32 /
+float32 tensors here, after clamping lengths and set indices in their own dtype's full
+range (contract v0.2, "Unchecked values").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..contract import DecodeInputs
+
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
+SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
+SELECTION_CODES = {"head": 0, "group": 1}
+
+
+def cache_layout_reason(inputs: DecodeInputs, which: str) -> Optional[str]:
+    """Why the kernel cannot read the key (``which="key"``) or value cache in place, or None.
+
+    The kernel needs every row of head_dim elements contiguous, the rows of one (block, KV
+    head) not overlapping, and the gap between rows under 4 GiB (a 32-bit byte stride of
+    DataCopyPad). Block and head strides are free (slices of a larger pool, BSND caches
+    viewed as BNSD, K and V interleaved in one tensor).
+    """
+    t = inputs.key_cache if which == "key" else inputs.value_cache
+    name = "key_cache" if which == "key" else "value_cache"
+    _s_blk, _s_head, s_slot, s_dim = inputs.cache_strides(which)
+    D, bs = inputs.head_dim, inputs.block_size
+    if s_dim != 1 and D > 1:
+        return (f"{name} with strides {tuple(t.stride())} ({inputs.kv_layout} {tuple(t.shape)}): head_dim is not the "
+                f"innermost contiguous dimension; the kernel reads cache rows in place and never copies a cache "
+                f"(pass a cache whose head_dim has stride 1)")
+    if bs > 1 and s_slot < D:
+        return f"{name}: slot stride {s_slot} < head_dim {D} (rows overlap); the kernel copies whole rows"
+    if bs > 1 and (s_slot - D) * t.element_size() >= 2**32:
+        return f"{name}: the gap between rows is 4 GiB or more (DataCopyPad takes a 32-bit byte stride)"
+    return None
+
+
+def problem_shape(inputs: DecodeInputs) -> dict:
+    """The kernel's view of one call for the tiling: shapes, dtype and option codes, the
+    paged geometry and the caches' (block, KV head, slot) strides in elements."""
+    ks, vs = inputs.cache_strides("key"), inputs.cache_strides("value")
+    return {
+        "batch": inputs.batch,
+        "num_q_heads": inputs.num_q_heads,
+        "num_kv_heads": inputs.num_kv_heads,
+        "max_seq_len": inputs.max_seq_len,
+        "head_dim": inputs.head_dim,
+        "max_row_id": inputs.max_row_id,
+        "dtype": DTYPE_CODES[inputs.dtype],
+        "placement": PLACEMENT_CODES[inputs.placement],
+        "sdc": SDC_CODES[inputs.sdc],
+        "vmc": int(inputs.vmc),
+        "scale": float(inputs.scale),
+        "sdc_gamma": float(inputs.sdc_gamma),
+        "selection": SELECTION_CODES[inputs.selection],
+        "num_sets": inputs.num_sets,
+        "has_sets": int(inputs.threshold_set is not None),
+        "paged": int(inputs.paged),
+        "block_size": inputs.block_size if inputs.paged else 0,
+        "num_blocks": inputs.num_blocks if inputs.paged else 0,
+        "max_blocks_per_seq": inputs.max_blocks_per_seq,
+        "k_strides": [int(x) for x in ks[:3]],
+        "v_strides": [int(x) for x in vs[:3]],
+    }
+
+
+def clamped_lengths(inputs: DecodeInputs) -> torch.Tensor:
+    """int32 ``[batch]`` lengths clamped into [0, max_seq_len] in their own dtype's range
+    first (an int64 of 1 << 40 becomes max_seq_len, never a wrapped int32)."""
+    return inputs.seq_lens.clamp(0, inputs.max_seq_len).to(torch.int32).contiguous()
+
+
+def value_mean_of(inputs: DecodeInputs) -> torch.Tensor:
+    """mean_{j<n} v_j in float32, ``[batch, num_kv_heads, head_dim]``; 0 where n = 0.
+
+    Used when ``vmc=True`` and no ``value_mean`` is given: it reads every valid V row
+    (gathered through the block table when paged), on the host side of the kernel; pass
+    ``value_mean`` (e.g. :func:`topth_ops.paged.paged_value_mean` of a maintained V sum) to
+    keep V traffic at the kept rows.
+    """
+    from .torch_ref import dense_caches
+
+    n = inputs.seq_lens.to(torch.int64).clamp(0, inputs.max_seq_len)
+    _k, v = dense_caches(inputs, n)
+    pos = torch.arange(inputs.max_seq_len, device=inputs.device)
+    valid = (pos[None, :] < n[:, None]).view(inputs.batch, 1, -1, 1)
+    v = torch.where(valid, v.to(torch.float32), 0.0)
+    return (v.sum(2) / n.clamp(min=1).to(torch.float32).view(-1, 1, 1)).contiguous()
+
+
+def kernel_tensors(inputs: DecodeInputs) -> dict:
+    """Tensors in the layouts the kernel reads: the caches as they are (read through their
+    strides), every small tensor contiguous: seq_lens int32 clamped into [0, max_seq_len],
+    thresholds / sdc_table as ``[num_sets, H, max_row_id]`` float32, threshold_set int32
+    clamped into [0, num_sets - 1], block_table int32 (the kernel clamps used entries into
+    [0, num_blocks - 1]), value_mean float32."""
+    t = {
+        "query": inputs.query.contiguous(),
+        "key_cache": inputs.key_cache,
+        "value_cache": inputs.value_cache,
+        "seq_lens": clamped_lengths(inputs),
+        "thresholds": inputs.thresholds_3d().contiguous(),
+        "sdc_table": inputs.sdc_table_3d().contiguous() if inputs.sdc_table is not None else None,
+        "value_mean": None,
+        "block_table": inputs.block_table.contiguous() if inputs.paged else None,
+        "threshold_set": None,
+    }
+    if inputs.threshold_set is not None:
+        t["threshold_set"] = inputs.threshold_set.clamp(0, inputs.num_sets - 1).to(torch.int32).contiguous()
+    if inputs.vmc:
+        vm = inputs.value_mean if inputs.value_mean is not None else value_mean_of(inputs)
+        t["value_mean"] = vm.to(torch.float32).contiguous()
+    return t
+
+
+def split_plan(tiling: dict, seq_lens: list[int]) -> tuple[int, list[int]]:
+    """Mirror of the kernel's work split (``topth_plan.h``): the splits per pair in use
+    and, per sequence, its pieces (0 or 1: one item computes it whole).
+
+    Splits u: the tiling's ``splitCap``, lowered until u x ``minSplitLen`` <= the longest
+    length; a sequence of n positions then takes min(u, max(1, n // minSplitLen)) pieces of
+    ceil(n / pieces) positions.
+
+    Parameters
+    ----------
+    tiling : dict
+        The host tiling of the call (``run_cpu_model(...)["tiling"]``).
+    seq_lens : list of int
+        Lengths clamped into [0, max_seq_len].
+    """
+    cap, min_len = tiling["splitCap"], tiling["minSplitLen"]
+    u = 1
+    if cap > 1:
+        u, longest = cap, max([int(n) for n in seq_lens] + [0])
+        while u > 1 and u * min_len > longest:
+            u -= 1
+    pieces = []
+    for n in (int(x) for x in seq_lens):
+        if u <= 1 or n == 0:
+            pieces.append(1 if n else 0)
+            continue
+        want = min(u, max(1, n // min_len))
+        per = -(-n // want)
+        pieces.append(-(-n // per))
+    return u, pieces
+
+
+def split_workspace_reads(tiling: dict, seq_lens: list[int]) -> int:
+    """GM -> UB bytes of the kernel's split bookkeeping (0 when nothing is split).
+
+    A (sequence, KV head) pair in p > 1 pieces (:func:`split_plan`): its combine reads the p
+    running maxima (``pairWidth`` floats each) and the p partial records (``partFloats``
+    floats each); for post_softmax each of its p pass-B items also reads the p (m, Z) pairs
+    (2 x ``pairWidth`` floats). The post_softmax score round trip is not included (4 bytes
+    per query head and position, computed by the bench harness).
+    """
+    _u, pieces = split_plan(tiling, seq_lens)
+    pw, rec = 4 * tiling["pairWidth"], 4 * tiling["partFloats"]
+    post = tiling["placement"] == PLACEMENT_CODES["post_softmax"]
+    total = 0
+    for p in pieces:
+        if p > 1:
+            total += tiling["numKvHeads"] * (p * (pw + rec) + (p * p * 2 * pw if post else 0))
+    return total
