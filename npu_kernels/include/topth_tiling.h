@@ -86,7 +86,8 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     t.ubPairB = static_cast<uint32_t>(2 * t.pairWidth * 32);
     t.ubStage = widen ? static_cast<uint32_t>(Up(G * Dp * E, 32)) : 0;
     t.ubMu = t.vmc ? static_cast<uint32_t>(Dp * 4) : 0;
-    t.ubCmb = split ? static_cast<uint32_t>(uint64_t(t.partFloats) * 4) : 0;   // one partial record
+    // combine: the statistics of one partial record and one accumulator row at a time
+    t.ubCmb = split ? static_cast<uint32_t>((4ull * t.pairWidth + 8 + Dp) * 4) : 0;
     t.ubMAll = split ? static_cast<uint32_t>(2ull * t.splitCap * t.pairWidth * 4) : 0;
     t.ubSync = (split && t.syncMode == TOPTH_SYNC_SOFT) ? static_cast<uint32_t>(t.blockDim * 32) : 0;
     t.ubStat = static_cast<uint32_t>(3 * Up(G * 4, 32));

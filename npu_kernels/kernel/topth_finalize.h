@@ -40,10 +40,12 @@ __aicore__ inline void TopthDecodeKernel<T>::Combine(uint32_t pair)
         PipeBarrier<PIPE_V>();
     }
     LocalTensor<int32_t> cmbI = cmb.template ReinterpretCast<int32_t>();
+    LocalTensor<float> row = cmb[4 * PW + 8];  // one accumulator row of a partial record
     for (uint32_t s = 0; s < pieces; ++s) {
+        const uint64_t rec = first + uint64_t(s) * td.partFloats;
         Sync<HardEvent::V_MTE2>();
         Sync<HardEvent::S_MTE2>();
-        DataCopy(cmb, partGm[first + uint64_t(s) * td.partFloats], td.partFloats);
+        DataCopy(cmb, partGm[rec], 4 * PW + 8);
         Sync<HardEvent::MTE2_V>();
         Sync<HardEvent::MTE2_S>();
         unionCount += static_cast<uint32_t>(cmbI.GetValue(4 * PW));
@@ -58,9 +60,20 @@ __aicore__ inline void TopthDecodeKernel<T>::Combine(uint32_t pair)
         Add(Pair(P_R), Pair(P_R), cmb[PW], PW);
         Add(Pair(P_E), Pair(P_E), cmb[2 * PW], PW);
         Add(Pair(P_K), Pair(P_K), cmb[3 * PW], PW);
-        ScaleRows(cmb[4 * PW + 8], fB);
-        Add(acc, acc, cmb[4 * PW + 8], G * Dp);
-        PipeBarrier<PIPE_V>();
+        // acc[g] += f_g * partial acc[g], one row at a time (the record does not need to
+        // fit the unified buffer: groups near the UB limit keep their KV split)
+        for (uint32_t g = 0; g < G; ++g) {
+            Sync<HardEvent::V_MTE2>();
+            DataCopy(row, partGm[rec + 4 * PW + 8 + uint64_t(g) * Dp], Dp);
+            Sync<HardEvent::MTE2_V>();
+            for (uint32_t c0 = 0; c0 < Dp; c0 += 64) {
+                BinaryRepeatParams p(1, 1, 0, 8, 8, 0);
+                Mul(row[c0], row[c0], fB[2 * g * 8], Min32(64, Dp - c0), 1, p);
+            }
+            PipeBarrier<PIPE_V>();
+            Add(acc[g * Dp], acc[g * Dp], row, Dp);
+            PipeBarrier<PIPE_V>();
+        }
     }
     Finalize(n, unionCount);
 }
