@@ -96,6 +96,44 @@ def expected_bytes(inputs):
     return k_rows * row_bytes, int(unions.sum()) * row_bytes, unions
 
 
+def expected_fetch(inputs, tiling, kept=None):
+    """V rows the kernel must copy and its copy spans, computed here from the float64 kept
+    sets (not by the code under test): per 64-position score tile of each piece of the
+    split plan, a run of kept positions is joined with the next one when the last byte of
+    the one and the first byte of the other lie in the same tiling["mergeGapBytes"] GM
+    granule inside one cache block. Returns (fetched rows, spans)."""
+    from topth_ops.backends.ascendc import split_plan
+
+    kept = kept if kept is not None else kept_sets(inputs)
+    lens = [int(n) for n in inputs.seq_lens.clamp(0, inputs.max_seq_len).tolist()]
+    _u, pieces = split_plan(tiling, lens)
+    e = inputs.query.element_size()
+    bs, granule = tiling["blockSize"], tiling["mergeGapBytes"]
+    strides = np.array([tiling["vStrideBlk"], tiling["vStrideH"], tiling["vStrideSlot"]], dtype=np.int64)
+    table = inputs.block_table.numpy().astype(np.int64) if inputs.paged else None
+    row_bytes = inputs.head_dim * e
+    fetched = spans = 0
+    for b, n in enumerate(lens):
+        step = -(-n // pieces[b]) if pieces[b] > 1 else max(n, 1)
+        for g, union in enumerate(kept[b]):
+            pos_all = np.arange(n)
+            blk = table[b, pos_all // bs] if table is not None else np.full(n, b)
+            start = (blk * strides[0] + g * strides[1] + (pos_all % bs) * strides[2]) * e  # byte offsets
+            for c0 in range(0, n, step):
+                for t0 in range(c0, min(n, c0 + step), 64):
+                    j = t0 + np.flatnonzero(union[t0:min(n, c0 + step, t0 + 64)])
+                    if j.size == 0:
+                        continue
+                    adjacent = np.diff(j) == 1
+                    same_block = j[:-1] // bs == j[1:] // bs
+                    same_granule = ((start[j[:-1]] + row_bytes - 1) // granule == start[j[1:]] // granule
+                                    if granule else np.zeros(j.size - 1, dtype=bool))
+                    join = adjacent | (same_block & same_granule)
+                    spans += 1 + int((~join).sum())
+                    fetched += int(j.size + (np.diff(j) - 1)[join].sum())
+    return fetched, spans
+
+
 def check_against_oracle(inputs, out, stats):
     """Output within the dtype tolerance and stats exactly against the float64 oracle."""
     want = oracle_decode(inputs.query, inputs.key_cache, inputs.value_cache, inputs.seq_lens, inputs.thresholds,

@@ -28,7 +28,7 @@ from topth_ops import make_inputs
 from topth_ops.backends.ascendc import A2_TARGET, problem_shape, run_cpu_model, split_plan, split_workspace_reads
 from topth_ops.registry import get_backend, priority, select_backend
 
-from .ascendc_cpu_cases import _model, check_against_oracle, expected_bytes, shape_dict, small_int_case
+from .ascendc_cpu_cases import _model, check_against_oracle, expected_bytes, expected_fetch, shape_dict, small_int_case
 
 _check_against_oracle = check_against_oracle
 _shape = shape_dict
@@ -65,13 +65,20 @@ def test_gm_to_ub_bytes_are_exact(B, Hq, Hkv, S, D, lens, dtype, placement, core
     out, stats = inputs.empty_outputs(fill=float("nan"))
     target = dict(A2_TARGET, cores=cores, min_split_len=64)
     rep = run_cpu_model(inputs, out, stats, target=target)
+    fetched, spans = expected_fetch(inputs, rep["tiling"])
+    row = D * inputs.query.element_size()
     assert rep["k_bytes"] == k_bytes
-    assert rep["v_bytes"] == v_bytes
+    assert rep["v_bytes"] == fetched * row >= v_bytes  # kept rows, and the rows between merged runs
     assert 0 < v_bytes < k_bytes  # the thresholds really drop rows
     np.testing.assert_array_equal(stats.v_rows.numpy(), unions)
-    # nothing but the kept V rows and the valid K rows is read from the caches
+    # nothing but the fetched V rows and the valid K rows is read from the caches
     assert rep["buffers"]["key_cache"]["gm_to_ub_bytes"] == k_bytes
-    assert rep["buffers"]["value_cache"]["gm_to_ub_bytes"] == v_bytes
+    assert rep["buffers"]["value_cache"]["gm_to_ub_bytes"] == fetched * row
+    # without merging: exactly the kept-union rows
+    out2, stats2 = inputs.empty_outputs(fill=float("nan"))
+    rep2 = run_cpu_model(inputs, out2, stats2, target=dict(target, merge_gap_bytes=0))
+    assert rep2["v_bytes"] == v_bytes and torch.equal(stats2.v_rows, stats.v_rows)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
     # workspace reads: the post_softmax scores (float32, every query head and valid position)
     # read back once, plus the split bookkeeping of the plan (0 when unsplit)
     scores = 4 * Hq * sum(lens) if placement == "post_softmax" else 0
@@ -89,7 +96,7 @@ def test_v_bytes_fall_with_the_kept_fraction():
     for keep in (0.1, 0.3, 0.6):
         inputs = small_int_case(1, 8, 2, 512, 128, [512], torch.float16, "pre_softmax", rng, keep=keep)
         out, stats = inputs.empty_outputs()
-        rep = run_cpu_model(inputs, out, stats)
+        rep = run_cpu_model(inputs, out, stats, target=dict(A2_TARGET, merge_gap_bytes=0))
         k_bytes, v_bytes, _ = expected_bytes(inputs)
         assert (rep["k_bytes"], rep["v_bytes"]) == (k_bytes, v_bytes)
         got.append(rep["v_bytes"])

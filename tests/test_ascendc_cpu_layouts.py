@@ -16,7 +16,8 @@ from topth_ops.backends.ascendc import A2_TARGET, kernel_tensors, run_cpu_model,
 from topth_ops.paged import to_paged
 from topth_ops.registry import get_backend
 
-from .ascendc_cpu_cases import _model, check_against_oracle, expected_bytes, shape_dict, small_int_case
+from .ascendc_cpu_cases import (_model, check_against_oracle, expected_bytes, expected_fetch, kept_sets, shape_dict,
+                                small_int_case)
 
 _check_against_oracle = check_against_oracle
 _shape = shape_dict
@@ -68,8 +69,9 @@ def test_strided_caches_are_read_in_place(layout, dtype, D, placement, lens, cor
         rep = run_cpu_model(inputs, out, stats, target=dict(A2_TARGET, cores=cores, min_split_len=64))
     assert "copied" not in caplog.text
     _check_against_oracle(inputs, out, stats)
-    k_bytes, v_bytes, _ = expected_bytes(inputs)
-    assert (rep["k_bytes"], rep["v_bytes"]) == (k_bytes, v_bytes)
+    k_bytes, _v_bytes, _ = expected_bytes(inputs)
+    fetched, _spans = expected_fetch(inputs, rep["tiling"])
+    assert (rep["k_bytes"], rep["v_bytes"]) == (k_bytes, fetched * D * inputs.query.element_size())
     tl = rep["tiling"]
     assert (tl["kStrideBlk"], tl["kStrideH"], tl["kStrideSlot"]) == k.stride()[:3]
     assert (tl["vStrideBlk"], tl["vStrideH"], tl["vStrideSlot"]) == v.stride()[:3]
@@ -131,7 +133,9 @@ def test_paged_caches_read_only_owned_rows_with_exact_bytes(block_size, layout, 
     target = dict(A2_TARGET, cores=cores, min_split_len=64)
     out, stats = paged.empty_outputs(fill=float("nan"))
     rep = run_cpu_model(paged, out, stats, target=target)
-    assert (rep["k_bytes"], rep["v_bytes"]) == (k_bytes, v_bytes)
+    fetched, _spans = expected_fetch(paged, rep["tiling"], kept=kept_sets(base))
+    assert (rep["k_bytes"], rep["v_bytes"]) == (k_bytes, fetched * D * base.query.element_size())
+    assert v_bytes <= rep["v_bytes"]
     np.testing.assert_array_equal(stats.v_rows.numpy(), unions)
     check_against_oracle(paged, out, stats)
     out_c, stats_c = base.empty_outputs(fill=float("nan"))

@@ -27,6 +27,7 @@ struct TargetInfo {
     uint32_t minSplitLen = 512; // fewest KV positions one split handles (IFA's empirical 512)
     bool reserveApiScratch = true;  // keep the top 8 KiB of UB for the API (false: test of the bug)
     uint32_t syncMode = TOPTH_SYNC_HARD;
+    uint32_t mergeGapBytes = 512;  // DRAM access granule of the V-row merge (0: no merging)
 };
 
 struct ProblemShape {
@@ -77,7 +78,7 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     t.ubQ = static_cast<uint32_t>(G * Dp * 4);
     t.ubAcc = static_cast<uint32_t>(G * Dp * 4);
     t.ubTile = static_cast<uint32_t>(G * W * 4);                          // x6 tile buffers
-    t.ubMask = static_cast<uint32_t>(Up(G * W / 8, 32));
+    t.ubMask = static_cast<uint32_t>(Up(G * W / 8, 32) + 64);  // + union and fetch bit masks
     t.ubVIn = static_cast<uint32_t>(Up(tvPad * Dp * E, 32));             // x2 (double buffer)
     t.ubVF32 = widen ? static_cast<uint32_t>(tvPad * Dp * 4) : 0;
     t.ubWc = static_cast<uint32_t>(G * W * 4);

@@ -65,6 +65,12 @@ struct TopthTilingData {
     uint32_t ubKIn, ubKF32, ubProd, ubQ, ubAcc, ubTile, ubMask, ubVIn, ubVF32, ubWc, ubWb;
     uint32_t ubPair, ubPairB, ubStage, ubMu, ubCmb, ubMAll, ubSync, ubStat, ubSIn, ubTotal;
     uint32_t ubLimit;  // bytes the plan may use (the unified buffer less the API reserve)
+    // V rows: two runs of kept positions inside one cache block are fetched with one copy
+    // (the rows between them too, zeroed in UB) when the end of the one and the start of
+    // the other lie in the same GM granule of this many bytes (a DRAM access fetches it
+    // whole anyway; 0: never merge)
+    uint32_t mergeGapBytes;
+    uint32_t reserved2;
 };
 
 #endif  // TOPTH_TILING_DATA_H

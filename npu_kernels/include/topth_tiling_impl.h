@@ -78,6 +78,7 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     t.scale = s.scale;
     t.sdcGamma = s.sdcGamma;
     t.minSplitLen = std::max<uint32_t>(1, target.minSplitLen);
+    t.mergeGapBytes = target.mergeGapBytes;
     t.pairWidth = static_cast<uint32_t>(Up(2ull * t.group, 8));
     // Partial record of one split: [M, R, E, K] pair vectors, an 8-word block (union
     // count), then the G x Dp float32 accumulators.

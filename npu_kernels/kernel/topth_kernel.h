@@ -27,6 +27,7 @@ private:
     __aicore__ inline uint64_t ThIndex(uint32_t g, uint32_t row);
     __aicore__ inline uint64_t SdcIndex(uint32_t g, uint32_t row);
     __aicore__ inline uint32_t BlockOf(uint32_t i);
+    __aicore__ inline uint64_t VRowOffset(uint32_t p);
     __aicore__ inline DataCopyExtParams RowParams(uint32_t rows, uint64_t rowStride);
     __aicore__ inline DataCopyPadExtParams<T> RowPad();
     __aicore__ inline void CopyRows(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t rows,
@@ -58,9 +59,19 @@ private:
     __aicore__ inline void CopyScoreTile(uint32_t pos);
     __aicore__ inline void PassB();
     __aicore__ inline void SelectAccumulate(const LocalTensor<float>& s, uint32_t rows, uint32_t pos, bool post);
-    __aicore__ inline void IssueV(uint32_t batch, uint32_t total, uint32_t pos, const uint32_t* runStart,
-                                  const uint32_t* runLen, uint32_t nRuns);
-    __aicore__ inline void AccumulateV(uint32_t batch, uint32_t nb);
+    // V copy plan of one score tile: spans of positions (runs of kept positions, merged
+    // across small gaps), the kept and the fetched positions as bit masks, rows fetched.
+    struct VSpans {
+        uint32_t start[W];
+        uint32_t len[W];
+        uint32_t n;
+        uint32_t rows;
+        uint64_t keptBits;
+        uint64_t fetchBits;
+    };
+    __aicore__ inline void PlanSpans(uint64_t keptBits, uint32_t pos, VSpans& sp);
+    __aicore__ inline void IssueV(uint32_t batch, uint32_t pos, const VSpans& sp);
+    __aicore__ inline void AccumulateV(uint32_t batch, uint32_t nb, const VSpans& sp);
 
     // ---- topth_finalize.h
     __aicore__ inline void WritePartial(uint64_t rec);
@@ -87,6 +98,8 @@ private:
     LocalTensor<float> mu, cmb, mAll, statF;
     LocalTensor<int32_t> statI, statU;
     LocalTensor<uint8_t> mask;
+    LocalTensor<uint8_t> uBits8;         // the union bit mask as Compare writes it
+    LocalTensor<uint32_t> uBits, fBits;  // union and fetch bit masks of a score tile (64 bits each)
     LocalTensor<T> stage;
 
     uint32_t splits = 1;  // splits per pair in use this launch (<= td.splitCap), from the lengths
@@ -182,6 +195,10 @@ __aicore__ inline void TopthDecodeKernel<T>::Init(const KernelArgs& a, const Top
     thr = thrBuf.Get<float>();
     ones = onesBuf.Get<float>();
     mask = maskBuf.Get<uint8_t>();
+    const uint32_t maskBytes = ((G * W / 8 + 31) / 32) * 32;
+    uBits8 = mask[maskBytes];
+    uBits = uBits8.ReinterpretCast<uint32_t>();
+    fBits = mask[maskBytes + 32].ReinterpretCast<uint32_t>();
     if (td.ubVF32) vF32 = vF32Buf.Get<float>();
     wc = wcBuf.Get<float>();
     wb = wbBuf.Get<float>();

@@ -124,6 +124,15 @@ __aicore__ inline uint32_t TopthDecodeKernel<T>::BlockOf(uint32_t i)
     return cachedBlk;
 }
 
+// Element offset of position p's V row of this sequence and KV head.
+template <typename T>
+__aicore__ inline uint64_t TopthDecodeKernel<T>::VRowOffset(uint32_t p)
+{
+    const uint32_t i = p / td.blockSize;
+    return uint64_t(BlockOf(i)) * td.vStrideBlk + uint64_t(kvIdx) * td.vStrideH +
+           uint64_t(p - i * td.blockSize) * td.vStrideSlot;
+}
+
 // `rows` rows of D elements, `rowStride` elements apart in GM (the byte gap fits 32 bits:
 // host tiling).
 template <typename T>

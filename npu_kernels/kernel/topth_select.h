@@ -120,57 +120,98 @@ __aicore__ inline void TopthDecodeKernel<T>::SelectAccumulate(const LocalTensor<
         Max(ind, ind, ind[g * W], W);
         PipeBarrier<PIPE_V>();
     }
-
-    // Scalar unit: runs of kept positions and the compact weights wc[g, r].
+    // The union as a 64-bit mask: the scalar unit reads its two words (no per-position
+    // scan), plans the V copies over it and writes back the rows to fetch, whose weights
+    // the vector unit compacts with GatherMask.
+    Compare(uBits8, ind, ones, CMPMODE::GE, W);  // ind is 0 or 1
     Sync<HardEvent::V_S>();
-    uint32_t runStart[W];
-    uint32_t runLen[W];
-    uint32_t nRuns = 0;
-    uint32_t r = 0;
-    for (uint32_t j = 0; j < rows; ++j) {
-        if (ind.GetValue(j) != 0.0f) {
-            if (nRuns > 0 && runStart[nRuns - 1] + runLen[nRuns - 1] == j) {
-                runLen[nRuns - 1]++;
-            } else {
-                runStart[nRuns] = j;
-                runLen[nRuns] = 1;
-                nRuns++;
-            }
-            for (uint32_t g = 0; g < G; ++g) {
-                wc.SetValue(g * W + r, ek.GetValue(g * W + j));
-            }
-            r++;
-        }
-    }
-    Sync<HardEvent::S_V>();
+    const uint64_t keptBits = uint64_t(uBits.GetValue(0)) | (uint64_t(uBits.GetValue(1)) << 32);
+    VSpans sp;
+    PlanSpans(keptBits, pos, sp);
+    const uint32_t r = static_cast<uint32_t>(ScalarGetCountOfValue<1>(keptBits));
     unionCount += r;
-    if (r == 0) return;  // no V row of this tile is read
+    if (sp.rows == 0) {  // no V row of this tile is read
+        Sync<HardEvent::S_V>();
+        return;
+    }
+    fBits.SetValue(0, static_cast<uint32_t>(sp.fetchBits));
+    fBits.SetValue(1, static_cast<uint32_t>(sp.fetchBits >> 32));
+    Sync<HardEvent::S_V>();
+    // wc[g, i] = weight of head g for the i-th fetched row (0 for rows fetched between runs)
+    uint64_t picked = 0;
+    for (uint32_t g = 0; g < G; ++g) {
+        GatherMask(wc[g * W], ek[g * W], fBits, false, 0, GatherMaskParams(1, 1, 8, 0), picked);
+    }
+    PipeBarrier<PIPE_V>();
 
-    const uint32_t nBatch = CeilDiv(r, td.tileV);
-    IssueV(0, r, pos, runStart, runLen, nRuns);
+    const uint32_t nBatch = CeilDiv(sp.rows, td.tileV);
+    IssueV(0, pos, sp);
     for (uint32_t b = 0; b < nBatch; ++b) {
         if (b + 1 < nBatch) {
-            IssueV(b + 1, r, pos, runStart, runLen, nRuns);  // double buffering
+            IssueV(b + 1, pos, sp);  // double buffering
         }
-        AccumulateV(b, Min32(td.tileV, r - b * td.tileV));
+        AccumulateV(b, Min32(td.tileV, sp.rows - b * td.tileV), sp);
     }
 }
 
-// Copy the V rows of batch `batch` (compact rows batch*tileV ...) into a queue buffer.
+// Copy spans of one tile from the union mask: runs of kept positions, merged with the next
+// run when the last byte of the one and the first byte of the other lie in the same
+// mergeGapBytes-aligned GM granule (512: a DRAM access fetches it whole anyway) inside one
+// cache block: one copy instead of two; the rows between are zeroed in UB, never used.
 template <typename T>
-__aicore__ inline void TopthDecodeKernel<T>::IssueV(uint32_t batch, uint32_t total, uint32_t pos,
-                                                    const uint32_t* runStart, const uint32_t* runLen, uint32_t nRuns)
+__aicore__ inline void TopthDecodeKernel<T>::PlanSpans(uint64_t keptBits, uint32_t pos, VSpans& sp)
+{
+    sp.n = 0;
+    sp.rows = 0;
+    sp.fetchBits = 0;
+    sp.keptBits = keptBits;
+    const uint64_t granule = td.mergeGapBytes;
+    uint64_t bits = keptBits;
+    int64_t s = ScalarGetSFFValue<1>(bits);
+    while (s >= 0) {
+        const int64_t z = ScalarGetSFFValue<0>(bits >> s);
+        const uint32_t len = z < 0 ? static_cast<uint32_t>(64 - s) : static_cast<uint32_t>(z);
+        const uint32_t start = static_cast<uint32_t>(s);
+        const uint64_t run = (len >= 64 ? ~0ull : ((1ull << len) - 1)) << start;
+        bits &= ~run;
+        bool merged = false;
+        if (sp.n > 0 && granule > 0) {
+            const uint32_t end = sp.start[sp.n - 1] + sp.len[sp.n - 1];
+            const bool sameBlock = (pos + end - 1) / td.blockSize == (pos + start) / td.blockSize;
+            if (sameBlock && (VRowOffset(pos + end - 1) * sizeof(T) + D * sizeof(T) - 1) / granule ==
+                                 (VRowOffset(pos + start) * sizeof(T)) / granule) {
+                sp.len[sp.n - 1] = start + len - sp.start[sp.n - 1];
+                merged = true;
+            }
+        }
+        if (!merged) {
+            sp.start[sp.n] = start;
+            sp.len[sp.n] = len;
+            sp.n++;
+        }
+        s = ScalarGetSFFValue<1>(bits);
+    }
+    for (uint32_t k = 0; k < sp.n; ++k) {
+        const uint32_t len = sp.len[k];
+        sp.fetchBits |= (len >= 64 ? ~0ull : ((1ull << len) - 1)) << sp.start[k];
+        sp.rows += len;
+    }
+}
+
+// Copy the fetched rows of batch `batch` (fetched rows batch*tileV ...) into a queue buffer.
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::IssueV(uint32_t batch, uint32_t pos, const VSpans& sp)
 {
     const uint32_t first = batch * td.tileV;
-    const uint32_t last = Min32(total, first + td.tileV);
+    const uint32_t last = Min32(sp.rows, first + td.tileV);
     LocalTensor<T> vIn = vQue.template AllocTensor<T>();
     uint32_t r = 0;
-    for (uint32_t k = 0; k < nRuns && r < last; ++k) {
-        const uint32_t lo = r, hi = r + runLen[k];
+    for (uint32_t k = 0; k < sp.n && r < last; ++k) {
+        const uint32_t lo = r, hi = r + sp.len[k];
         const uint32_t a = lo > first ? lo : first;
         const uint32_t e = hi < last ? hi : last;
         if (a < e) {
-            CopySeqRows(vIn[(a - first) * Dp], false, pos + runStart[k] + (a - lo), e - a);
+            CopySeqRows(vIn[(a - first) * Dp], false, pos + sp.start[k] + (a - lo), e - a);
         }
         r = hi;
     }
@@ -178,9 +219,22 @@ __aicore__ inline void TopthDecodeKernel<T>::IssueV(uint32_t batch, uint32_t tot
 }
 
 template <typename T>
-__aicore__ inline void TopthDecodeKernel<T>::AccumulateV(uint32_t batch, uint32_t nb)
+__aicore__ inline void TopthDecodeKernel<T>::AccumulateV(uint32_t batch, uint32_t nb, const VSpans& sp)
 {
     LocalTensor<T> vIn = vQue.template DeQue<T>();
+    // Rows fetched between two runs were dropped by every head: zero them (they may hold
+    // NaN or inf, and 0 x NaN is NaN), so that they change nothing.
+    const uint32_t first = batch * td.tileV;
+    bool zeroed = false;
+    uint32_t r = 0;
+    for (uint32_t k = 0; k < sp.n && r < first + nb; ++k) {
+        for (uint32_t i = 0; i < sp.len[k]; ++i, ++r) {
+            if (r < first || r >= first + nb || ((sp.keptBits >> (sp.start[k] + i)) & 1ull)) continue;
+            Duplicate(vIn[(r - first) * Dp], T(0.0f), static_cast<int32_t>(Dp));
+            zeroed = true;
+        }
+    }
+    if (zeroed) PipeBarrier<PIPE_V>();
     LocalTensor<float> vf;
     if constexpr (kWiden) {
         Cast(vF32, vIn, RoundMode::CAST_NONE, nb * Dp);

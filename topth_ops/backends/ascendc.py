@@ -27,7 +27,7 @@ from ..contract import DecodeInputs, DecodeStats
 from ..registry import Backend
 from .ascendc_host import (  # noqa: F401 (re-exported for tests and benchmarks)
     DTYPE_CODES, PLACEMENT_CODES, SDC_CODES, SELECTION_CODES, cache_layout_reason, clamped_lengths,
-    kernel_tensors, problem_shape, split_plan, split_workspace_reads, value_mean_of)
+    kept_union_masks, kernel_tensors, problem_shape, split_plan, split_workspace_reads, v_fetch_plan, value_mean_of)
 
 FEATURES = frozenset({"paged", "group_selection", "threshold_sets"})
 
@@ -258,6 +258,7 @@ class AscendCCpuBackend(Backend):
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         self.last_report = run_cpu_model(inputs, out, stats)
         self._last_lens = clamped_lengths(inputs).tolist()
+        self._last_inputs = inputs
 
     def bench_counters(self) -> dict:
         """Counters of the last call, for the bench harness (bench/harness.py): GM -> UB
@@ -275,11 +276,22 @@ class AscendCCpuBackend(Backend):
             "v_bytes": r["v_bytes"],
             "workspace_gm_to_ub_bytes": ws,
             "workspace_split_gm_to_ub_bytes": split_workspace_reads(r["tiling"], self._last_lens),
+            "v_merged_gap_bytes": self._merged_gap_bytes(),
             "ub_to_gm_bytes": r["ub_to_gm_bytes"],
             "ub_peak": r["ub_peak"],
         }
         counters.update({f"pipe_{k}": v for k, v in r["counters"].items()})
         return counters
+
+    def _merged_gap_bytes(self) -> int:
+        """V bytes the kernel's copy plan fetches between merged runs of kept rows
+        (declared, from :func:`v_fetch_plan` on kept sets selected again in float32)."""
+        inputs, t = self._last_inputs, self.last_report["tiling"]
+        if not t["mergeGapBytes"]:
+            return 0
+        e = inputs.query.element_size()
+        plan = v_fetch_plan(kept_union_masks(inputs), t, self._last_lens, e, inputs.block_table)
+        return (plan["fetched_rows"] - plan["kept_rows"]) * inputs.head_dim * e
 
 
 # ---------------------------------------------------------------------------- NPU

@@ -175,3 +175,97 @@ def split_workspace_reads(tiling: dict, seq_lens: list[int]) -> int:
         if p > 1:
             total += tiling["numKvHeads"] * (p * (pw + rec) + (p * p * 2 * pw if post else 0))
     return total
+
+
+def v_fetch_plan(kept: list, tiling: dict, seq_lens: list[int], elem_bytes: int,
+                 block_table: Optional[torch.Tensor] = None) -> dict:
+    """Mirror of the kernel's V copy plan (``PlanSpans`` in ``topth_select.h``): V rows
+    fetched and copy spans, from the kept-union masks.
+
+    In each 64-position score tile of each piece (:func:`split_plan`), a run of kept
+    positions is merged with the next run when the last byte of the one and the first byte
+    of the other (GM offsets from the cache's start) lie in the same ``mergeGapBytes``
+    granule, inside one cache block; the rows between are fetched too (and zeroed in UB).
+
+    Parameters
+    ----------
+    kept : list
+        ``kept[b][g]``: bool array of length n_b, the union over KV head g's query heads.
+    tiling : dict
+        The call's tiling.
+    seq_lens : list of int
+        Lengths clamped into [0, max_seq_len].
+    elem_bytes : int
+        Bytes per element of the caches.
+    block_table : torch.Tensor, optional
+        The block table of paged caches (entries clamped into [0, num_blocks - 1]).
+
+    Returns
+    -------
+    dict
+        ``fetched_rows`` (all rows copied), ``kept_rows``, ``spans`` (merged spans).
+    """
+    W, bs, granule = 64, tiling["blockSize"], tiling["mergeGapBytes"]
+    s_blk, s_h, s_slot, D = tiling["vStrideBlk"], tiling["vStrideH"], tiling["vStrideSlot"], tiling["headDim"]
+    table = None if block_table is None else block_table.to(torch.int64).clamp(0, tiling["numBlocks"] - 1).tolist()
+    _u, pieces = split_plan(tiling, seq_lens)
+
+    def offset(b, g, p):  # bytes from the start of the value cache
+        blk = table[b][p // bs] if table is not None else b
+        return (blk * s_blk + g * s_h + (p % bs) * s_slot) * elem_bytes
+
+    fetched = kept_rows = spans = 0
+    for b, n in enumerate(int(x) for x in seq_lens):
+        if n == 0:
+            continue
+        per = -(-n // pieces[b]) if pieces[b] > 1 else n
+        for g in range(len(kept[b])):
+            mask = kept[b][g]
+            for c0 in range(0, n, per):
+                c1 = min(n, c0 + per)
+                for pos in range(c0, c1, W):
+                    idx = [pos + j for j in range(min(W, c1 - pos)) if mask[pos + j]]
+                    kept_rows += len(idx)
+                    end = None  # one past the last position of the current span
+                    for p in idx:
+                        if end is not None and p == end:
+                            end += 1
+                            fetched += 1
+                        elif (end is not None and granule and (end - 1) // bs == p // bs
+                              and (offset(b, g, end - 1) + D * elem_bytes - 1) // granule
+                              == offset(b, g, p) // granule):
+                            fetched += p - end + 1
+                            end = p + 1
+                        else:
+                            spans += 1
+                            fetched += 1
+                            end = p + 1
+    return {"fetched_rows": fetched, "kept_rows": kept_rows, "spans": spans}
+
+
+def kept_union_masks(inputs: DecodeInputs) -> list:
+    """``[b][g]`` bool numpy arrays of the kept-union positions, selected again in float32
+    with torch as the contract defines it (for the declared byte expectations of benchmarks,
+    whose planted inputs keep every score far from its threshold)."""
+    from .torch_ref import dense_caches, per_sequence_rows
+
+    n = inputs.seq_lens.to(torch.int64).clamp(0, inputs.max_seq_len)
+    k, _v = dense_caches(inputs, n)
+    B, Hq, D = inputs.query.shape
+    Hkv, G, S = inputs.num_kv_heads, inputs.group_size, inputs.max_seq_len
+    a = torch.einsum("bkgd,bksd->bkgs", inputs.query.float().reshape(B, Hkv, G, D), k.float()) * inputs.scale
+    valid = torch.arange(S, device=a.device)[None, :] < n[:, None]
+    a = torch.where(valid[:, None, None, :], a, float("-inf"))
+    theta = per_sequence_rows(inputs, inputs.thresholds_3d(), n)
+    if inputs.placement == "pre_softmax":
+        x, cut = a, theta
+    else:
+        x = a - torch.logsumexp(a, dim=-1, keepdim=True)
+        cut = torch.where(theta > 0, torch.log(theta), float("-inf"))
+        cut = torch.where(torch.isnan(theta), theta, cut)
+    if inputs.selection == "group":
+        union = x.amax(dim=2) > cut[:, :, None]
+    else:
+        union = (x > cut.view(B, Hkv, G, 1)).any(dim=2)
+    union &= valid[:, None, :]
+    return [[union[b, g, : int(n[b])].cpu().numpy() for g in range(Hkv)] for b in range(B)]

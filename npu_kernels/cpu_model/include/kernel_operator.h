@@ -127,6 +127,16 @@ struct BinaryRepeatParams {
     uint8_t dstRepStride = 8, src0RepStride = 8, src1RepStride = 8;  // 32-byte units
 };
 
+struct GatherMaskParams {
+    GatherMaskParams() = default;
+    GatherMaskParams(uint8_t s0B, uint16_t rep, uint16_t s0R, uint8_t s1R)
+        : src0BlockStride(s0B), repeatTimes(rep), src0RepeatStride(s0R), src1RepeatStride(s1R) {}
+    uint8_t src0BlockStride = 1;    // 32-byte units
+    uint16_t repeatTimes = 0;
+    uint16_t src0RepeatStride = 0;  // 32-byte units
+    uint8_t src1RepeatStride = 0;   // 32-byte units
+};
+
 struct BrcbRepeatParams {
     BrcbRepeatParams() = default;
     BrcbRepeatParams(uint16_t dB, uint16_t dR) : dstBlkStride(dB), dstRepStride(dR) {}

@@ -1,6 +1,8 @@
 // CPU model of the Ascend C API subset: reductions, broadcast, compare, select (included by api_impl.h).
 #pragma once
 
+#include <vector>
+
 namespace AscendC {
 
 // ---- reductions, repeat form ----
@@ -228,6 +230,71 @@ inline void Select(const LocalTensor<T>& dst, const LocalTensor<U>& selMask, con
     const T* a = src0.Ptr();
     T* d = dst.Ptr();
     for (uint32_t i = 0; i < count; ++i) d[i] = ((m[i / 8] >> (i % 8)) & 1u) ? a[i] : src1;
+}
+
+// GatherMask, user pattern, normal mode (reduceMode false; Atlas A2, float with a uint32_t
+// pattern): each of repeatTimes repeats reads the 64 floats of one 256-byte repeat of src0
+// (repeat r at r * src0RepeatStride blocks) and the 64 pattern bits at r * src1RepeatStride
+// blocks of src1Pattern; the elements whose bit is 1 are written to dst one after another,
+// continuing across repeats; rsvdCnt is their number. Model choice: pattern bit i is bit
+// (i % 32) of uint32 word i / 32 (the layout Compare writes its mask in).
+template <typename T, typename U>
+inline void GatherMask(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<U>& src1Pattern,
+                       const bool reduceMode, const uint32_t mask, const GatherMaskParams& p, uint64_t& rsvdCnt,
+                       Loc loc = Loc::current()) {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<U, uint32_t>,
+                  "GatherMask modelled for float data with a uint32_t pattern");
+    const char* op = "GatherMask";
+    if (reduceMode) detail::Fail(std::string(op) + " at " + detail::Where(loc) + ": only normal mode (reduceMode false) is modelled");
+    (void)mask;
+    if (p.repeatTimes == 0 || p.repeatTimes > 255 || p.src0BlockStride != 1) {
+        detail::Fail(std::string(op) + " at " + detail::Where(loc) + ": repeatTimes must be in [1, 255] and src0BlockStride 1 (modelled)");
+    }
+    detail::CheckAlign(dst, 32, op, "dst", loc);
+    detail::CheckAlign(src0, 32, op, "src0", loc);
+    detail::CheckAlign(src1Pattern, 32, op, "src1Pattern", loc);
+    const uint32_t reps = p.repeatTimes;
+    detail::UbTouch(src0, 0, (uint64_t(reps - 1) * p.src0RepeatStride) * 32 + 256, Pipe::V, false, op, "src0", loc);
+    detail::UbTouch(src1Pattern, 0, (uint64_t(reps - 1) * p.src1RepeatStride) * 32 + 8, Pipe::V, false, op,
+                    "src1Pattern", loc);
+    std::vector<T> picked;
+    auto* s0 = reinterpret_cast<const uint8_t*>(src0.Ptr());
+    auto* s1 = reinterpret_cast<const uint8_t*>(src1Pattern.Ptr());
+    for (uint32_t r = 0; r < reps; ++r) {
+        uint32_t words[2];
+        std::memcpy(words, s1 + uint64_t(r) * p.src1RepeatStride * 32, 8);
+        for (uint32_t e = 0; e < 64; ++e) {
+            if ((words[e / 32] >> (e % 32)) & 1u) {
+                T x;
+                std::memcpy(&x, s0 + uint64_t(r) * p.src0RepeatStride * 32 + e * sizeof(T), sizeof(T));
+                picked.push_back(x);
+            }
+        }
+    }
+    if (!picked.empty()) {
+        detail::UbTouch(dst, 0, picked.size() * sizeof(T), Pipe::V, true, op, "dst", loc);
+        std::memcpy(dst.Ptr(), picked.data(), picked.size() * sizeof(T));
+    }
+    detail::CountVec(reps);
+    rsvdCnt = picked.size();
+}
+
+// Scalar unit: index of the first bit equal to countValue (0 or 1) from the least
+// significant end, -1 when there is none.
+template <int countValue>
+inline int64_t ScalarGetSFFValue(uint64_t valueIn) {
+    static_assert(countValue == 0 || countValue == 1, "countValue is 0 or 1");
+    const uint64_t v = countValue == 1 ? valueIn : ~valueIn;
+    if (v == 0) return -1;
+    return static_cast<int64_t>(__builtin_ctzll(v));
+}
+
+// Scalar unit: the number of bits of valueIn equal to countValue (0 or 1).
+template <int countValue>
+inline int64_t ScalarGetCountOfValue(uint64_t valueIn) {
+    static_assert(countValue == 0 || countValue == 1, "countValue is 0 or 1");
+    const int64_t ones = __builtin_popcountll(valueIn);
+    return countValue == 1 ? ones : 64 - ones;
 }
 
 }  // namespace AscendC
