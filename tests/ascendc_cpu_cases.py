@@ -98,8 +98,8 @@ def expected_bytes(inputs):
 
 def expected_fetch(inputs, tiling, kept=None):
     """V rows the kernel must copy and its copy spans, computed here from the float64 kept
-    sets (not by the code under test): per 64-position score tile of each piece of the
-    split plan, a run of kept positions is joined with the next one when the last byte of
+    sets (not by the code under test): per selection tile (tileK positions in pre_softmax, 64
+    in post_softmax) of each piece of the split plan, a run of kept positions is joined with the next one when the last byte of
     the one and the first byte of the other lie in the same tiling["mergeGapBytes"] GM
     granule inside one cache block. Returns (fetched rows, spans)."""
     from topth_ops.backends.ascendc import split_plan
@@ -112,6 +112,7 @@ def expected_fetch(inputs, tiling, kept=None):
     strides = np.array([tiling["vStrideBlk"], tiling["vStrideH"], tiling["vStrideSlot"]], dtype=np.int64)
     table = inputs.block_table.numpy().astype(np.int64) if inputs.paged else None
     row_bytes = inputs.head_dim * e
+    width = tiling["tileK"] if inputs.placement == "pre_softmax" else 64  # positions selected together
     fetched = spans = 0
     for b, n in enumerate(lens):
         step = -(-n // pieces[b]) if pieces[b] > 1 else max(n, 1)
@@ -120,8 +121,8 @@ def expected_fetch(inputs, tiling, kept=None):
             blk = table[b, pos_all // bs] if table is not None else np.full(n, b)
             start = (blk * strides[0] + g * strides[1] + (pos_all % bs) * strides[2]) * e  # byte offsets
             for c0 in range(0, n, step):
-                for t0 in range(c0, min(n, c0 + step), 64):
-                    j = t0 + np.flatnonzero(union[t0:min(n, c0 + step, t0 + 64)])
+                for t0 in range(c0, min(n, c0 + step), width):
+                    j = t0 + np.flatnonzero(union[t0:min(n, c0 + step, t0 + width)])
                     if j.size == 0:
                         continue
                     adjacent = np.diff(j) == 1

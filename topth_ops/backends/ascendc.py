@@ -276,22 +276,33 @@ class AscendCCpuBackend(Backend):
             "v_bytes": r["v_bytes"],
             "workspace_gm_to_ub_bytes": ws,
             "workspace_split_gm_to_ub_bytes": split_workspace_reads(r["tiling"], self._last_lens),
-            "v_merged_gap_bytes": self._merged_gap_bytes(),
+            **self._plan_counters(),
             "ub_to_gm_bytes": r["ub_to_gm_bytes"],
             "ub_peak": r["ub_peak"],
         }
         counters.update({f"pipe_{k}": v for k, v in r["counters"].items()})
         return counters
 
-    def _merged_gap_bytes(self) -> int:
-        """V bytes the kernel's copy plan fetches between merged runs of kept rows
-        (declared, from :func:`v_fetch_plan` on kept sets selected again in float32)."""
+    def _plan_counters(self) -> dict:
+        """What the kernel's plan implies for the last call (declared, not counted): V bytes
+        fetched between merged runs of kept rows, copy spans and copy instructions, score
+        tiles and work items (from :func:`split_plan` and :func:`v_fetch_plan` on kept sets
+        selected again in float32); the pipe-counter gates compare the counts with them."""
         inputs, t = self._last_inputs, self.last_report["tiling"]
-        if not t["mergeGapBytes"]:
-            return 0
         e = inputs.query.element_size()
         plan = v_fetch_plan(kept_union_masks(inputs), t, self._last_lens, e, inputs.block_table)
-        return (plan["fetched_rows"] - plan["kept_rows"]) * inputs.head_dim * e
+        _u, pieces = split_plan(t, self._last_lens)
+        post = inputs.placement == "post_softmax"
+        items = sum((p + (p if post else 0) + 1) if p > 1 else 1 for p in pieces) * inputs.num_kv_heads
+        return {
+            "v_merged_gap_bytes": (plan["fetched_rows"] - plan["kept_rows"]) * inputs.head_dim * e,
+            "plan_v_spans": plan["spans"],
+            "plan_v_copies": plan["copies"],
+            "plan_kept_rows": plan["kept_rows"],
+            "plan_score_tiles": plan["score_tiles"],
+            "plan_work_items": items,
+            "plan_group": inputs.group_size,
+        }
 
 
 # ---------------------------------------------------------------------------- NPU

@@ -182,7 +182,8 @@ def v_fetch_plan(kept: list, tiling: dict, seq_lens: list[int], elem_bytes: int,
     """Mirror of the kernel's V copy plan (``PlanSpans`` in ``topth_select.h``): V rows
     fetched and copy spans, from the kept-union masks.
 
-    In each 64-position score tile of each piece (:func:`split_plan`), a run of kept
+    In each selection tile (``tileK`` positions in pre_softmax, 64 in post_softmax's pass B)
+    of each piece (:func:`split_plan`), a run of kept
     positions is merged with the next run when the last byte of the one and the first byte
     of the other (GM offsets from the cache's start) lie in the same ``mergeGapBytes``
     granule, inside one cache block; the rows between are fetched too (and zeroed in UB).
@@ -203,9 +204,14 @@ def v_fetch_plan(kept: list, tiling: dict, seq_lens: list[int], elem_bytes: int,
     Returns
     -------
     dict
-        ``fetched_rows`` (all rows copied), ``kept_rows``, ``spans`` (merged spans).
+        ``fetched_rows`` (all rows copied), ``kept_rows``, ``spans`` (merged spans),
+        ``copies`` (V copy instructions: a span is cut at batch and cache-block boundaries),
+        ``score_tiles`` (selection tiles, over KV heads and pieces).
     """
-    W, bs, granule = 64, tiling["blockSize"], tiling["mergeGapBytes"]
+    # selection runs per K tile in pre_softmax (one pass), per 64-position score tile in
+    # post_softmax's pass B
+    W = tiling["tileK"] if tiling["placement"] == PLACEMENT_CODES["pre_softmax"] else 64
+    bs, granule = tiling["blockSize"], tiling["mergeGapBytes"]
     s_blk, s_h, s_slot, D = tiling["vStrideBlk"], tiling["vStrideH"], tiling["vStrideSlot"], tiling["headDim"]
     table = None if block_table is None else block_table.to(torch.int64).clamp(0, tiling["numBlocks"] - 1).tolist()
     _u, pieces = split_plan(tiling, seq_lens)
@@ -214,7 +220,8 @@ def v_fetch_plan(kept: list, tiling: dict, seq_lens: list[int], elem_bytes: int,
         blk = table[b][p // bs] if table is not None else b
         return (blk * s_blk + g * s_h + (p % bs) * s_slot) * elem_bytes
 
-    fetched = kept_rows = spans = 0
+    tile_v = tiling["tileV"]
+    fetched = kept_rows = spans = copies = tiles = 0
     for b, n in enumerate(int(x) for x in seq_lens):
         if n == 0:
             continue
@@ -224,23 +231,28 @@ def v_fetch_plan(kept: list, tiling: dict, seq_lens: list[int], elem_bytes: int,
             for c0 in range(0, n, per):
                 c1 = min(n, c0 + per)
                 for pos in range(c0, c1, W):
+                    tiles += 1
                     idx = [pos + j for j in range(min(W, c1 - pos)) if mask[pos + j]]
                     kept_rows += len(idx)
-                    end = None  # one past the last position of the current span
+                    tile_spans = []  # [first position, one past the last]
                     for p in idx:
-                        if end is not None and p == end:
-                            end += 1
-                            fetched += 1
-                        elif (end is not None and granule and (end - 1) // bs == p // bs
-                              and (offset(b, g, end - 1) + D * elem_bytes - 1) // granule
-                              == offset(b, g, p) // granule):
-                            fetched += p - end + 1
-                            end = p + 1
+                        if tile_spans and (p == tile_spans[-1][1] or (
+                                granule and (tile_spans[-1][1] - 1) // bs == p // bs
+                                and (offset(b, g, tile_spans[-1][1] - 1) + D * elem_bytes - 1) // granule
+                                == offset(b, g, p) // granule)):
+                            tile_spans[-1][1] = p + 1
                         else:
-                            spans += 1
-                            fetched += 1
-                            end = p + 1
-    return {"fetched_rows": fetched, "kept_rows": kept_rows, "spans": spans}
+                            tile_spans.append([p, p + 1])
+                    spans += len(tile_spans)
+                    rows = [p for s0, s1 in tile_spans for p in range(s0, s1)]
+                    fetched += len(rows)
+                    # copies: per batch of tile_v fetched rows, one per stretch of a span inside
+                    # one cache block (IssueV -> CopySeqRows)
+                    for first in range(0, len(rows), tile_v):
+                        batch = rows[first:first + tile_v]
+                        copies += 1 + sum(1 for x, y in zip(batch, batch[1:]) if y != x + 1 or y % bs == 0)
+    return {"fetched_rows": fetched, "kept_rows": kept_rows, "spans": spans, "copies": copies,
+            "score_tiles": tiles}
 
 
 def kept_union_masks(inputs: DecodeInputs) -> list:
