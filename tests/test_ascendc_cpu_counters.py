@@ -78,3 +78,17 @@ def test_the_gates_hold_on_scattered_rows_and_report_counters_per_pipe():
         assert sum(b[key] for b in rep["per_block"]) == rep["counters"][key]
     assert rep["counters"]["k_bytes"] == rep["k_bytes"] and rep["counters"]["v_bytes"] == rep["v_bytes"]
     assert rep["counters"]["cube_instr"] == 0  # all-vector kernel
+
+
+def test_l2_caching_is_turned_off_for_caches_larger_than_the_l2():
+    """IFA's rule: K and V together >= 1.2 x the L2 cache are streamed with
+    SetL2CacheHint(CACHE_MODE_DISABLE) (tiling flag l2CacheOff)."""
+    from topth_ops.backends.ascendc import A2_TARGET, problem_shape
+    from topth_ops.npu_kernels import _ascendc_cpu
+
+    inputs = _windows_case(n=1024)
+    kv = 2 * inputs.key_cache.numel() * inputs.key_cache.element_size()
+    on = _ascendc_cpu.compute_tiling(problem_shape(inputs), dict(A2_TARGET, l2_bytes=int(kv / 1.2) + 64))
+    off = _ascendc_cpu.compute_tiling(problem_shape(inputs), dict(A2_TARGET, l2_bytes=int(kv / 1.2) - 64))
+    assert (on["l2CacheOff"], off["l2CacheOff"]) == (0, 1)
+    assert _ascendc_cpu.compute_tiling(problem_shape(inputs), A2_TARGET)["l2CacheOff"] == 0  # 192 MB

@@ -28,6 +28,7 @@ struct TargetInfo {
     bool reserveApiScratch = true;  // keep the top 8 KiB of UB for the API (false: test of the bug)
     uint32_t syncMode = TOPTH_SYNC_HARD;
     uint32_t mergeGapBytes = 512;  // DRAM access granule of the V-row merge (0: no merging)
+    uint64_t l2Bytes = 192ull << 20;  // L2 cache (Atlas A2: 192 MB)
 };
 
 struct ProblemShape {

@@ -70,7 +70,10 @@ struct TopthTilingData {
     // the other lie in the same GM granule of this many bytes (a DRAM access fetches it
     // whole anyway; 0: never merge)
     uint32_t mergeGapBytes;
-    uint32_t reserved2;
+    // K and V are read once per call: when together they exceed 1.2 x the L2 cache (IFA's
+    // rule), the kernel turns L2 caching off for them (GlobalTensor::SetL2CacheHint) so the
+    // stream does not evict what other data the L2 holds
+    uint32_t l2CacheOff;
 };
 
 #endif  // TOPTH_TILING_DATA_H

@@ -103,6 +103,7 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     }
     std::string why;
     if (!CacheLayout(s, t, &why)) return refuse(why);
+    t.l2CacheOff = (double(t.kSpan + t.vSpan) * t.elemBytes >= 1.2 * double(target.l2Bytes)) ? 1u : 0u;
 
     // Limits of the vector instructions the kernel issues (repeat strides are 8-bit, in
     // 32-byte blocks; repeat counts at most 255). A float32 row of headDimPad elements is a

@@ -61,6 +61,7 @@ inline TargetInfo TargetFromDict(const py::dict& t, TargetInfo x = TargetInfo())
     x.minSplitLen = DictGet<uint32_t>(t, "min_split_len", x.minSplitLen);
     x.reserveApiScratch = DictGet<bool>(t, "reserve_api_scratch", x.reserveApiScratch);
     x.mergeGapBytes = DictGet<uint32_t>(t, "merge_gap_bytes", x.mergeGapBytes);
+    x.l2Bytes = DictGet<uint64_t>(t, "l2_bytes", x.l2Bytes);
     const std::string sync = DictGet<std::string>(t, "sync", x.syncMode == TOPTH_SYNC_HARD ? "hard" : "soft");
     if (sync != "hard" && sync != "soft") throw py::value_error("target['sync'] must be 'hard' or 'soft'");
     x.syncMode = sync == "hard" ? TOPTH_SYNC_HARD : TOPTH_SYNC_SOFT;
@@ -84,7 +85,7 @@ inline py::dict TilingToDict(const TopthTilingData& t) {
     TOPTH_F(ubKIn); TOPTH_F(ubKF32); TOPTH_F(ubProd); TOPTH_F(ubQ); TOPTH_F(ubAcc); TOPTH_F(ubTile);
     TOPTH_F(ubMask); TOPTH_F(ubVIn); TOPTH_F(ubVF32); TOPTH_F(ubWc); TOPTH_F(ubWb); TOPTH_F(ubPair);
     TOPTH_F(ubPairB); TOPTH_F(ubStage); TOPTH_F(ubMu); TOPTH_F(ubCmb); TOPTH_F(ubMAll); TOPTH_F(ubSync);
-    TOPTH_F(ubStat); TOPTH_F(ubSIn); TOPTH_F(ubTotal); TOPTH_F(ubLimit); TOPTH_F(mergeGapBytes);
+    TOPTH_F(ubStat); TOPTH_F(ubSIn); TOPTH_F(ubTotal); TOPTH_F(ubLimit); TOPTH_F(mergeGapBytes); TOPTH_F(l2CacheOff);
 #undef TOPTH_F
     return d;
 }

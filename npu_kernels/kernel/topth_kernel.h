@@ -130,6 +130,10 @@ __aicore__ inline void TopthDecodeKernel<T>::Init(const KernelArgs& a, const Top
     // The caches may be strided views and paged (host tiling: strides and spans in elements).
     kGm.SetGlobalBuffer((__gm__ T*)a.key, td.kSpan);
     vGm.SetGlobalBuffer((__gm__ T*)a.value, td.vSpan);
+    if (td.l2CacheOff) {  // streamed once per call and larger than the L2: do not cache them
+        kGm.SetL2CacheHint(CacheMode::CACHE_MODE_DISABLE);
+        vGm.SetL2CacheHint(CacheMode::CACHE_MODE_DISABLE);
+    }
     lensGm.SetGlobalBuffer((__gm__ int32_t*)a.seqLens, B);
     thGm.SetGlobalBuffer((__gm__ float*)a.thresholds, uint64_t(td.numSets) * td.thHeads * td.maxRowId);
     if (td.sdc == TOPTH_SDC_OFFLINE) {

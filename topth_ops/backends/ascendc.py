@@ -41,7 +41,8 @@ LIMITS = ("head_dim x GQA group size bounded by the unified buffer (Atlas A2: he
 
 # Atlas A2 / Ascend 910B1-B2: 24 AI cores with 2 vector cores each, 192 KiB unified buffer
 # per vector core (910B3/B4: 40 vector cores).
-A2_TARGET = {"name": "Ascend910B (Atlas A2)", "ub_bytes": 196608, "cores": 48, "min_split_len": 512}
+A2_TARGET = {"name": "Ascend910B (Atlas A2)", "ub_bytes": 196608, "cores": 48, "min_split_len": 512,
+             "l2_bytes": 192 << 20}
 
 
 def layout_reasons(inputs: DecodeInputs) -> list[str]:

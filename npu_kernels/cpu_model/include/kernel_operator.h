@@ -84,6 +84,7 @@ enum class SELMODE : uint8_t { VSEL_CMPMASK_SPR = 0, VSEL_TENSOR_SCALAR_MODE, VS
 enum class RoundMode : uint8_t { CAST_NONE = 0, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROUND, CAST_TRUNC, CAST_ODD };
 enum class ReduceOrder : uint8_t { ORDER_VALUE_INDEX = 0, ORDER_INDEX_VALUE, ORDER_ONLY_VALUE, ORDER_ONLY_INDEX };
 enum class ReduceType { NONE = -1, SUM = 0, MAX, MIN };
+enum class CacheMode { CACHE_MODE_DISABLE = 0, CACHE_MODE_NORMAL = 1, CACHE_MODE_LAST = 2, CACHE_MODE_PERSISTENT = 4 };
 
 // ----- copy and repeat parameter structs (field names, types and units as in Ascend C) -----
 struct DataCopyParams {
@@ -209,6 +210,10 @@ public:
         return t;
     }
     uint64_t GetSize() const { return size_; }
+    // L2 cache policy of this tensor's accesses: no effect on the model's memory (it has no
+    // cache), recorded for the tests.
+    void SetL2CacheHint(CacheMode mode) { l2Mode_ = mode; }
+    CacheMode l2Mode_ = CacheMode::CACHE_MODE_NORMAL;
     // Scalar-unit read of one element of GM (pipe S, through the scalar data cache).
     T GetValue(uint64_t index, Loc loc = Loc::current()) const;
 
