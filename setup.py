@@ -36,6 +36,8 @@ cpu_model = Pybind11Extension(
         str(NPU / "cpu_model" / "src" / "binding.cpp"),
         str(NPU / "cpu_model" / "src" / "core.cpp"),
         str(NPU / "cpu_model" / "src" / "checks.cpp"),
+        str(NPU / "cpu_model" / "src" / "hazard.cpp"),
+        str(NPU / "cpu_model" / "src" / "sync.cpp"),
         str(NPU / "cpu_model" / "src" / "selftest.cpp"),
         str(NPU / "kernel" / "topth_decode_attn.cpp"),  # the kernel source, unchanged
     ],

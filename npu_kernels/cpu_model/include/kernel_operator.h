@@ -56,8 +56,18 @@ enum KernelMetaType {
 #define TOPTH_HAS_SCHEDMODE 1
 #define __schedmode__(mode)
 #define TOPTH_MODEL_SCHED_BATCH() topth_model::DeclareBatchMode()
+// A deliberate bug the test switched on (launch option "fault"): the kernel source takes the
+// faulty branch so that the tests can check that the model catches it; false on the device.
+#define TOPTH_MODEL_FAULT(name) topth_model::FaultIs(#name)
 
-enum pipe_t : int { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
+// Core type of the calling core in a mix kernel (the device compiles the kernel once per
+// core type, where these are constant expressions).
+#define ASCEND_IS_AIV (topth_model::Ctx().type == topth_model::CoreType::AIV)
+#define ASCEND_IS_AIC (topth_model::Ctx().type == topth_model::CoreType::AIC)
+#define ASCEND_IS_NOT_AIV (!ASCEND_IS_AIV)
+#define ASCEND_IS_NOT_AIC (!ASCEND_IS_AIC)
+
+enum pipe_t : int { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_FIX, PIPE_ALL };
 enum event_t : int {
     EVENT_ID0 = 0, EVENT_ID1, EVENT_ID2, EVENT_ID3, EVENT_ID4, EVENT_ID5, EVENT_ID6, EVENT_ID7
 };
@@ -74,9 +84,28 @@ constexpr uint32_t MAX_REPEAT_TIMES = 255;
 
 enum class TPosition : uint8_t { GM, A1, A2, B1, B2, C1, C2, CO1, CO2, VECIN, VECOUT, VECCALC, LCM = VECCALC, MAX };
 using QuePosition = TPosition;
+// Core types (g_coreType values of the device build).
+enum CoreTypeId : int32_t { AIV = 0, AIC = 1, MIX = 2 };
+
+// The on-chip memory a position lives in: A1 / B1 / C1 in L1, A2 in L0A, B2 in L0B, CO1 in
+// L0C (cube core); VECIN / VECOUT / VECCALC in the unified buffer (vector core). -1: none
+// modelled (GM, C2 bias table, CO2).
+constexpr int SpaceOfPosition(TPosition p) {
+    using topth_model::Space;
+    return (p == TPosition::A1 || p == TPosition::B1 || p == TPosition::C1) ? static_cast<int>(Space::L1)
+           : p == TPosition::A2                                               ? static_cast<int>(Space::L0A)
+           : p == TPosition::B2                                               ? static_cast<int>(Space::L0B)
+           : p == TPosition::CO1                                              ? static_cast<int>(Space::L0C)
+           : (p == TPosition::VECIN || p == TPosition::VECOUT || p == TPosition::VECCALC) ? static_cast<int>(Space::UB)
+                                                                                          : -1;
+}
+const char* PositionName(TPosition p);
 
 enum class HardEvent : uint8_t {
-    MTE2_V, V_MTE2, MTE3_V, V_MTE3, MTE2_MTE3, MTE3_MTE2, S_V, V_S, S_MTE2, MTE2_S, S_MTE3, MTE3_S
+    MTE2_V, V_MTE2, MTE3_V, V_MTE3, MTE2_MTE3, MTE3_MTE2, S_V, V_S, S_MTE2, MTE2_S, S_MTE3, MTE3_S,
+    // cube core: L1 <-> L0 <-> cube <-> FIX
+    MTE2_MTE1, MTE1_MTE2, MTE1_M, M_MTE1, M_FIX, FIX_M, MTE2_M, M_MTE2, FIX_MTE2, MTE2_FIX, FIX_S, S_FIX, M_S, S_M,
+    MTE1_FIX, FIX_MTE1
 };
 
 enum class CMPMODE : uint8_t { LT = 0, GT, EQ, LE, GE, NE };
@@ -174,13 +203,15 @@ public:
         t.bufIndex_ = bufIndex_;
         t.slot_ = slot_;
         t.gen_ = gen_;
+        t.space_ = space_;
         return t;
     }
 
     // ---- model internals ----
-    T* Ptr() const { return reinterpret_cast<T*>(topth_model::Ctx().ub.data() + off_); }
+    T* Ptr() const { return reinterpret_cast<T*>(topth_model::Ctx().Mem(space_).data() + off_); }
     bool valid_ = false;
-    uint32_t off_ = 0;    // byte offset in the unified buffer
+    int space_ = static_cast<int>(topth_model::Space::UB);  // the on-chip memory it lives in
+    uint32_t off_ = 0;    // byte offset in its memory
     uint32_t size_ = 0;   // elements
     uint32_t bufLo_ = 0, bufHi_ = 0;  // byte range of the owning buffer
     int bufIndex_ = -1;
@@ -244,6 +275,7 @@ public:
         }
         LocalTensor<T> t;
         t.valid_ = true;
+        t.space_ = SpaceOfPosition(pos);
         t.off_ = lo_;
         t.size_ = len;
         t.bufLo_ = lo_;

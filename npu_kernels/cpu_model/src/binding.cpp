@@ -106,6 +106,14 @@ py::dict CountersDict(const topth_model::PipeCounters& c) {
     d["barriers"] = c.barriers;
     d["flags"] = c.flags;
     d["cube_instr"] = c.cubeInstr;
+    d["mmad_instr"] = c.mmadInstr;
+    d["mmad_fractals"] = c.mmadFractals;
+    d["mte1_bytes"] = c.mte1Bytes;
+    d["mte1_requests"] = c.mte1Requests;
+    d["fix_bytes"] = c.fixBytes;
+    d["fix_requests"] = c.fixRequests;
+    d["cross_sets"] = c.crossSets;
+    d["cross_waits"] = c.crossWaits;
     d["select_scratch_writes"] = c.selectScratchWrites;
     return d;
 }
@@ -184,13 +192,26 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     report["sync_all_calls"] = launch.Report().syncAllCalls;
     report["kernel_type"] = launch.Report().kernelType;
     report["batch_mode"] = launch.BatchMode();
+    // per_block: the counters of every core (AIVs and, in a mix launch, AICs), with its
+    // type ("aiv" / "aic"), block (AI core) and sub-block index
     py::list perBlock;
-    topth_model::PipeCounters total;
-    for (const auto& c : launch.Report().perBlock) {
-        perBlock.append(CountersDict(c));
-        total.Add(c);
+    topth_model::PipeCounters total, aic, aiv;
+    for (const auto& c : launch.Report().perCore) {
+        py::dict d = CountersDict(c.cnt);
+        d["core"] = c.type == topth_model::CoreType::AIC ? "aic" : "aiv";
+        d["block"] = c.block;
+        d["sub"] = c.sub;
+        perBlock.append(d);
+        total.Add(c.cnt);
+        (c.type == topth_model::CoreType::AIC ? aic : aiv).Add(c.cnt);
     }
     report["per_block"] = perBlock;
+    report["counters_aic"] = CountersDict(aic);
+    report["counters_aiv"] = CountersDict(aiv);
+    report["l1_peak"] = launch.Report().l1Peak;
+    report["l0a_peak"] = launch.Report().l0aPeak;
+    report["l0b_peak"] = launch.Report().l0bPeak;
+    report["l0c_peak"] = launch.Report().l0cPeak;
     report["counters"] = CountersDict(total);
     report["tiling"] = topth::TilingToDict(t);
     report["target"] = tgt.name;

@@ -15,6 +15,8 @@ void PipeCounters::Add(const PipeCounters& o) {
     vecInstr += o.vecInstr; vecRepeats += o.vecRepeats;
     scalarUbReads += o.scalarUbReads; scalarUbWrites += o.scalarUbWrites; scalarGmReads += o.scalarGmReads;
     barriers += o.barriers; flags += o.flags; cubeInstr += o.cubeInstr;
+    mmadInstr += o.mmadInstr; mmadFractals += o.mmadFractals; mte1Bytes += o.mte1Bytes; mte1Requests += o.mte1Requests;
+    fixBytes += o.fixBytes; fixRequests += o.fixRequests; crossSets += o.crossSets; crossWaits += o.crossWaits;
     selectScratchWrites += o.selectScratchWrites;
 }
 

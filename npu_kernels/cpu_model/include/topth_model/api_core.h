@@ -34,34 +34,81 @@ inline void CheckLive(const LocalTensor<T>& t, const char* op, const char* role,
     }
 }
 
+inline const char* MemName(int space) {
+    switch (static_cast<topth_model::Space>(space)) {
+        case topth_model::Space::L1: return "L1";
+        case topth_model::Space::L0A: return "L0A";
+        case topth_model::Space::L0B: return "L0B";
+        case topth_model::Space::L0C: return "L0C";
+        default: return "UB";
+    }
+}
+
+// Which memories a pipe can touch: the vector, scalar and MTE3 pipes the unified buffer, MTE2
+// the unified buffer or L1 (it writes them), MTE1 L1 -> L0A / L0B, the cube L0A / L0B -> L0C,
+// FIX L0C.
+inline bool PipeReaches(Pipe p, int space, bool write) {
+    using topth_model::Space;
+    const auto sp = static_cast<Space>(space);
+    switch (p) {
+        case Pipe::V:
+        case Pipe::S:
+        case Pipe::MTE3: return sp == Space::UB;
+        case Pipe::MTE2: return write && (sp == Space::UB || sp == Space::L1);
+        case Pipe::MTE1: return write ? (sp == Space::L0A || sp == Space::L0B) : sp == Space::L1;
+        case Pipe::M: return write ? sp == Space::L0C : (sp == Space::L0A || sp == Space::L0B || sp == Space::L0C);
+        case Pipe::FIX: return !write && sp == Space::L0C;
+    }
+    return false;
+}
+
 // Record an access of bytes [relLo, relHi) of tensor t (relative to its start) by pipe p.
 template <typename T>
 inline void UbTouch(const LocalTensor<T>& t, uint64_t relLo, uint64_t relHi, Pipe p, bool write, const char* op,
                     const char* role, const Loc& loc) {
     CheckLive(t, op, role, loc);
+    if (!PipeReaches(p, t.space_, write)) {
+        Fail(std::string(op) + " at " + Where(loc) + ": " + role + " is in " + MemName(t.space_) + " (" +
+             BufName(t.bufIndex_) + "), which this instruction's pipe " + topth_model::PipeName(p) + " cannot " +
+             (write ? "write" : "read"));
+    }
     const uint64_t lo = t.off_ + relLo, hi = t.off_ + relHi;
     if (lo < t.bufLo_ || hi > t.bufHi_) {
         std::ostringstream os;
-        os << op << " at " << Where(loc) << ": " << role << " UB range [" << lo << ", " << hi
+        os << op << " at " << Where(loc) << ": " << role << " " << MemName(t.space_) << " range [" << lo << ", " << hi
            << ") is outside its buffer [" << t.bufLo_ << ", " << t.bufHi_ << ") (" << BufName(t.bufIndex_) << ")";
         Fail(os.str());
     }
-    Ctx().haz.Access(topth_model::Space::UB, p, write, lo, hi, Info(op, loc));
+    auto& ctx = Ctx();
+    ctx.haz->Access(ctx.SpaceOf(t.space_), ctx.GPipe(static_cast<int>(p)), write, lo, hi, Info(op, loc));
 }
 
 template <typename T>
 inline void CheckAlign(const LocalTensor<T>& t, uint32_t align, const char* op, const char* role, const Loc& loc) {
     if (t.off_ % align != 0) {
-        Fail(std::string(op) + " at " + Where(loc) + ": " + role + " UB address " + std::to_string(t.off_) +
-             " is not " + std::to_string(align) + "-byte aligned (" + BufName(t.bufIndex_) + ")");
+        Fail(std::string(op) + " at " + Where(loc) + ": " + role + " " + MemName(t.space_) + " address " +
+             std::to_string(t.off_) + " is not " + std::to_string(align) + "-byte aligned (" + BufName(t.bufIndex_) + ")");
+    }
+}
+
+// The tensor must live in one of the memories of the positions named (e.g. "A2 (L0A)").
+template <typename T>
+inline void CheckSpace(const LocalTensor<T>& t, topth_model::Space want, const char* where, const char* op,
+                       const char* role, const Loc& loc) {
+    CheckLive(t, op, role, loc);
+    if (t.space_ != static_cast<int>(want)) {
+        Fail(std::string(op) + " at " + Where(loc) + ": " + role + " must be in " + where + ", but it is in " +
+             MemName(t.space_) + " (" + BufName(t.bufIndex_) + ")");
     }
 }
 
 // Resolve a GM range, check bounds, record hazards / races / bytes.
+// pipe: the pipe doing the access (default: MTE2 for reads, MTE3 for writes).
 template <typename T>
 inline topth_model::GmBuffer& GmTouch(const GlobalTensor<T>& g, uint64_t relLo, uint64_t relHi, bool write,
                                       const char* op, const Loc& loc, bool countBytes = true,
-                                      Pipe pipe = Pipe::MTE2) {
+                                      Pipe pipe = Pipe::V) {
+    if (pipe == Pipe::V) pipe = write ? Pipe::MTE3 : Pipe::MTE2;
     auto& ctx = Ctx();
     if (!g.addr_) Fail(std::string(op) + " at " + Where(loc) + ": GlobalTensor was never given a GM address");
     auto& buf = ctx.launch->FindGm(reinterpret_cast<const uint8_t*>(g.addr_), op, loc);
@@ -85,8 +132,9 @@ inline topth_model::GmBuffer& GmTouch(const GlobalTensor<T>& g, uint64_t relLo, 
     if (!write && (buf.tag == "K" || buf.tag == "V")) ctx.launch->CheckCacheRead(buf, lo, hi, ctx, op, loc);
     if (buf.writable) {
         const uint64_t alo = reinterpret_cast<uint64_t>(buf.base) + lo, ahi = reinterpret_cast<uint64_t>(buf.base) + hi;
-        ctx.haz.Access(topth_model::Space::GM, write ? Pipe::MTE3 : pipe, write, alo, ahi, Info(op, loc));
-        ctx.launch->RecordGm(ctx.idx, write, alo, ahi, Info(op, loc));
+        ctx.haz->Access(static_cast<int>(topth_model::Space::GM), ctx.GPipe(static_cast<int>(pipe)), write, alo, ahi,
+                        Info(op, loc));
+        ctx.launch->RecordGm(ctx.block, write, alo, ahi, Info(op, loc));
     }
     if (countBytes) ctx.launch->AddBytes(buf, !write, relHi - relLo);
     return buf;
@@ -192,13 +240,12 @@ inline TPipe::TPipe(Loc loc) {
     if (ctx.pipeAlive) topth_model::Fail("TPipe at " + topth_model::Where(loc) + ": a second TPipe while one is alive");
     ctx.pipeAlive = true;
     ctx.pipePtr = this;
-    ctx.pipeCursor = 0;
+    for (auto& c : ctx.cursor) c = 0;
 }
 
 inline TPipe::~TPipe() {
-    auto* launch = topth_model::Ctx().launch;
     auto& ctx = topth_model::Ctx();
-    launch->NoteUb(ctx.pipeCursor);
+    ctx.launch->NoteMem(ctx);
     ctx.pipeAlive = false;
     ctx.pipePtr = nullptr;
 }
@@ -210,23 +257,53 @@ inline TPipe* GetTPipePtr() {
 }
 
 namespace detail {
-inline uint32_t UbAlloc(uint32_t bytes, const std::string& what, const Loc& loc) {
+// Buffers of one position are placed one after another in its memory, each rounded up to 32
+// bytes (the model does not align them further: L0A / L0B operands must start at 512 bytes,
+// L0C at 1024, which the kernel's buffer sizes must keep).
+inline uint32_t MemAlloc(TPosition pos, uint32_t bytes, const std::string& what, const Loc& loc) {
     auto& ctx = Ctx();
     if (!ctx.pipeAlive) Fail("TPipe::InitBuffer at " + Where(loc) + ": no TPipe");
+    const int space = SpaceOfPosition(pos);
+    if (space < 0) Fail("TPipe::InitBuffer at " + Where(loc) + ": position " + PositionName(pos) + " is not modelled");
+    auto& mem = ctx.Mem(space);
+    if (mem.empty()) {
+        Fail("TPipe::InitBuffer at " + Where(loc) + ": " + what + " is in " + MemName(space) + ", which " +
+             (ctx.type == topth_model::CoreType::AIV ? "an AI vector core (AIV) does not have"
+                                                     : "the AI cube core (AIC) does not have"));
+    }
+    static const char* longNames[] = {"", "L1 buffer", "L0A buffer", "L0B buffer", "L0C buffer", "unified buffer"};
     const uint32_t len = RoundUp32(bytes);
-    const uint64_t end = uint64_t(ctx.pipeCursor) + len;
-    if (end > ctx.ub.size()) {
+    uint32_t& cursor = ctx.cursor[space];
+    const uint64_t end = uint64_t(cursor) + len;
+    if (end > mem.size()) {
         std::ostringstream os;
         os << "TPipe::InitBuffer at " << Where(loc) << ": " << what << " needs " << len << " bytes but only "
-           << (ctx.ub.size() - ctx.pipeCursor) << " of the " << ctx.ub.size()
-           << "-byte unified buffer are left (" << ctx.pipeCursor << " already in use)";
+           << (mem.size() - cursor) << " of the " << mem.size() << "-byte " << longNames[space] << " are left ("
+           << cursor << " already in use)";
         Fail(os.str());
     }
-    const uint32_t lo = ctx.pipeCursor;
-    ctx.pipeCursor = static_cast<uint32_t>(end);
+    const uint32_t lo = cursor;
+    cursor = static_cast<uint32_t>(end);
     return lo;
 }
 }  // namespace detail
+
+inline const char* PositionName(TPosition p) {
+    switch (p) {
+        case TPosition::A1: return "A1";
+        case TPosition::A2: return "A2";
+        case TPosition::B1: return "B1";
+        case TPosition::B2: return "B2";
+        case TPosition::C1: return "C1";
+        case TPosition::C2: return "C2";
+        case TPosition::CO1: return "CO1";
+        case TPosition::CO2: return "CO2";
+        case TPosition::VECIN: return "VECIN";
+        case TPosition::VECOUT: return "VECOUT";
+        case TPosition::VECCALC: return "VECCALC";
+        default: return "GM";
+    }
+}
 
 template <TPosition pos, int32_t depth, auto mask>
 bool TPipe::InitBuffer(TQue<pos, depth, mask>& que, uint8_t num, uint32_t len, Loc loc) {
@@ -234,18 +311,17 @@ bool TPipe::InitBuffer(TQue<pos, depth, mask>& que, uint8_t num, uint32_t len, L
     if (num == 0 || len == 0) topth_model::Fail("TPipe::InitBuffer at " + topth_model::Where(loc) + ": zero buffers or zero length");
     if (que.qindex_ >= 0) topth_model::Fail("TPipe::InitBuffer at " + topth_model::Where(loc) + ": queue initialised twice");
     auto q = std::make_unique<topth_model::QueueState>();
-    const char* posName = pos == TPosition::VECIN ? "VECIN" : pos == TPosition::VECOUT ? "VECOUT" : "VECCALC";
-    q->desc = std::string("TQue<") + posName + ", depth " + std::to_string(depth) + "> initialised at " +
+    q->desc = std::string("TQue<") + PositionName(pos) + ", depth " + std::to_string(depth) + "> initialised at " +
               topth_model::Where(loc);
     q->position = static_cast<int>(pos);
     q->depth = depth;
     const uint32_t slotLen = detail::RoundUp32(len);
     for (int i = 0; i < num; ++i) {
-        const uint32_t lo = detail::UbAlloc(len, q->desc, loc);
+        const uint32_t lo = detail::MemAlloc(pos, len, q->desc, loc);
         auto s = std::make_unique<topth_model::SlotState>();
         s->lo = lo;
         s->hi = lo + slotLen;
-        ctx.buffers.push_back(topth_model::BufferDesc{s->lo, s->hi, q->desc});
+        ctx.buffers.push_back(topth_model::BufferDesc{SpaceOfPosition(pos), s->lo, s->hi, q->desc});
         q->slots.push_back(std::move(s));
         q->freeOrder.push_back(i);
     }
@@ -259,29 +335,30 @@ bool TPipe::InitBuffer(TBuf<pos>& buf, uint32_t len, Loc loc) {
     auto& ctx = topth_model::Ctx();
     if (len == 0) topth_model::Fail("TPipe::InitBuffer at " + topth_model::Where(loc) + ": zero-length TBuf");
     if (buf.index_ >= 0) topth_model::Fail("TPipe::InitBuffer at " + topth_model::Where(loc) + ": TBuf initialised twice");
-    std::string desc = "TBuf initialised at " + topth_model::Where(loc);
-    buf.lo_ = detail::UbAlloc(len, desc, loc);
+    std::string desc = std::string("TBuf<") + PositionName(pos) + "> initialised at " + topth_model::Where(loc);
+    buf.lo_ = detail::MemAlloc(pos, len, desc, loc);
     buf.hi_ = buf.lo_ + detail::RoundUp32(len);
     buf.index_ = static_cast<int>(ctx.buffers.size());
-    ctx.buffers.push_back(topth_model::BufferDesc{buf.lo_, buf.hi_, desc});
+    ctx.buffers.push_back(topth_model::BufferDesc{SpaceOfPosition(pos), buf.lo_, buf.hi_, desc});
     return true;
 }
 
 namespace detail {
-// Producer and consumer pipes of a queue position (VECIN: MTE2 -> V, VECOUT: V -> MTE3).
+// Producer and consumer pipes of a queue position (VECIN: MTE2 -> V, VECOUT: V -> MTE3;
+// A1 / B1: MTE2 -> MTE1, A2 / B2: MTE1 -> M, CO1: M -> FIX).
 inline bool QueuePipes(int position, Pipe& prod, Pipe& cons) {
-    if (position == static_cast<int>(TPosition::VECIN)) {
-        prod = Pipe::MTE2;
-        cons = Pipe::V;
-        return true;
+    switch (static_cast<TPosition>(position)) {
+        case TPosition::VECIN: prod = Pipe::MTE2; cons = Pipe::V; return true;
+        case TPosition::VECOUT: prod = Pipe::V; cons = Pipe::MTE3; return true;
+        case TPosition::A1:
+        case TPosition::B1: prod = Pipe::MTE2; cons = Pipe::MTE1; return true;
+        case TPosition::A2:
+        case TPosition::B2: prod = Pipe::MTE1; cons = Pipe::M; return true;
+        case TPosition::CO1: prod = Pipe::M; cons = Pipe::FIX; return true;
+        default: return false;
     }
-    if (position == static_cast<int>(TPosition::VECOUT)) {
-        prod = Pipe::V;
-        cons = Pipe::MTE3;
-        return true;
-    }
-    return false;
 }
+inline int QGPipe(Pipe p) { return Ctx().GPipe(static_cast<int>(p)); }
 
 inline topth_model::QueueState& Queue(int qindex, const char* op, const Loc& loc) {
     auto& ctx = Ctx();
@@ -314,16 +391,18 @@ LocalTensor<T> TQue<pos, depth, mask>::AllocTensor(Loc loc) {
     Pipe prod, cons;
     if (detail::QueuePipes(q.position, prod, cons)) {
         // AllocTensor waits for the flag the consumer set at FreeTensor of this buffer.
-        topth_model::Ctx().haz.Observe(prod, s->freed);
+        topth_model::Ctx().haz->Observe(detail::QGPipe(prod), s->freed);
     }
     LocalTensor<T> t;
     t.valid_ = true;
+    t.space_ = SpaceOfPosition(pos);
     t.off_ = s->lo;
     t.size_ = (s->hi - s->lo) / static_cast<uint32_t>(sizeof(T));
     t.bufLo_ = s->lo;
     t.bufHi_ = s->hi;
     for (size_t b = 0; b < topth_model::Ctx().buffers.size(); ++b) {
-        if (topth_model::Ctx().buffers[b].lo == s->lo) t.bufIndex_ = static_cast<int>(b);
+        const auto& d = topth_model::Ctx().buffers[b];
+        if (d.lo == s->lo && d.space == t.space_) t.bufIndex_ = static_cast<int>(b);
     }
     t.slot_ = s;
     t.gen_ = s->gen;
@@ -347,7 +426,7 @@ bool TQue<pos, depth, mask>::EnQue(const LocalTensor<T>& tensor, Loc loc) {
     }
     s->st = topth_model::SlotState::Enqueued;
     Pipe prod, cons;
-    if (detail::QueuePipes(q.position, prod, cons)) s->enqueued = topth_model::Ctx().haz.Capture(prod);
+    if (detail::QueuePipes(q.position, prod, cons)) s->enqueued = topth_model::Ctx().haz->Capture(detail::QGPipe(prod));
     q.fifo.push_back(i);
     return true;
 }
@@ -367,16 +446,18 @@ LocalTensor<T> TQue<pos, depth, mask>::DeQue(Loc loc) {
     Pipe prod, cons;
     if (detail::QueuePipes(q.position, prod, cons)) {
         // DeQue waits for the flag the producer set at EnQue.
-        topth_model::Ctx().haz.Observe(cons, s->enqueued);
+        topth_model::Ctx().haz->Observe(detail::QGPipe(cons), s->enqueued);
     }
     LocalTensor<T> t;
     t.valid_ = true;
+    t.space_ = SpaceOfPosition(pos);
     t.off_ = s->lo;
     t.size_ = (s->hi - s->lo) / static_cast<uint32_t>(sizeof(T));
     t.bufLo_ = s->lo;
     t.bufHi_ = s->hi;
     for (size_t b = 0; b < topth_model::Ctx().buffers.size(); ++b) {
-        if (topth_model::Ctx().buffers[b].lo == s->lo) t.bufIndex_ = static_cast<int>(b);
+        const auto& d = topth_model::Ctx().buffers[b];
+        if (d.lo == s->lo && d.space == t.space_) t.bufIndex_ = static_cast<int>(b);
     }
     t.slot_ = s;
     t.gen_ = s->gen;
@@ -400,7 +481,7 @@ void TQue<pos, depth, mask>::FreeTensor(LocalTensor<T>& tensor, Loc loc) {
     }
     s->st = topth_model::SlotState::Free;
     Pipe prod, cons;
-    if (detail::QueuePipes(q.position, prod, cons)) s->freed = topth_model::Ctx().haz.Capture(cons);
+    if (detail::QueuePipes(q.position, prod, cons)) s->freed = topth_model::Ctx().haz->Capture(detail::QGPipe(cons));
     q.freeOrder.push_back(i);
 }
 

@@ -9,3 +9,4 @@
 #include "topth_model/api_copy.h"
 #include "topth_model/api_vec.h"
 #include "topth_model/api_reduce.h"
+#include "topth_model/api_cube.h"

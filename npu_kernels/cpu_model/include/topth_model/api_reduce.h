@@ -193,12 +193,13 @@ namespace detail {
 template <typename T>
 inline void SelectScratch(T scalar, const char* op, const Loc& loc) {
     auto& ctx = Ctx();
-    ctx.haz.BarrierV();
+    const int vPipe = ctx.GPipe(static_cast<int>(Pipe::V));
+    ctx.haz->BarrierPipe(vPipe);
     const uint64_t ub = ctx.ub.size();
     if (ub < topth_model::kApiScratchReserve + 32) return;
     const uint32_t lo = static_cast<uint32_t>(ub - topth_model::kApiScratchReserve), hi = lo + 32;
     for (const auto& b : ctx.buffers) {
-        if (b.lo < hi && lo < b.hi) {
+        if (b.space == static_cast<int>(topth_model::Space::UB) && b.lo < hi && lo < b.hi) {
             std::ostringstream os;
             os << op << " at " << Where(loc) << ": writes the Ascend C API's 32-byte scratch block at UB [" << lo
                << ", " << hi << ") (the top " << topth_model::kApiScratchReserve / 1024
@@ -209,7 +210,7 @@ inline void SelectScratch(T scalar, const char* op, const Loc& loc) {
     }
     for (uint32_t i = 0; i < 32 / sizeof(T); ++i) std::memcpy(ctx.ub.data() + lo + i * sizeof(T), &scalar, sizeof(T));
     ctx.cnt.selectScratchWrites++;
-    ctx.haz.BarrierV();
+    ctx.haz->BarrierPipe(vPipe);
 }
 }  // namespace detail
 
