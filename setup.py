@@ -39,7 +39,8 @@ cpu_model = Pybind11Extension(
         str(NPU / "cpu_model" / "src" / "hazard.cpp"),
         str(NPU / "cpu_model" / "src" / "sync.cpp"),
         str(NPU / "cpu_model" / "src" / "selftest.cpp"),
-        str(NPU / "kernel" / "topth_decode_attn.cpp"),  # the kernel source, unchanged
+        str(NPU / "kernel" / "topth_decode_attn.cpp"),  # the kernel sources, unchanged
+        str(NPU / "kernel" / "topth_decode_attn_cube.cpp"),
     ],
     include_dirs=[str(NPU / "cpu_model" / "include"), str(NPU / "include")],
     cxx_std=20,

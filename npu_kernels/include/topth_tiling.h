@@ -29,7 +29,16 @@ struct TargetInfo {
     uint32_t syncMode = TOPTH_SYNC_HARD;
     uint32_t mergeGapBytes = 512;  // DRAM access granule of the V-row merge (0: no merging)
     uint64_t l2Bytes = 192ull << 20;  // L2 cache (Atlas A2: 192 MB)
+    // Cube cores (AIC, one per AI core with two AIVs) and their buffers (Atlas A2).
+    uint32_t aicCores = 24;
+    uint64_t l1Bytes = 512ull << 10, l0aBytes = 64ull << 10, l0bBytes = 64ull << 10, l0cBytes = 128ull << 10;
+    uint32_t path = 0;       // 0: auto (cube path when it can run), 1: all-vector, 2: cube (refused when it cannot)
+    uint32_t ringSlots = 4;  // score tiles in flight per vector core on the cube path
 };
+
+#define TOPTH_PATH_AUTO 0u
+#define TOPTH_PATH_VECTOR 1u
+#define TOPTH_PATH_CUBE 2u
 
 struct ProblemShape {
     uint32_t batch = 0, numQHeads = 0, numKvHeads = 0, maxSeqLen = 0, headDim = 0, maxRowId = 0;
@@ -73,16 +82,17 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     const bool split = t.splitCap > 1;
     const bool post = t.placement == TOPTH_POST_SOFTMAX;
     const uint64_t tvPad = Up(tileV, 8);
-    t.ubKIn = static_cast<uint32_t>(Up(tileK * Dp * E, 32));             // x2 (double buffer)
-    t.ubKF32 = widen ? static_cast<uint32_t>(tileK * Dp * 4) : 0;
-    t.ubProd = static_cast<uint32_t>(std::max<uint64_t>(tileK * W * 4, tvPad * Dp * 4));
-    t.ubQ = static_cast<uint32_t>(G * Dp * 4);
+    const bool cube = t.cubePath != 0;  // no K stream, no query, no score products on the vector core
+    t.ubKIn = cube ? 0 : static_cast<uint32_t>(Up(tileK * Dp * E, 32));  // x2 (double buffer)
+    t.ubKF32 = (widen && !cube) ? static_cast<uint32_t>(tileK * Dp * 4) : 0;
+    t.ubProd = static_cast<uint32_t>(std::max<uint64_t>(cube ? 0 : tileK * W * 4, tvPad * Dp * 4));
+    t.ubQ = cube ? 0 : static_cast<uint32_t>(G * Dp * 4);
     t.ubAcc = static_cast<uint32_t>(G * Dp * 4);
     t.ubTile = static_cast<uint32_t>(G * W * 4);                          // x6 tile buffers
     t.ubMask = static_cast<uint32_t>(Up(G * W / 8, 32) + 64);  // + union and fetch bit masks
     t.ubVIn = static_cast<uint32_t>(Up(tvPad * Dp * E, 32));             // x2 (double buffer)
     t.ubVF32 = widen ? static_cast<uint32_t>(tvPad * Dp * 4) : 0;
-    t.ubWc = static_cast<uint32_t>(G * W * 4);
+    t.ubWc = static_cast<uint32_t>((t.vPrefetch ? 2 : 1) * G * W * 4);
     t.ubWb = static_cast<uint32_t>(tvPad * 32);
     t.ubPair = static_cast<uint32_t>(TOPTH_NUM_PAIR_VECS * t.pairWidth * 4);
     t.ubPairB = static_cast<uint32_t>(2 * t.pairWidth * 32);
@@ -91,9 +101,9 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     // combine: the statistics of one partial record and one accumulator row at a time
     t.ubCmb = split ? static_cast<uint32_t>((4ull * t.pairWidth + 8 + Dp) * 4) : 0;
     t.ubMAll = split ? static_cast<uint32_t>(2ull * t.splitCap * t.pairWidth * 4) : 0;
-    t.ubSync = (split && t.syncMode == TOPTH_SYNC_SOFT) ? static_cast<uint32_t>(t.blockDim * 32) : 0;
+    t.ubSync = (split && t.syncMode == TOPTH_SYNC_SOFT) ? static_cast<uint32_t>(t.aivCount * 32) : 0;
     t.ubStat = static_cast<uint32_t>(3 * Up(G * 4, 32));
-    t.ubSIn = post ? static_cast<uint32_t>(G * W * 4) : 0;               // x2 (double buffer)
+    t.ubSIn = (post || cube) ? static_cast<uint32_t>(G * W * 4) : 0;     // x2 (double buffer)
     uint64_t total = 2ull * t.ubKIn + t.ubKF32 + t.ubProd + t.ubQ + t.ubAcc + 6ull * t.ubTile + t.ubMask +
                      2ull * t.ubVIn + t.ubVF32 + t.ubWc + t.ubWb + t.ubPair + t.ubPairB + t.ubStage + t.ubMu +
                      t.ubCmb + t.ubMAll + t.ubSync + t.ubStat + 2ull * t.ubSIn;
@@ -112,16 +122,42 @@ inline std::string UbBreakdown(const TopthTilingData& t) {
     return os.str();
 }
 
-// The largest K tile (then V tile) whose buffers fit; false when even 8 x 8 does not.
+// The largest K tile (then V tile) whose buffers fit, with the V prefetch if it fits too;
+// false when even 8 x 8 does not. On the cube path the K tile is the cube's 64 positions.
 inline bool FitTiles(TopthTilingData& t, uint64_t limit) {
     static const uint32_t kTiles[] = {64, 32, 16, 8};
     static const uint32_t vTiles[] = {32, 16, 8};
-    for (uint32_t tk : kTiles) {
-        for (uint32_t tv : vTiles) {
-            if (PlanUb(t, tk, tv) <= limit) return true;
+    for (uint32_t prefetch : {1u, 0u}) {
+        t.vPrefetch = prefetch;
+        for (uint32_t tk : kTiles) {
+            if (t.cubePath && tk != TOPTH_TILE_W) continue;
+            for (uint32_t tv : vTiles) {
+                if (PlanUb(t, tk, tv) <= limit) return true;
+            }
         }
     }
     return false;
+}
+
+// Cube-core buffers of the cube path (query of both AIVs' items in L1 and L0A, two K tiles
+// in L1 and in L0B, two score tiles in L0C); an empty string when they fit the target, else
+// why not.
+inline std::string PlanCube(TopthTilingData& t, const TargetInfo& target) {
+    const uint64_t E = t.elemBytes, W = TOPTH_TILE_W;
+    t.mPad = static_cast<uint32_t>(Up(t.group, 16));
+    t.kPad = static_cast<uint32_t>(Up(t.headDim, 16));
+    t.l1Q = static_cast<uint32_t>(2ull * t.mPad * t.kPad * E);
+    t.l1K = static_cast<uint32_t>(W * t.kPad * E);
+    t.l0aQ = t.l1Q;
+    t.l0bK = t.l1K;
+    t.l0c = static_cast<uint32_t>(uint64_t(t.mPad) * W * 4);
+    std::ostringstream os;
+    if (t.l1Q + 2ull * t.l1K > target.l1Bytes) os << "L1 needs " << (t.l1Q + 2ull * t.l1K) << " of " << target.l1Bytes << " bytes";
+    else if (t.l0aQ > target.l0aBytes) os << "L0A needs " << t.l0aQ << " of " << target.l0aBytes << " bytes (two queries of group size " << t.group << ")";
+    else if (2ull * t.l0bK > target.l0bBytes) os << "L0B needs " << 2ull * t.l0bK << " of " << target.l0bBytes << " bytes (two 64-row K tiles of head_dim " << t.headDim << ")";
+    else if (2ull * t.l0c > target.l0cBytes) os << "L0C needs " << 2ull * t.l0c << " of " << target.l0cBytes << " bytes";
+    else if (t.mPad > 4095 || t.headDim > 4095) os << "Mmad takes m, k <= 4095";
+    return os.str();
 }
 
 // Cache strides and addressable span; false (with *why) for layouts the kernel cannot read.

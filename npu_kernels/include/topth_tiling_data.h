@@ -41,6 +41,7 @@ struct TopthTilingData {
     uint64_t wsScoresOff;  // post_softmax: scores [pairs, G, maxSeqLen] float32
     uint64_t wsStatsOff;   // post_softmax with splits: per item (m, Z) pair vectors
     uint64_t wsPartOff;    // splits: per item partial record (partFloats floats)
+    uint64_t wsRingOff;    // cube path: score ring [aivCount][ringSlots][G][64] float32 (last)
     uint64_t wsBytes;      // total workspace bytes
     // KV caches, in elements: row (block blk, kv head h, slot s) of K starts at
     // blk*kStrideBlk + h*kStrideH + s*kStrideSlot (head_dim contiguous); likewise V.
@@ -74,6 +75,20 @@ struct TopthTilingData {
     // rule), the kernel turns L2 caching off for them (GlobalTensor::SetL2CacheHint) so the
     // stream does not evict what other data the L2 holds
     uint32_t l2CacheOff;
+    // Cube path (issue 14): a mix kernel (KERNEL_TYPE_MIX_AIC_1_2, entry topth_decode_attn_cube,
+    // blockDim AI cores) whose cube core computes the scores Q.K^T of 64-position tiles for
+    // its two vector cores and hands them over through a GM ring of ringSlots tiles per
+    // vector core (cross-core flags); the vector cores do everything from the scores on.
+    // 0: the all-vector kernel (entry topth_decode_attn, blockDim vector cores).
+    uint32_t cubePath;
+    uint32_t aivCount;   // vector cores taking work items (blockDim, or 2 x blockDim on the cube path)
+    uint32_t ringSlots;  // score tiles one vector core may have in flight (<= 15: flag counters)
+    uint32_t mPad, kPad; // G and head_dim rounded up to 16 (Q rows, the K dimension of the cube)
+    uint32_t l1Q, l1K, l0aQ, l0bK, l0c;  // cube-core buffer bytes: query (both AIVs' items), one K tile, one score tile
+    // 1: the first V batch of the next selection tile is copied while the last batch of the
+    // current one is accumulated (a second weights buffer in UB)
+    uint32_t vPrefetch;
+    uint32_t rsv0;
 };
 
 #endif  // TOPTH_TILING_DATA_H

@@ -120,6 +120,27 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     }
     if (t.group > 255) return refuse("more than 255 query heads per KV head");
     if (uint64_t(s.maxSeqLen) * 4 > 0xffffffffull) return refuse("max_seq_len too large for 32-bit copy strides");
+    if (target.ringSlots < 1 || target.ringSlots > 15) return refuse("invalid target: ring slots must be in [1, 15]");
+
+    // Path: the cube path (Q.K^T on the cube cores of a mix kernel) wherever it can run,
+    // else the all-vector kernel (docs/ascendc.md, "Which path runs").
+    std::string cubeWhy;
+    const uint32_t aicUsable = std::min<uint32_t>(target.aicCores, target.aivCores / 2);
+    if (target.path == TOPTH_PATH_VECTOR) {
+        cubeWhy = "the all-vector path was asked for";
+    } else if (s.dtype == TOPTH_DTYPE_FP32) {
+        cubeWhy = "float32 inputs (the cube path is built for float16 and bfloat16)";
+    } else if (aicUsable == 0) {
+        cubeWhy = "the target has no AI core with a cube core and two vector cores";
+    } else if (t.kStrideSlot > 65535) {
+        cubeWhy = "the key cache's slot stride exceeds the 16-bit row stride of the GM -> L1 (ND2NZ) copy";
+    } else {
+        cubeWhy = PlanCube(t, target);
+    }
+    if (!cubeWhy.empty() && target.path == TOPTH_PATH_CUBE) return refuse("the cube path cannot run: " + cubeWhy);
+    t.cubePath = cubeWhy.empty() ? 1u : 0u;
+    t.ringSlots = t.cubePath ? target.ringSlots : 0;
+    const uint32_t aivAvail = t.cubePath ? 2 * aicUsable : target.aivCores;
 
     // Work split (after IncrementalFlashAttention's flash-decode rule): one item per (batch,
     // kv head) pair; when the pairs fill less than 40% of the vector cores, each pair may be
@@ -133,15 +154,17 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     t.ubLimit = static_cast<uint32_t>(limit);
     t.numPairs = s.batch * s.numKvHeads;
     uint32_t cap = 1;
-    if (uint64_t(t.numPairs) * 10 < 4ull * target.aivCores) {
-        cap = target.aivCores / t.numPairs;
+    if (uint64_t(t.numPairs) * 10 < 4ull * aivAvail) {
+        cap = aivAvail / t.numPairs;
         cap = std::min<uint32_t>(cap, std::max<uint32_t>(1, s.maxSeqLen / t.minSplitLen));
         cap = std::max<uint32_t>(cap, 1);
     }
     const uint32_t firstCap = cap;
     for (;;) {
         t.splitCap = cap;
-        t.blockDim = static_cast<uint32_t>(std::min<uint64_t>(target.aivCores, uint64_t(t.numPairs) * cap));
+        const uint32_t busy = static_cast<uint32_t>(std::min<uint64_t>(aivAvail, uint64_t(t.numPairs) * cap));
+        t.blockDim = t.cubePath ? (busy + 1) / 2 : busy;  // AI cores (two vector cores each) or vector cores
+        t.aivCount = t.cubePath ? 2 * t.blockDim : t.blockDim;
         if (FitTiles(t, limit)) break;
         if (cap == 1) {
             PlanUb(t, 8, 8);
@@ -167,7 +190,7 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     const uint64_t G = t.group, PW = t.pairWidth;
     uint64_t off = 0;
     t.wsSyncOff = off;
-    if (t.splitCap > 1 && t.syncMode == TOPTH_SYNC_SOFT) off += Up(uint64_t(t.blockDim) * 32, 32);
+    if (t.splitCap > 1 && t.syncMode == TOPTH_SYNC_SOFT) off += Up(uint64_t(t.aivCount) * 32, 32);
     t.wsScoresOff = off;
     if (s.placement == TOPTH_POST_SOFTMAX) off += Up(uint64_t(t.numPairs) * G * s.maxSeqLen * 4, 32);
     t.wsStatsOff = off;
@@ -176,6 +199,8 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     }
     t.wsPartOff = off;
     if (t.splitCap > 1) off += Up(uint64_t(t.numPairs) * t.splitCap * t.partFloats * 4, 32);
+    t.wsRingOff = off;  // last, so that the model can name it apart ('score_ring')
+    if (t.cubePath) off += Up(uint64_t(t.aivCount) * t.ringSlots * G * TOPTH_TILE_W * 4, 32);
     t.wsBytes = std::max<uint64_t>(off, 32);
     *out = t;
     return true;

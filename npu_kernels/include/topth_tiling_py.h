@@ -62,6 +62,15 @@ inline TargetInfo TargetFromDict(const py::dict& t, TargetInfo x = TargetInfo())
     x.reserveApiScratch = DictGet<bool>(t, "reserve_api_scratch", x.reserveApiScratch);
     x.mergeGapBytes = DictGet<uint32_t>(t, "merge_gap_bytes", x.mergeGapBytes);
     x.l2Bytes = DictGet<uint64_t>(t, "l2_bytes", x.l2Bytes);
+    x.aicCores = DictGet<uint32_t>(t, "aic_cores", x.aivCores / 2);
+    x.l1Bytes = DictGet<uint64_t>(t, "l1_bytes", x.l1Bytes);
+    x.l0aBytes = DictGet<uint64_t>(t, "l0a_bytes", x.l0aBytes);
+    x.l0bBytes = DictGet<uint64_t>(t, "l0b_bytes", x.l0bBytes);
+    x.l0cBytes = DictGet<uint64_t>(t, "l0c_bytes", x.l0cBytes);
+    x.ringSlots = DictGet<uint32_t>(t, "ring_slots", x.ringSlots);
+    const std::string path = DictGet<std::string>(t, "path", "auto");
+    if (path != "auto" && path != "vector" && path != "cube") throw py::value_error("target['path'] must be 'auto', 'vector' or 'cube'");
+    x.path = path == "vector" ? TOPTH_PATH_VECTOR : path == "cube" ? TOPTH_PATH_CUBE : TOPTH_PATH_AUTO;
     const std::string sync = DictGet<std::string>(t, "sync", x.syncMode == TOPTH_SYNC_HARD ? "hard" : "soft");
     if (sync != "hard" && sync != "soft") throw py::value_error("target['sync'] must be 'hard' or 'soft'");
     x.syncMode = sync == "hard" ? TOPTH_SYNC_HARD : TOPTH_SYNC_SOFT;
@@ -86,6 +95,8 @@ inline py::dict TilingToDict(const TopthTilingData& t) {
     TOPTH_F(ubMask); TOPTH_F(ubVIn); TOPTH_F(ubVF32); TOPTH_F(ubWc); TOPTH_F(ubWb); TOPTH_F(ubPair);
     TOPTH_F(ubPairB); TOPTH_F(ubStage); TOPTH_F(ubMu); TOPTH_F(ubCmb); TOPTH_F(ubMAll); TOPTH_F(ubSync);
     TOPTH_F(ubStat); TOPTH_F(ubSIn); TOPTH_F(ubTotal); TOPTH_F(ubLimit); TOPTH_F(mergeGapBytes); TOPTH_F(l2CacheOff);
+    TOPTH_F(wsRingOff); TOPTH_F(cubePath); TOPTH_F(aivCount); TOPTH_F(ringSlots); TOPTH_F(mPad); TOPTH_F(kPad);
+    TOPTH_F(l1Q); TOPTH_F(l1K); TOPTH_F(l0aQ); TOPTH_F(l0bK); TOPTH_F(l0c); TOPTH_F(vPrefetch);
 #undef TOPTH_F
     return d;
 }

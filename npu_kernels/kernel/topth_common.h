@@ -30,6 +30,11 @@
 #ifndef TOPTH_MODEL_SCHED_BATCH
 #define TOPTH_MODEL_SCHED_BATCH()
 #endif
+// TOPTH_MODEL_FAULT(name): true when a CPU-model test switched on that deliberate bug (the
+// tests check that the model catches each kind); always false on the device.
+#ifndef TOPTH_MODEL_FAULT
+#define TOPTH_MODEL_FAULT(name) false
+#endif
 
 // ---- batch schedule mode ---------------------------------------------------------------
 // The split-KV combine waits at an all-core SyncAll: if another stream holds some cores,
@@ -55,6 +60,11 @@ constexpr uint32_t W = TOPTH_TILE_W;  // score-tile width (positions)
 constexpr float NEG_FLOOR = -3.40282346638528859812e+38f;
 
 // Pair-vector slots (pairWidth floats each; head g's value at element 2g).
+// Cross-core flags of the cube path (mode 2: AIC <-> both AIVs of its AI core). Ids 0-10 on
+// Atlas A2 (the hard SyncAll uses 11-14).
+constexpr uint16_t FLAG_SCORES_READY = 1;  // AIC -> AIVs: the score tiles of one ring step are in GM
+constexpr uint16_t FLAG_SLOT_FREE = 2;     // AIVs -> AIC: both AIVs have copied them out of the ring
+
 enum PairSlot : uint32_t {
     P_M = 0,   // reference maximum (running max in pass A / pre; global max in pass B)
     P_R = 1,   // sum of kept exp(a - m)      (pass A of post_softmax: Z, sum of all)

@@ -1,6 +1,7 @@
-// The kernel class: state, buffers, Init and the top-level schedule (Process). The stages
-// are defined in topth_plan.h (work split, addressing), topth_scores.h (K stream, scores),
-// topth_select.h (selection, V gather) and topth_finalize.h (combine, output).
+// The kernel class: state, buffers, Init and the top-level schedule (Process) of the vector
+// cores. The stages are defined in topth_plan.h (work split, addressing), topth_scores.h (K
+// stream or score ring, scores), topth_select.h (selection, V gather), topth_finalize.h
+// (combine, output) and, for the cube core of the mix kernel, topth_cube.h.
 #ifndef TOPTH_KERNEL_H
 #define TOPTH_KERNEL_H
 
@@ -14,6 +15,9 @@ public:
     __aicore__ inline TopthDecodeKernel() {}
     __aicore__ inline void Init(const KernelArgs& a, const TopthTilingData& tiling, TPipe* tpipe);
     __aicore__ inline void Process();
+    // cube core (AIC) of the mix kernel: topth_cube.h
+    __aicore__ inline void InitCube(const KernelArgs& a, const TopthTilingData& tiling, TPipe* tpipe);
+    __aicore__ inline void ProcessCube();
 
 private:
     // ---- topth_plan.h: work split, lengths, thresholds, cache addressing
@@ -38,8 +42,12 @@ private:
 
     // ---- item flow (this file)
     __aicore__ inline void RunItem(uint32_t item);
+    __aicore__ inline void RunItemRing(uint32_t item, uint32_t partner, uint32_t items);
+    __aicore__ inline void BeginItem();
+    __aicore__ inline void FinishItem();
     __aicore__ inline void RunItemPassB(uint32_t item);
     __aicore__ inline void ResetAccumulators();
+    __aicore__ inline uint32_t TilesOf(uint32_t item, uint32_t items, bool& active);
 
     // ---- topth_scores.h
     __aicore__ inline void LoadQuery();
@@ -48,7 +56,11 @@ private:
     __aicore__ inline void StreamKeys();
     __aicore__ inline void Scores(LocalTensor<T>& kIn, uint32_t rows);
     __aicore__ inline void RunningMax();
-    __aicore__ inline void RescaleAccumulators();
+    __aicore__ inline void RescaleStats();
+    __aicore__ inline void ScoreTile(uint32_t pos, uint32_t rows);
+    __aicore__ inline void CopyRingTile(uint64_t step, uint32_t rows);
+    __aicore__ inline void StreamRing(uint32_t steps, uint32_t tiles);
+    __aicore__ inline void FetchRing(uint32_t s, uint32_t tiles);
     __aicore__ inline void ScaleRows(const LocalTensor<float>& rows, const LocalTensor<float>& bcast);
     __aicore__ inline void AccumulateZ();
     __aicore__ inline void StoreScores(uint32_t pos, uint32_t rows);
@@ -71,7 +83,17 @@ private:
     };
     __aicore__ inline void PlanSpans(uint64_t keptBits, uint32_t pos, VSpans& sp);
     __aicore__ inline void IssueV(uint32_t batch, uint32_t pos, const VSpans& sp);
-    __aicore__ inline void AccumulateV(uint32_t batch, uint32_t nb, const VSpans& sp);
+    __aicore__ inline void AccumulateV(uint32_t batch, uint32_t nb, const VSpans& sp, const LocalTensor<float>& w);
+    __aicore__ inline void FlushV();
+
+    // ---- topth_cube.h (AIC)
+    struct CubeItem {
+        uint32_t pair, b, kv, start, end, tiles;
+    };
+    __aicore__ inline void UseCubeItem(uint32_t sub);
+    __aicore__ inline void LoadQueries(uint32_t active);
+    __aicore__ inline void CopyKTileL1(const LocalTensor<T>& dst, uint32_t pos, uint32_t rows);
+    __aicore__ inline void CubeTile(uint32_t sub, uint32_t s, uint64_t step);
 
     // ---- topth_finalize.h
     __aicore__ inline void WritePartial(uint64_t rec);
@@ -91,6 +113,16 @@ private:
     GlobalTensor<float> thGm, sdcGm, muGm, droppedGm, scoresGm, statsGm, partGm;
 
     TQue<QuePosition::VECIN, 2> kQue, vQue, sQue;
+    // cube core: K tiles in L1 (Nz) and L0B (Zn), score tiles in L0C; the queries in L1 / L0A
+    TQue<QuePosition::B1, 2> kL1Que;
+    TQue<QuePosition::B2, 2> kL0Que;
+    TQue<QuePosition::CO1, 2> cQue;
+    TBuf<TPosition::A1> qL1Buf;
+    TBuf<TPosition::A2> qL0Buf;
+    LocalTensor<T> qL1, qL0;
+    GlobalTensor<float> ringGm;  // score ring [aivCount][ringSlots][G][W]
+    CubeItem ci[2];
+    uint64_t ringStep = 0;       // ring steps so far (the AIC and its AIVs count alike)
     TBuf<> kF32Buf, prodBuf, qBuf, accBuf, scBuf, eBuf, ekBuf, indBuf, thrBuf, onesBuf, maskBuf;
     TBuf<> vF32Buf, wcBuf, wbBuf, pairBuf, pairBBuf, stageBuf, muBuf, cmbBuf, mAllBuf, syncBuf, statBuf;
 
@@ -109,6 +141,11 @@ private:
     uint32_t cachedBlk = 0, cachedBlkIdx = 0xffffffffu;  // block-table entry last read
     uint32_t unionCount = 0;
     float thrScalar = 0.0f;
+    // V prefetch: the last batch of the previous selection tile, not yet accumulated
+    VSpans spans[2];
+    uint32_t tileParity = 0;
+    bool vPending = false;
+    uint32_t pendBatch = 0, pendNb = 0, pendParity = 0;
 };
 
 // ------------------------------------------------------------------ Init / Process
@@ -149,7 +186,7 @@ __aicore__ inline void TopthDecodeKernel<T>::Init(const KernelArgs& a, const Top
     const uint64_t records = uint64_t(td.numPairs) * td.splitCap;
     if (td.splitCap > 1) {
         if (td.syncMode == TOPTH_SYNC_SOFT) {
-            syncGm.SetGlobalBuffer((__gm__ int32_t*)(a.workspace + td.wsSyncOff), td.blockDim * 8);
+            syncGm.SetGlobalBuffer((__gm__ int32_t*)(a.workspace + td.wsSyncOff), td.aivCount * 8);
         }
         partGm.SetGlobalBuffer((__gm__ float*)(a.workspace + td.wsPartOff), records * td.partFloats);
         partGmI.SetGlobalBuffer((__gm__ int32_t*)(a.workspace + td.wsPartOff), records * td.partFloats);
@@ -161,11 +198,16 @@ __aicore__ inline void TopthDecodeKernel<T>::Init(const KernelArgs& a, const Top
         }
     }
 
+    if (td.cubePath) {  // this vector core's score ring, written by the cube core of its AI core
+        const uint64_t slots = uint64_t(td.ringSlots) * G * W;
+        ringGm.SetGlobalBuffer((__gm__ float*)(a.workspace + td.wsRingOff) + GetBlockIdx() * slots, slots);
+    }
+
     // Unified buffer: sizes from the host tiling (its ubTotal is the sum of these).
-    pipe->InitBuffer(kQue, 2, td.ubKIn);
+    if (td.ubKIn) pipe->InitBuffer(kQue, 2, td.ubKIn);
     if (td.ubKF32) pipe->InitBuffer(kF32Buf, td.ubKF32);
     pipe->InitBuffer(prodBuf, td.ubProd);
-    pipe->InitBuffer(qBuf, td.ubQ);
+    if (td.ubQ) pipe->InitBuffer(qBuf, td.ubQ);
     pipe->InitBuffer(accBuf, td.ubAcc);
     pipe->InitBuffer(scBuf, td.ubTile);
     pipe->InitBuffer(eBuf, td.ubTile);
@@ -190,7 +232,7 @@ __aicore__ inline void TopthDecodeKernel<T>::Init(const KernelArgs& a, const Top
 
     if (td.ubKF32) kF32 = kF32Buf.Get<float>();
     prod = prodBuf.Get<float>();
-    qF = qBuf.Get<float>();
+    if (td.ubQ) qF = qBuf.Get<float>();
     acc = accBuf.Get<float>();
     sc = scBuf.Get<float>();
     ex = eBuf.Get<float>();
@@ -231,11 +273,20 @@ template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::Process()
 {
     const uint32_t blk = GetBlockIdx();
-    const uint32_t nblk = GetBlockNum();
+    // vector cores taking items: blockDim, or blockDim AI cores x 2 on the cube path
+    const uint32_t nblk = td.cubePath ? GetBlockNum() * GetTaskRation() : GetBlockNum();
     PlanSplits();
     const uint32_t items = td.numPairs * splits;
-    for (uint32_t item = blk; item < items; item += nblk) {
-        RunItem(item);
+    if (td.cubePath) {
+        // Rounds in step with the cube core: round r takes item blk + r * nblk here and
+        // (blk ^ 1) + r * nblk on the other vector core of this AI core (topth_cube.h).
+        for (uint32_t r = 0; r < CeilDiv(items, nblk); ++r) {
+            RunItemRing(blk + r * nblk, (blk ^ 1u) + r * nblk, items);
+        }
+    } else {
+        for (uint32_t item = blk; item < items; item += nblk) {
+            RunItem(item);
+        }
     }
     if (splits <= 1) return;  // every block computed the same plan: no sync anywhere
     AllSync();
@@ -267,14 +318,49 @@ template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::RunItem(uint32_t item)
 {
     if (!SetItem(item)) return;
-    const bool single = pieces <= 1;
-    const uint64_t rec = uint64_t(pairIdx) * td.splitCap + splitIdx;
-    ResetAccumulators();
+    BeginItem();
     if (chunkStart < chunkEnd) {
         LoadQuery();
-        if (td.placement == TOPTH_PRE_SOFTMAX) BuildThresholds(false);
         StreamKeys();
     }
+    FinishItem();
+}
+
+// Tiles of an item (0 when the item is empty or not this launch's), and whether it exists.
+template <typename T>
+__aicore__ inline uint32_t TopthDecodeKernel<T>::TilesOf(uint32_t item, uint32_t items, bool& active)
+{
+    active = item < items && SetItem(item);
+    return (active && chunkStart < chunkEnd) ? CeilDiv(chunkEnd - chunkStart, W) : 0;
+}
+
+// Cube path: the scores come from the cube core through the ring; every vector core of an
+// AI core takes the same number of ring steps per round (the longer of its and its
+// partner's item), empty ones where its own item has no tile.
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::RunItemRing(uint32_t item, uint32_t partner, uint32_t items)
+{
+    bool active = false;
+    const uint32_t other = TilesOf(partner, items, active);
+    const uint32_t tiles = TilesOf(item, items, active);  // last: leaves this item's state set
+    const uint32_t steps = other > tiles ? other : tiles;
+    if (active) BeginItem();
+    StreamRing(steps, tiles);
+    if (active) FinishItem();
+}
+
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::BeginItem()
+{
+    ResetAccumulators();
+    if (chunkStart < chunkEnd && td.placement == TOPTH_PRE_SOFTMAX) BuildThresholds(false);
+}
+
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::FinishItem()
+{
+    const bool single = pieces <= 1;
+    const uint64_t rec = uint64_t(pairIdx) * td.splitCap + splitIdx;
     if (td.placement == TOPTH_POST_SOFTMAX) {
         if (!single) {
             WriteStatsA(rec);

@@ -195,7 +195,8 @@ __aicore__ inline void TopthDecodeKernel<T>::CopySeqRows(const LocalTensor<T>& d
     }
 }
 
-// All-core synchronisation between the split passes. Hard: SyncAll<true>() of a
+// All-core synchronisation between the split passes (vector cores only: on the cube path
+// the cube cores have finished by then). Hard: SyncAll<true>() of a
 // KERNEL_TYPE_MIX_AIV_1_0 kernel (hardware flags, ids 11-14), launched in batch schedule
 // mode so that no block waits for a block another stream keeps off its core. Soft (a
 // fallback for toolchains without the hard form in kernel-launch projects): flags in a
@@ -208,7 +209,11 @@ __aicore__ inline void TopthDecodeKernel<T>::AllSync()
         SyncAll<true>();
     } else {
         LocalTensor<int32_t> syncUb = syncBuf.Get<int32_t>();
-        SyncAll(syncGm, syncUb, static_cast<int32_t>(td.blockDim));
+        if (td.cubePath) {  // a mix kernel: slots by vector core (isAIVOnly false), AIVs only
+            SyncAll<false>(syncGm, syncUb, static_cast<int32_t>(td.aivCount));
+        } else {
+            SyncAll(syncGm, syncUb, static_cast<int32_t>(td.aivCount));
+        }
     }
 }
 

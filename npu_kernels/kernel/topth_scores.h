@@ -1,6 +1,7 @@
 // Pass A: the query of the group, the thresholds, the K stream and the scores a_j of all
-// G heads on the vector unit, running maxima (flash-attention rescaling) and, for
-// post_softmax, Z and the score workspace.
+// G heads on the vector unit (all-vector path) or the score tiles the cube core computed
+// (cube path, the ring), running maxima (flash-attention rescaling) and, for post_softmax,
+// Z and the score workspace.
 #ifndef TOPTH_SCORES_H
 #define TOPTH_SCORES_H
 
@@ -80,15 +81,82 @@ __aicore__ inline void TopthDecodeKernel<T>::StreamKeys()
         }
         LocalTensor<T> kIn = kQue.template DeQue<T>();
         Scores(kIn, rows);
-        RunningMax();
-        if (td.placement == TOPTH_PRE_SOFTMAX) {
-            RescaleAccumulators();
-            SelectAccumulate(sc, rows, pos, false);
-        } else {
-            AccumulateZ();
-            StoreScores(pos, rows);
-        }
+        ScoreTile(pos, rows);
     }
+    FlushV();
+}
+
+// One tile of scores in sc (G x W, -inf beyond rows): running maxima, then selection and the
+// V gather (pre_softmax) or Z and the score workspace (post_softmax pass A).
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::ScoreTile(uint32_t pos, uint32_t rows)
+{
+    RunningMax();
+    if (td.placement == TOPTH_PRE_SOFTMAX) {
+        RescaleStats();
+        SelectAccumulate(sc, rows, pos, false);
+    } else {
+        AccumulateZ();
+        StoreScores(pos, rows);
+    }
+}
+
+// Cube path: the score tile of ring step `step` (G rows of `rows` floats, W apart) into the
+// score queue, padded with -inf to a whole number of 32-byte blocks.
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::CopyRingTile(uint64_t step, uint32_t rows)
+{
+    const uint32_t rows8 = ((rows + 7) / 8) * 8;
+    LocalTensor<float> sIn = sQue.template AllocTensor<float>();
+    DataCopyExtParams p;
+    p.blockCount = static_cast<uint16_t>(G);
+    p.blockLen = rows * 4;
+    p.srcStride = (W - rows) * 4;
+    p.dstStride = (W - rows8) / 8;
+    p.rsv = 0;
+    DataCopyPadExtParams<float> pad;
+    pad.isPad = (rows8 != rows);
+    pad.leftPadding = 0;
+    pad.rightPadding = static_cast<uint8_t>(rows8 - rows);
+    pad.paddingValue = NegInf();
+    DataCopyPad(sIn, ringGm[(step % td.ringSlots) * G * W], p, pad);
+    sQue.EnQue(sIn);
+}
+
+// Cube path: `steps` ring steps in step with the cube core (topth_cube.h); this item's
+// tiles are the first `tiles`. The score tile of the next step is copied while the current
+// one is processed; each step frees its slot (FLAG_SLOT_FREE, on MTE2: after the copy) as
+// soon as it is in UB.
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::FetchRing(uint32_t s, uint32_t tiles)
+{
+    if (!TOPTH_MODEL_FAULT(read_ring_before_flag)) CrossCoreWaitFlag(FLAG_SCORES_READY);
+    if (s < tiles) CopyRingTile(ringStep, Min32(W, chunkEnd - (chunkStart + s * W)));
+    CrossCoreSetFlag<2, PIPE_MTE2>(FLAG_SLOT_FREE);
+    ringStep++;
+}
+
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::StreamRing(uint32_t steps, uint32_t tiles)
+{
+    if (steps > 0) FetchRing(0, tiles);
+    for (uint32_t s = 0; s < steps; ++s) {
+        if (s + 1 < steps) FetchRing(s + 1, tiles);
+        if (s >= tiles) continue;
+        const uint32_t pos = chunkStart + s * W;
+        const uint32_t rows = Min32(W, chunkEnd - pos);
+        const uint32_t rows8 = ((rows + 7) / 8) * 8;
+        LocalTensor<float> sIn = sQue.template DeQue<float>();
+        if (rows8 < W) {
+            Duplicate(sIn[rows8], NegInf(), W - rows8, static_cast<uint8_t>(G), 1, 8);
+            PipeBarrier<PIPE_V>();
+        }
+        Muls(sc, sIn, td.scale, G * W);
+        PipeBarrier<PIPE_V>();
+        sQue.FreeTensor(sIn);
+        ScoreTile(pos, rows);
+    }
+    FlushV();
 }
 
 // sc[g, j] = scale * <q_g, k_j> for j < rows; -inf for rows <= j < W.
@@ -147,15 +215,15 @@ __aicore__ inline void TopthDecodeKernel<T>::RunningMax()
     PipeBarrier<PIPE_V>();
 }
 
-// Flash-attention rescale of R, E and the output accumulators by P_F.
+// Flash-attention rescale of R and E by P_F, and fB = broadcast(P_F) for the accumulators
+// (scaled in SelectAccumulate, after the previous tile's last V batch).
 template <typename T>
-__aicore__ inline void TopthDecodeKernel<T>::RescaleAccumulators()
+__aicore__ inline void TopthDecodeKernel<T>::RescaleStats()
 {
     Mul(Pair(P_R), Pair(P_R), Pair(P_F), PW);
     Mul(Pair(P_E), Pair(P_E), Pair(P_F), PW);
     Brcb(fB, Pair(P_F), static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));
     PipeBarrier<PIPE_V>();
-    ScaleRows(acc, fB);
 }
 
 // rows[g, :] *= broadcast[g] (broadcast: one 32-byte block per pair element).

@@ -62,11 +62,15 @@ __aicore__ inline void TopthDecodeKernel<T>::PassB()
         SelectAccumulate(sIn, rows, pos, true);
         sQue.FreeTensor(sIn);
     }
+    FlushV();
 }
 
 // Scores of one tile (G x W, rows valid, -inf beyond) against the reference max in mB:
 // kept mask, sums, union of kept positions over the group, gather of those V rows,
-// out[g] += sum_kept exp(a - m) v.
+// out[g] += sum_kept exp(a - m) v. pre_softmax: the accumulators, relative to the previous
+// maximum until the previous tile's last V batch is in, are then rescaled by fB (RescaleStats).
+// With td.vPrefetch the first V batch of this tile is copied before that last batch is
+// accumulated, and this tile's last batch is left pending for the next tile (FlushV at the end).
 template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::SelectAccumulate(const LocalTensor<float>& s, uint32_t rows,
                                                               uint32_t pos, bool post)
@@ -126,32 +130,52 @@ __aicore__ inline void TopthDecodeKernel<T>::SelectAccumulate(const LocalTensor<
     Compare(uBits8, ind, ones, CMPMODE::GE, W);  // ind is 0 or 1
     Sync<HardEvent::V_S>();
     const uint64_t keptBits = uint64_t(uBits.GetValue(0)) | (uint64_t(uBits.GetValue(1)) << 32);
-    VSpans sp;
+    const uint32_t par = td.vPrefetch ? (tileParity ^= 1u) : 0u;  // spans / weights of this tile
+    VSpans& sp = spans[par];
+    const LocalTensor<float> w = wc[par * G * W];
     PlanSpans(keptBits, pos, sp);
     const uint32_t r = static_cast<uint32_t>(ScalarGetCountOfValue<1>(keptBits));
     unionCount += r;
-    if (sp.rows == 0) {  // no V row of this tile is read
-        Sync<HardEvent::S_V>();
-        return;
+    if (sp.rows > 0) {
+        fBits.SetValue(0, static_cast<uint32_t>(sp.fetchBits));
+        fBits.SetValue(1, static_cast<uint32_t>(sp.fetchBits >> 32));
     }
-    fBits.SetValue(0, static_cast<uint32_t>(sp.fetchBits));
-    fBits.SetValue(1, static_cast<uint32_t>(sp.fetchBits >> 32));
     Sync<HardEvent::S_V>();
-    // wc[g, i] = weight of head g for the i-th fetched row (0 for rows fetched between runs)
-    uint64_t picked = 0;
-    for (uint32_t g = 0; g < G; ++g) {
-        GatherMask(wc[g * W], ek[g * W], fBits, false, 0, GatherMaskParams(1, 1, 8, 0), picked);
+    if (sp.rows > 0) {
+        // w[g, i] = weight of head g for the i-th fetched row (0 for rows fetched between runs)
+        uint64_t picked = 0;
+        for (uint32_t g = 0; g < G; ++g) {
+            GatherMask(w[g * W], ek[g * W], fBits, false, 0, GatherMaskParams(1, 1, 8, 0), picked);
+        }
+        PipeBarrier<PIPE_V>();
+        IssueV(0, pos, sp);  // in flight while the pending batch is accumulated
     }
-    PipeBarrier<PIPE_V>();
-
+    FlushV();
+    if (!post) ScaleRows(acc, fB);  // now relative to this tile's maximum
     const uint32_t nBatch = CeilDiv(sp.rows, td.tileV);
-    IssueV(0, pos, sp);
     for (uint32_t b = 0; b < nBatch; ++b) {
         if (b + 1 < nBatch) {
             IssueV(b + 1, pos, sp);  // double buffering
         }
-        AccumulateV(b, Min32(td.tileV, sp.rows - b * td.tileV), sp);
+        const uint32_t nb = Min32(td.tileV, sp.rows - b * td.tileV);
+        if (td.vPrefetch && b + 1 == nBatch) {
+            vPending = true;  // accumulated after the next tile's first batch is issued
+            pendBatch = b;
+            pendNb = nb;
+            pendParity = par;
+        } else {
+            AccumulateV(b, nb, sp, w);
+        }
     }
+}
+
+// The pending V batch of the previous tile, if any, into the accumulators.
+template <typename T>
+__aicore__ inline void TopthDecodeKernel<T>::FlushV()
+{
+    if (!vPending) return;
+    vPending = false;
+    AccumulateV(pendBatch, pendNb, spans[pendParity], wc[pendParity * G * W]);
 }
 
 // Copy spans of one tile from the union mask: runs of kept positions, merged with the next
@@ -219,7 +243,8 @@ __aicore__ inline void TopthDecodeKernel<T>::IssueV(uint32_t batch, uint32_t pos
 }
 
 template <typename T>
-__aicore__ inline void TopthDecodeKernel<T>::AccumulateV(uint32_t batch, uint32_t nb, const VSpans& sp)
+__aicore__ inline void TopthDecodeKernel<T>::AccumulateV(uint32_t batch, uint32_t nb, const VSpans& sp,
+                                                         const LocalTensor<float>& w)
 {
     LocalTensor<T> vIn = vQue.template DeQue<T>();
     // Rows fetched between two runs were dropped by every head: zero them (they may hold
@@ -246,7 +271,7 @@ __aicore__ inline void TopthDecodeKernel<T>::AccumulateV(uint32_t batch, uint32_
     PipeBarrier<PIPE_V>();
     const uint8_t rowBlocks = static_cast<uint8_t>(Dp / 8);
     for (uint32_t g = 0; g < G; ++g) {
-        Brcb(wb, wc[g * W + batch * td.tileV], static_cast<uint8_t>(CeilDiv(nb, 8)), BrcbRepeatParams(1, 8));
+        Brcb(wb, w[g * W + batch * td.tileV], static_cast<uint8_t>(CeilDiv(nb, 8)), BrcbRepeatParams(1, 8));
         PipeBarrier<PIPE_V>();
         for (uint32_t c0 = 0; c0 < Dp; c0 += 64) {
             BinaryRepeatParams p(1, 1, 0, rowBlocks, rowBlocks, 1);

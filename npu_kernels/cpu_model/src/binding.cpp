@@ -18,10 +18,14 @@
 
 namespace py = pybind11;
 
-extern "C" void topth_decode_attn(uint8_t* query, uint8_t* key, uint8_t* value, uint8_t* seqLens, uint8_t* thresholds,
-                                  uint8_t* sdcTable, uint8_t* valueMean, uint8_t* blockTable, uint8_t* thresholdSet,
-                                  uint8_t* out, uint8_t* kept, uint8_t* vRows, uint8_t* dropped, uint8_t* workspace,
-                                  uint8_t* tiling);
+// The two entries of the kernel: all-vector (topth_decode_attn.cpp) and the cube path's
+// mix kernel (topth_decode_attn_cube.cpp); the tiling says which one runs.
+#define TOPTH_ENTRY_ARGS                                                                                     \
+    uint8_t *query, uint8_t *key, uint8_t *value, uint8_t *seqLens, uint8_t *thresholds, uint8_t *sdcTable,  \
+        uint8_t *valueMean, uint8_t *blockTable, uint8_t *thresholdSet, uint8_t *out, uint8_t *kept,         \
+        uint8_t *vRows, uint8_t *dropped, uint8_t *workspace, uint8_t *tiling
+extern "C" void topth_decode_attn(TOPTH_ENTRY_ARGS);
+extern "C" void topth_decode_attn_cube(TOPTH_ENTRY_ARGS);
 
 namespace topth_selftest {
 std::vector<std::string> Cases();
@@ -147,6 +151,8 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     }
 
     topth_model::Launch launch(static_cast<uint32_t>(tgt.ubBytes), tgt.aivCores);
+    launch.SetAicCount(tgt.aicCores);
+    launch.SetFault(topth::DictGet<std::string>(launchOpts, "fault", ""));
     for (int i = 0; i < kArgs; ++i) {
         launch.AddGm(names[i].name, a[i].ptr, a[i].bytes, names[i].writable, names[i].tag);
     }
@@ -158,14 +164,22 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
         if (delta != 0) launch.SetOwnership(Ownership(t, a[3], a[7], delta));
     }
     launch.SetTranscendentalError(topth::DictGet<float>(launchOpts, "transcendental_error", 0.0f));
-    launch.AddGm("workspace", workspace.data(), workspace.size(), true, "");
+    // The cube path's score ring is the end of the workspace; the model names it apart so
+    // that its traffic is reported on its own ('score_ring').
+    const uint64_t ringOff = t.cubePath ? t.wsRingOff : workspace.size();
+    launch.AddGm("workspace", workspace.data(), ringOff, true, "");
+    if (t.cubePath) launch.AddGm("score_ring", workspace.data() + ringOff, workspace.size() - ringOff, true, "");
     launch.AddGm("tiling", tilingBytes.data(), tilingBytes.size(), false, "");
     {
         py::gil_scoped_release release;
-        launch.Run(t.blockDim, [&] {
-            topth_decode_attn(a[0].ptr, a[1].ptr, a[2].ptr, a[3].ptr, a[4].ptr, a[5].ptr, a[6].ptr, a[7].ptr, a[8].ptr,
-                              a[9].ptr, a[10].ptr, a[11].ptr, a[12].ptr, workspace.data(), tilingBytes.data());
-        });
+        auto entry = t.cubePath ? &topth_decode_attn_cube : &topth_decode_attn;
+        launch.Run(
+            t.blockDim,
+            [&] {
+                entry(a[0].ptr, a[1].ptr, a[2].ptr, a[3].ptr, a[4].ptr, a[5].ptr, a[6].ptr, a[7].ptr, a[8].ptr, a[9].ptr,
+                      a[10].ptr, a[11].ptr, a[12].ptr, workspace.data(), tilingBytes.data());
+            },
+            t.cubePath ? 1 : 0, t.cubePath ? 2 : 1);
     }
     py::dict report;
     py::dict perBuffer;
@@ -191,6 +205,7 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     report["block_dim"] = launch.Report().blockDim;
     report["sync_all_calls"] = launch.Report().syncAllCalls;
     report["kernel_type"] = launch.Report().kernelType;
+    report["cube_path"] = static_cast<bool>(t.cubePath);
     report["batch_mode"] = launch.BatchMode();
     // per_block: the counters of every core (AIVs and, in a mix launch, AICs), with its
     // type ("aiv" / "aic"), block (AI core) and sub-block index
