@@ -182,8 +182,10 @@ def test_splitting_never_refuses_a_shape_that_runs_unsplit():
                         checked += 1
     assert checked > 200
     # fewer splits, not necessarily none: 36 heads of 128 fp16 post_softmax at 32k keep a split
-    t = _model().compute_tiling(_shape(1, 36, 1, 32768, 128, 0, 1, vmc=1), A2_TARGET)
-    big = _model().compute_tiling(_shape(1, 36, 1, 32768, 128, 0, 1, vmc=1), dict(A2_TARGET, ub_bytes=1 << 20))
+    # (the all-vector kernel; the cube path's plan is smaller)
+    vec = dict(A2_TARGET, path="vector")
+    t = _model().compute_tiling(_shape(1, 36, 1, 32768, 128, 0, 1, vmc=1), vec)
+    big = _model().compute_tiling(_shape(1, 36, 1, 32768, 128, 0, 1, vmc=1), dict(vec, ub_bytes=1 << 20))
     assert 1 < t["splitCap"] < big["splitCap"]
 
 
@@ -217,9 +219,12 @@ def test_a_group_too_large_for_one_core_is_refused_naming_the_group():
 def test_a_smaller_unified_buffer_gets_smaller_tiles():
     shape = dict(batch=1, num_q_heads=8, num_kv_heads=1, max_seq_len=4096, head_dim=128, max_row_id=4096,
                  dtype=0, placement=0, sdc=0, vmc=0, scale=1.0, sdc_gamma=0.05)
-    big = _model().compute_tiling(shape, A2_TARGET)
-    small = _model().compute_tiling(shape, dict(A2_TARGET, ub_bytes=64 * 1024))
+    vec = dict(A2_TARGET, path="vector")  # the cube path's K tile is always 64 positions
+    big = _model().compute_tiling(shape, vec)
+    small = _model().compute_tiling(shape, dict(vec, ub_bytes=64 * 1024))
     assert small["tileK"] < big["tileK"] and small["ubTotal"] <= 64 * 1024
+    cube = _model().compute_tiling(shape, dict(A2_TARGET, ub_bytes=48 * 1024))
+    assert cube["path"] == "cube" and cube["tileV"] < big["tileV"] and cube["ubTotal"] <= 48 * 1024
 
 
 # ----------------------------------------------------------------------------- float64 oracle
@@ -407,5 +412,10 @@ def test_info_shows_the_head_dim_limit_of_the_ascend_backends():
     with pytest.raises(ValueError, match="unified buffer"):
         _model().compute_tiling(_shape(1, 1, 1, 4096, 1057, 0, 0, vmc=1), A2_TARGET)
     with pytest.raises(ValueError, match="unified buffer"):
-        _model().compute_tiling(_shape(1, 43 + 1, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)
-    _model().compute_tiling(_shape(1, 43, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)
+        _model().compute_tiling(_shape(1, 52 + 1, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)
+    assert _model().compute_tiling(_shape(1, 52, 1, 4096, 128, 0, 1, vmc=1), A2_TARGET)["path"] == "cube"
+    # the all-vector kernel alone stops at 43 there (docs/ascendc.md, "Limits")
+    vec = dict(A2_TARGET, path="vector")
+    _model().compute_tiling(_shape(1, 43, 1, 4096, 128, 0, 1, vmc=1), vec)
+    with pytest.raises(ValueError, match="unified buffer"):
+        _model().compute_tiling(_shape(1, 44, 1, 4096, 128, 0, 1, vmc=1), vec)

@@ -77,7 +77,10 @@ def test_the_gates_hold_on_scattered_rows_and_report_counters_per_pipe():
         assert key in rep["counters"]
         assert sum(b[key] for b in rep["per_block"]) == rep["counters"][key]
     assert rep["counters"]["k_bytes"] == rep["k_bytes"] and rep["counters"]["v_bytes"] == rep["v_bytes"]
-    assert rep["counters"]["cube_instr"] == 0  # all-vector kernel
+    # bfloat16: the cube path; its K bytes are the cube cores', its cube instructions counted
+    assert rep["tiling"]["path"] == "cube" and rep["counters"]["cube_instr"] > 0
+    assert rep["counters_aic"]["k_bytes"] == rep["k_bytes"] and rep["counters_aiv"]["k_bytes"] == 0
+    assert rep["counters_aiv"]["cube_instr"] == 0 and rep["counters_aic"]["vec_instr"] == 0
 
 
 def test_l2_caching_is_turned_off_for_caches_larger_than_the_l2():

@@ -108,10 +108,13 @@ def test_a_plan_over_the_select_scratch_is_caught_by_the_model():
 
 # ----------------------------------------------------------------------------- 2. actual-length split
 
-def test_split_kv_follows_the_actual_lengths_not_the_cache_capacity():
-    """A 16k cache holding 2048 tokens (B=1, 2 KV heads, 48 cores, splits >= 128 positions):
-    the kernel splits the 2048 actual positions (16 pieces per KV head, 32 busy cores with
-    equal K traffic), where a split of the capacity would leave 3 pieces doing all the work."""
+@pytest.mark.parametrize("path", ["vector", "cube"])
+def test_split_kv_follows_the_actual_lengths_not_the_cache_capacity(path):
+    """A 16k cache holding 2048 tokens (B=1, 2 KV heads, 48 vector cores, splits >= 128
+    positions): the kernel splits the 2048 actual positions (16 pieces per KV head, 32 busy
+    vector cores with equal K traffic; on the cube path 16 busy cube cores reading the K rows
+    of their two vector cores' pieces), where a split of the capacity would leave 3 pieces
+    doing all the work."""
     rng = np.random.default_rng(16)
     S, n = 16384, 2048
     q = torch.from_numpy(rng.integers(-1, 2, size=(1, 8, 64)).astype(np.float32)).half()
@@ -121,12 +124,13 @@ def test_split_kv_follows_the_actual_lengths_not_the_cache_capacity():
     inputs = make_inputs(q, k, v, torch.tensor([n], dtype=torch.int32), torch.full((8, S), 2.5), scale=1.0,
                          placement="pre_softmax", return_stats=True)
     out, stats = inputs.empty_outputs(fill=float("nan"))
-    rep = run_cpu_model(inputs, out, stats, target=dict(A2_TARGET, min_split_len=128))
+    rep = run_cpu_model(inputs, out, stats, target=dict(A2_TARGET, min_split_len=128, path=path))
     splits, pieces = split_plan(rep["tiling"], [n])
-    assert (splits, pieces) == (16, [16])
+    assert (splits, pieces) == (16, [16]) and rep["tiling"]["path"] == path
     per_block = [c["k_bytes"] for c in rep["per_block"]]
     busy = [b for b in per_block if b > 0]
-    assert len(busy) == 2 * 16 and max(busy) == min(busy) == 128 * 64 * 2
+    per_core = 128 * 64 * 2 * (2 if path == "cube" else 1)
+    assert len(busy) == (2 * 16 if path == "vector" else 16) and max(busy) == min(busy) == per_core
     capacity_pieces = -(-n // (S // rep["tiling"]["splitCap"]))  # what a capacity split would give
     assert len(busy) > 2 * capacity_pieces
     check_against_oracle(inputs, out, stats)

@@ -163,9 +163,10 @@ inline std::string PlanCube(TopthTilingData& t, const TargetInfo& target) {
 // Cache strides and addressable span; false (with *why) for layouts the kernel cannot read.
 inline bool CacheLayout(const ProblemShape& s, TopthTilingData& t, std::string* why);
 
-// Compute the tiling. Returns false and sets *reason when the shape cannot run.
+// Compute the tiling. Returns false and sets *reason when the shape cannot run; *pathWhy
+// (optional) is why the all-vector kernel runs instead of the cube path (empty on the cube path).
 inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, TopthTilingData* out,
-                          std::string* reason);
+                          std::string* reason, std::string* pathWhy = nullptr);
 
 }  // namespace topth
 

@@ -39,8 +39,58 @@ inline bool CacheLayout(const ProblemShape& s, TopthTilingData& t, std::string* 
     return true;
 }
 
+// Work split and unified-buffer plan for `aivAvail` vector cores (fills t); an empty string
+// when the plan fits, else why not.
+inline std::string SplitAndFit(const ProblemShape& s, const TargetInfo& target, TopthTilingData& t, uint32_t aivAvail) {
+    // Work split (after IncrementalFlashAttention's flash-decode rule): one item per (batch,
+    // kv head) pair; when the pairs fill less than 40% of the vector cores, each pair may be
+    // split into up to cores / pairs parts of the KV sequence, combined by log-sum-exp. The
+    // kernel reads the lengths and uses u <= splitCap splits with >= minSplitLen positions
+    // each (u from the longest sequence, fewer for shorter ones): the split follows the
+    // actual lengths, not the cache capacity. Splitting costs unified buffer (the combine
+    // record, per-split maxima, the soft SyncAll area): when the buffers do not fit, the cap
+    // is lowered, down to no split, before refusing.
+    const uint64_t limit = UbLimit(target);
+    t.ubLimit = static_cast<uint32_t>(limit);
+    t.numPairs = s.batch * s.numKvHeads;
+    uint32_t cap = 1;
+    if (uint64_t(t.numPairs) * 10 < 4ull * aivAvail) {
+        cap = aivAvail / t.numPairs;
+        cap = std::min<uint32_t>(cap, std::max<uint32_t>(1, s.maxSeqLen / t.minSplitLen));
+        cap = std::max<uint32_t>(cap, 1);
+    }
+    const uint32_t firstCap = cap;
+    for (;;) {
+        t.splitCap = cap;
+        const uint32_t busy = static_cast<uint32_t>(std::min<uint64_t>(aivAvail, uint64_t(t.numPairs) * cap));
+        t.blockDim = t.cubePath ? (busy + 1) / 2 : busy;  // AI cores (two vector cores each) or vector cores
+        t.aivCount = t.cubePath ? 2 * t.blockDim : t.blockDim;
+        if (FitTiles(t, limit)) break;
+        if (cap == 1) {
+            PlanUb(t, 8, 8);
+            std::ostringstream os;
+            os << "does not fit the unified buffer of " << target.name << ": with the smallest tiles (8 K rows, "
+               << "8 V rows) and no split of the KV sequence";
+            if (firstCap > 1) os << " (the work split allowed " << firstCap << ")";
+            os << " the kernel needs " << t.ubTotal << " bytes (" << UbBreakdown(t) << ") but a vector core has "
+               << limit << " bytes";
+            if (limit != target.ubBytes) {
+                os << " (" << target.ubBytes << " less the " << TOPTH_UB_API_RESERVE
+                   << " bytes the Ascend C API reserves at the top)";
+            }
+            os << ": the buffers of one GQA group (group size " << t.group
+               << " = num_q_heads / num_kv_heads, x head_dim " << s.headDim
+               << ": query, accumulators, score tiles) are too large for one vector core";
+            return os.str();
+        }
+        cap -= 1;
+    }
+
+    return std::string();
+}
+
 inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, TopthTilingData* out,
-                          std::string* reason) {
+                          std::string* reason, std::string* pathWhy) {
     TopthTilingData t{};
     auto refuse = [&](const std::string& why) {
         if (reason) *reason = why;
@@ -140,51 +190,17 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     if (!cubeWhy.empty() && target.path == TOPTH_PATH_CUBE) return refuse("the cube path cannot run: " + cubeWhy);
     t.cubePath = cubeWhy.empty() ? 1u : 0u;
     t.ringSlots = t.cubePath ? target.ringSlots : 0;
-    const uint32_t aivAvail = t.cubePath ? 2 * aicUsable : target.aivCores;
 
-    // Work split (after IncrementalFlashAttention's flash-decode rule): one item per (batch,
-    // kv head) pair; when the pairs fill less than 40% of the vector cores, each pair may be
-    // split into up to cores / pairs parts of the KV sequence, combined by log-sum-exp. The
-    // kernel reads the lengths and uses u <= splitCap splits with >= minSplitLen positions
-    // each (u from the longest sequence, fewer for shorter ones): the split follows the
-    // actual lengths, not the cache capacity. Splitting costs unified buffer (the combine
-    // record, per-split maxima, the soft SyncAll area): when the buffers do not fit, the cap
-    // is lowered, down to no split, before refusing.
-    const uint64_t limit = UbLimit(target);
-    t.ubLimit = static_cast<uint32_t>(limit);
-    t.numPairs = s.batch * s.numKvHeads;
-    uint32_t cap = 1;
-    if (uint64_t(t.numPairs) * 10 < 4ull * aivAvail) {
-        cap = aivAvail / t.numPairs;
-        cap = std::min<uint32_t>(cap, std::max<uint32_t>(1, s.maxSeqLen / t.minSplitLen));
-        cap = std::max<uint32_t>(cap, 1);
+    why = SplitAndFit(s, target, t, t.cubePath ? 2 * aicUsable : target.aivCores);
+    if (!why.empty() && t.cubePath && target.path == TOPTH_PATH_AUTO) {
+        // the cube path's unified-buffer plan (score ring tiles) can be the larger one
+        cubeWhy = "its unified-buffer plan does not fit (" + why + ")";
+        t.cubePath = 0;
+        t.ringSlots = 0;
+        why = SplitAndFit(s, target, t, target.aivCores);
     }
-    const uint32_t firstCap = cap;
-    for (;;) {
-        t.splitCap = cap;
-        const uint32_t busy = static_cast<uint32_t>(std::min<uint64_t>(aivAvail, uint64_t(t.numPairs) * cap));
-        t.blockDim = t.cubePath ? (busy + 1) / 2 : busy;  // AI cores (two vector cores each) or vector cores
-        t.aivCount = t.cubePath ? 2 * t.blockDim : t.blockDim;
-        if (FitTiles(t, limit)) break;
-        if (cap == 1) {
-            PlanUb(t, 8, 8);
-            std::ostringstream os;
-            os << "does not fit the unified buffer of " << target.name << ": with the smallest tiles (8 K rows, "
-               << "8 V rows) and no split of the KV sequence";
-            if (firstCap > 1) os << " (the work split allowed " << firstCap << ")";
-            os << " the kernel needs " << t.ubTotal << " bytes (" << UbBreakdown(t) << ") but a vector core has "
-               << limit << " bytes";
-            if (limit != target.ubBytes) {
-                os << " (" << target.ubBytes << " less the " << TOPTH_UB_API_RESERVE
-                   << " bytes the Ascend C API reserves at the top)";
-            }
-            os << ": the buffers of one GQA group (group size " << t.group
-               << " = num_q_heads / num_kv_heads, x head_dim " << s.headDim
-               << ": query, accumulators, score tiles) are too large for one vector core";
-            return refuse(os.str());
-        }
-        cap -= 1;
-    }
+    if (!why.empty()) return refuse(why);
+    if (pathWhy) *pathWhy = t.cubePath ? std::string() : cubeWhy;
 
     // Workspace (GM scratch).
     const uint64_t G = t.group, PW = t.pairWidth;

@@ -101,12 +101,22 @@ inline py::dict TilingToDict(const TopthTilingData& t) {
     return d;
 }
 
-// The tiling, or ValueError with the reason the shape cannot run.
-inline TopthTilingData TilingOrThrow(const ProblemShape& shape, const TargetInfo& target) {
+// The tiling, or ValueError with the reason the shape cannot run; *pathWhy: why the
+// all-vector kernel runs rather than the cube path (empty on the cube path).
+inline TopthTilingData TilingOrThrow(const ProblemShape& shape, const TargetInfo& target, std::string* pathWhy = nullptr) {
     TopthTilingData t{};
     std::string reason;
-    if (!ComputeTiling(shape, target, &t, &reason)) throw py::value_error(reason);
+    if (!ComputeTiling(shape, target, &t, &reason, pathWhy)) throw py::value_error(reason);
     return t;
+}
+
+// The tiling as a dict, with "path" ("cube" / "vector") and "pathReason".
+inline py::dict TilingDictWithPath(const ProblemShape& shape, const TargetInfo& target) {
+    std::string why;
+    py::dict d = TilingToDict(TilingOrThrow(shape, target, &why));
+    d["path"] = d["cubePath"].cast<uint32_t>() ? "cube" : "vector";
+    d["pathReason"] = why;
+    return d;
 }
 
 }  // namespace topth

@@ -46,7 +46,7 @@ topth::TargetInfo DeviceTarget() {
 
 py::dict ComputeTiling(const py::dict& shape, int64_t device) {
     (void)device;  // one platform per process in CANN's PlatformAscendCManager
-    return topth::TilingToDict(topth::TilingOrThrow(topth::ShapeFromDict(shape), DeviceTarget()));
+    return topth::TilingDictWithPath(topth::ShapeFromDict(shape), DeviceTarget());
 }
 
 void CheckDeviceDtype(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Device& dev) {

@@ -37,7 +37,7 @@ FEATURES = frozenset({"paged", "group_selection", "threshold_sets"})
 # Numbers for Atlas A2 (docs/ascendc.md).
 HEAD_DIMS_NOTE = "UB-bound: <=1056"
 LIMITS = ("head_dim x GQA group size bounded by the unified buffer (Atlas A2: head_dim <= 1056 at group size 1, "
-          "group size <= 43 at head_dim 128; table in docs/ascendc.md)")
+          "group size <= 52 at head_dim 128; table in docs/ascendc.md)")
 
 # Atlas A2 / Ascend 910B1-B2: 24 AI cores with 2 vector cores each, 192 KiB unified buffer
 # per vector core (910B3/B4: 40 vector cores).

@@ -35,7 +35,7 @@ void Run(const std::string& name);
 namespace {
 
 py::dict ComputeTilingPy(const py::dict& shape, const py::dict& target) {
-    return topth::TilingToDict(topth::TilingOrThrow(topth::ShapeFromDict(shape), topth::TargetFromDict(target)));
+    return topth::TilingDictWithPath(topth::ShapeFromDict(shape), topth::TargetFromDict(target));
 }
 
 struct Arg {
@@ -184,6 +184,13 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     py::dict report;
     py::dict perBuffer;
     uint64_t kBytes = 0, vBytes = 0, otherIn = 0, outBytes = 0;
+    for (const char* name : {"workspace", "score_ring"}) {  // reported even when empty
+        py::dict e;
+        e["gm_to_ub_bytes"] = 0;
+        e["ub_to_gm_bytes"] = 0;
+        e["gm_to_ub_copies"] = 0;
+        perBuffer[name] = e;
+    }
     for (const auto& b : launch.Buffers()) {
         py::dict e;
         e["gm_to_ub_bytes"] = b.bytesToUb;
@@ -228,7 +235,7 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     report["l0b_peak"] = launch.Report().l0bPeak;
     report["l0c_peak"] = launch.Report().l0cPeak;
     report["counters"] = CountersDict(total);
-    report["tiling"] = topth::TilingToDict(t);
+    report["tiling"] = topth::TilingDictWithPath(topth::ShapeFromDict(shape), tgt);
     report["target"] = tgt.name;
     return report;
 }
