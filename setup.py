@@ -39,6 +39,7 @@ cpu_model = Pybind11Extension(
         str(NPU / "cpu_model" / "src" / "hazard.cpp"),
         str(NPU / "cpu_model" / "src" / "sync.cpp"),
         str(NPU / "cpu_model" / "src" / "selftest.cpp"),
+        str(NPU / "cpu_model" / "src" / "selftest_cube.cpp"),
         str(NPU / "kernel" / "topth_decode_attn.cpp"),  # the kernel sources, unchanged
         str(NPU / "kernel" / "topth_decode_attn_cube.cpp"),
     ],

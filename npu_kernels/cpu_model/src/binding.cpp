@@ -30,6 +30,8 @@ extern "C" void topth_decode_attn_cube(TOPTH_ENTRY_ARGS);
 namespace topth_selftest {
 std::vector<std::string> Cases();
 void Run(const std::string& name);
+std::vector<float> CubeGemm(uint32_t m, uint32_t n, uint32_t k, const std::vector<uint16_t>& aBits,
+                            const std::vector<uint16_t>& bBits);
 }  // namespace topth_selftest
 
 namespace {
@@ -308,6 +310,16 @@ PYBIND11_MODULE(_ascendc_cpu, m) {
     m.def("launch_selftest", &LaunchSelftest, py::arg("tensor_device"), py::arg("broken_guard") = false,
           py::arg("null_stream") = false, py::arg("rc") = 0,
           "Drive the NPU binding's launch path (topth_launch.h) with a fake runtime; returns log and error.");
+    m.def(
+        "cube_gemm",
+        [](uint32_t mm, uint32_t n, uint32_t k, const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+            if (a.size() != uint64_t(mm) * k || b.size() != uint64_t(n) * k) throw py::value_error("a is m x k, b is n x k");
+            py::gil_scoped_release release;
+            return topth_selftest::CubeGemm(mm, n, k, a, b);
+        },
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("a_bits"), py::arg("b_bits"),
+        "A (m x k) . B (n x k)^T through the model's cube core as the kernel computes scores (float16 bit "
+        "patterns in, float32 out, m rows of n rounded up to 16).");
     m.def("selftest", &topth_selftest::Run, py::arg("name"),
           "Run one deliberately faulty (or, for 'ok', correct) mini-kernel on the model; faults raise ModelError.");
 }
