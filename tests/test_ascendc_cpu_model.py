@@ -50,7 +50,9 @@ SELFTEST_EXPECT = {
 
 
 def test_every_selftest_case_is_covered():
-    assert set(_model().selftest_cases()) == set(SELFTEST_EXPECT) | {"ok"}
+    from .test_ascendc_cpu_cube import CUBE_SELFTESTS
+
+    assert set(_model().selftest_cases()) == set(SELFTEST_EXPECT) | {"ok"} | set(CUBE_SELFTESTS) | {"cube_ok"}
 
 
 @pytest.mark.parametrize("case", sorted(SELFTEST_EXPECT))
@@ -96,12 +98,13 @@ def test_a_plan_over_the_select_scratch_is_caught_by_the_model():
     tiling keeps it free (16-row tiles, 186976 bytes) and the same call matches the oracle."""
     rng = np.random.default_rng(24)
     inputs = small_int_case(1, 20, 1, 1024, 256, [1000], torch.float16, "post_softmax", rng, keep=0.2)
-    bad = dict(A2_TARGET, reserve_api_scratch=False)
+    vec = dict(A2_TARGET, path="vector")  # the all-vector kernel's plan (the cube path's is smaller)
+    bad = dict(vec, reserve_api_scratch=False)
     assert _model().compute_tiling(problem_shape(inputs), bad)["ubTotal"] > 188416
     out, stats = inputs.empty_outputs(fill=float("nan"))
     with pytest.raises(_model().ModelError, match=r"Select at topth_select\.h:\d+: writes the Ascend C API's 32-byte scratch"):
         run_cpu_model(inputs, out, stats, target=bad)
-    rep = run_cpu_model(inputs, out, stats)
+    rep = run_cpu_model(inputs, out, stats, target=vec)
     assert rep["tiling"]["ubTotal"] <= 188416 and rep["counters"]["select_scratch_writes"] > 0
     check_against_oracle(inputs, out, stats)
 

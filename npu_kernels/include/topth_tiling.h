@@ -93,7 +93,7 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     t.ubVIn = static_cast<uint32_t>(Up(tvPad * Dp * E, 32));             // x2 (double buffer)
     t.ubVF32 = widen ? static_cast<uint32_t>(tvPad * Dp * 4) : 0;
     t.ubWc = static_cast<uint32_t>((t.vPrefetch ? 2 : 1) * G * W * 4);
-    t.ubWb = static_cast<uint32_t>(tvPad * 32);
+    t.ubWb = static_cast<uint32_t>(std::max<uint32_t>(t.wbHeads, 1) * tvPad * 32);  // broadcast weights of wbHeads heads
     t.ubPair = static_cast<uint32_t>(TOPTH_NUM_PAIR_VECS * t.pairWidth * 4);
     t.ubPairB = static_cast<uint32_t>(2 * t.pairWidth * 32);
     t.ubStage = widen ? static_cast<uint32_t>(Up(G * Dp * E, 32)) : 0;
@@ -124,14 +124,19 @@ inline std::string UbBreakdown(const TopthTilingData& t) {
 
 // The largest K tile (then V tile) whose buffers fit, with the V prefetch if it fits too;
 // false when even 8 x 8 does not. On the cube path the K tile is the cube's 64 positions.
+// Preference: larger K, then V tiles; then the V prefetch and the weights of up to 8 heads
+// at once (P.V by rows), each dropped before a smaller tile.
 inline bool FitTiles(TopthTilingData& t, uint64_t limit) {
     static const uint32_t kTiles[] = {64, 32, 16, 8};
     static const uint32_t vTiles[] = {32, 16, 8};
-    for (uint32_t prefetch : {1u, 0u}) {
-        t.vPrefetch = prefetch;
-        for (uint32_t tk : kTiles) {
-            if (t.cubePath && tk != TOPTH_TILE_W) continue;
-            for (uint32_t tv : vTiles) {
+    const uint32_t heads = std::min<uint32_t>(t.group, 8);
+    const uint32_t extras[4][2] = {{1, heads}, {0, heads}, {1, 1}, {0, 1}};  // (vPrefetch, wbHeads)
+    for (uint32_t tk : kTiles) {
+        if (t.cubePath && tk != TOPTH_TILE_W) continue;
+        for (uint32_t tv : vTiles) {
+            for (const auto& e : extras) {
+                t.vPrefetch = e[0];
+                t.wbHeads = e[1];
                 if (PlanUb(t, tk, tv) <= limit) return true;
             }
         }

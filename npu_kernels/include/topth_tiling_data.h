@@ -88,7 +88,9 @@ struct TopthTilingData {
     // 1: the first V batch of the next selection tile is copied while the last batch of the
     // current one is accumulated (a second weights buffer in UB)
     uint32_t vPrefetch;
-    uint32_t rsv0;
+    // heads whose broadcast V weights fit UB at once: P.V row by row for that many heads
+    // (one barrier per row) when it takes fewer barriers than head by head
+    uint32_t wbHeads;
 };
 
 #endif  // TOPTH_TILING_DATA_H

@@ -96,7 +96,7 @@ inline py::dict TilingToDict(const TopthTilingData& t) {
     TOPTH_F(ubPairB); TOPTH_F(ubStage); TOPTH_F(ubMu); TOPTH_F(ubCmb); TOPTH_F(ubMAll); TOPTH_F(ubSync);
     TOPTH_F(ubStat); TOPTH_F(ubSIn); TOPTH_F(ubTotal); TOPTH_F(ubLimit); TOPTH_F(mergeGapBytes); TOPTH_F(l2CacheOff);
     TOPTH_F(wsRingOff); TOPTH_F(cubePath); TOPTH_F(aivCount); TOPTH_F(ringSlots); TOPTH_F(mPad); TOPTH_F(kPad);
-    TOPTH_F(l1Q); TOPTH_F(l1K); TOPTH_F(l0aQ); TOPTH_F(l0bK); TOPTH_F(l0c); TOPTH_F(vPrefetch);
+    TOPTH_F(l1Q); TOPTH_F(l1K); TOPTH_F(l0aQ); TOPTH_F(l0bK); TOPTH_F(l0c); TOPTH_F(vPrefetch); TOPTH_F(wbHeads);
 #undef TOPTH_F
     return d;
 }

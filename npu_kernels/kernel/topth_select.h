@@ -88,11 +88,13 @@ __aicore__ inline void TopthDecodeKernel<T>::SelectAccumulate(const LocalTensor<
     if (td.selection == TOPTH_SELECT_GROUP) {
         // One threshold per KV head against the group maximum of x; every head keeps the
         // same positions. Compare (count form) takes W floats = 256 bytes.
-        Adds(ind, x, 0.0f, W);
+        Adds(ind, x, 0.0f, G * W);
         PipeBarrier<PIPE_V>();
-        for (uint32_t g = 1; g < G; ++g) {
-            Max(ind, ind, x[g * W], W);
+        for (uint32_t h = G; h > 1;) {  // a tree: log2 G barriers
+            const uint32_t half = h / 2;
+            Max(ind, ind, ind[(h - half) * W], half * W);
             PipeBarrier<PIPE_V>();
+            h -= half;
         }
         Compare(mask, ind, thr, CMPMODE::GT, W);
         PipeBarrier<PIPE_V>();
@@ -119,10 +121,12 @@ __aicore__ inline void TopthDecodeKernel<T>::SelectAccumulate(const LocalTensor<
     Add(Pair(P_K), Pair(P_K), Pair(P_KT), PW);
     PipeBarrier<PIPE_V>();
     Add(Pair(P_E), Pair(P_E), Pair(P_ET), PW);
-    // union over the group's heads: ind[0, j] = max_g ind[g, j]
-    for (uint32_t g = 1; g < G; ++g) {
-        Max(ind, ind, ind[g * W], W);
+    // union over the group's heads: ind[0, j] = max_g ind[g, j] (a tree: log2 G barriers)
+    for (uint32_t h = G; h > 1;) {
+        const uint32_t half = h / 2;
+        Max(ind, ind, ind[(h - half) * W], half * W);
         PipeBarrier<PIPE_V>();
+        h -= half;
     }
     // The union as a 64-bit mask: the scalar unit reads its two words (no per-position
     // scan), plans the V copies over it and writes back the rows to fetch, whose weights
@@ -269,9 +273,38 @@ __aicore__ inline void TopthDecodeKernel<T>::AccumulateV(uint32_t batch, uint32_
         vf = vIn.template ReinterpretCast<float>();
     }
     PipeBarrier<PIPE_V>();
+    const uint8_t brcbReps = static_cast<uint8_t>(CeilDiv(nb, 8));
+    const uint32_t chunks = CeilDiv(Dp, 64);
+    uint32_t depth = 0;  // additions of the row tree below
+    for (uint32_t k = nb; k > 1; k -= k / 2) ++depth;
+    const uint32_t hc = td.wbHeads;  // heads per chunk of the row scheme
+    if (CeilDiv(G, hc) * (nb + 1) <= G * (2 + chunks + depth)) {
+        // By rows (fewer barriers when the group is larger than a few rows' worth): the
+        // weights of hc heads broadcast at once, then acc[g] += w[g, r] v_r for those heads
+        // per row (disjoint accumulator rows; one barrier per row).
+        const uint32_t tvPad = ((td.tileV + 7) / 8) * 8, full = Dp / 64, tail = Dp % 64;
+        const BinaryRepeatParams p(1, 1, 0, 8, 8, 0);  // the weight's block broadcast to every block
+        for (uint32_t g0 = 0; g0 < G; g0 += hc) {
+            const uint32_t g1 = Min32(G, g0 + hc);
+            for (uint32_t g = g0; g < g1; ++g) {
+                Brcb(wb[(g - g0) * tvPad * 8], w[g * W + batch * td.tileV], brcbReps, BrcbRepeatParams(1, 8));
+            }
+            PipeBarrier<PIPE_V>();
+            for (uint32_t r = 0; r < nb; ++r) {
+                for (uint32_t g = g0; g < g1; ++g) {
+                    const LocalTensor<float> wr = wb[((g - g0) * tvPad + r) * 8];
+                    if (full) MulAddDst(acc[g * Dp], vf[r * Dp], wr, 64, static_cast<uint8_t>(full), p);
+                    if (tail) MulAddDst(acc[g * Dp + full * 64], vf[r * Dp + full * 64], wr, tail, 1, p);
+                }
+                PipeBarrier<PIPE_V>();
+            }
+        }
+        if constexpr (!kWiden) vQue.FreeTensor(vIn);
+        return;
+    }
     const uint8_t rowBlocks = static_cast<uint8_t>(Dp / 8);
-    for (uint32_t g = 0; g < G; ++g) {
-        Brcb(wb, w[g * W + batch * td.tileV], static_cast<uint8_t>(CeilDiv(nb, 8)), BrcbRepeatParams(1, 8));
+    for (uint32_t g = 0; g < G; ++g) {  // by heads: weighted rows, summed as a tree
+        Brcb(wb, w[g * W + batch * td.tileV], brcbReps, BrcbRepeatParams(1, 8));
         PipeBarrier<PIPE_V>();
         for (uint32_t c0 = 0; c0 < Dp; c0 += 64) {
             BinaryRepeatParams p(1, 1, 0, rowBlocks, rowBlocks, 1);
