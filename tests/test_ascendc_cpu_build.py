@@ -8,7 +8,7 @@
   layout it probes, links the libraries CANN's own kernel-launch builds link, and names a
   missing one (cmake -DTOPTH_PROBE_ONLY=ON against stub CANN trees).
 
-About 10 s on 2 cores (four syntax checks, four CMake configures). Skipped only when g++ or
+About 15 s on 2 cores (six syntax checks, four CMake configures). Skipped only when g++ or
 cmake is missing (the package build itself needs g++).
 """
 
@@ -35,8 +35,9 @@ def _syntax_check(source: Path, *defines: str) -> subprocess.CompletedProcess:
 
 @needs_gxx
 @pytest.mark.parametrize("version", [NEW_CANN, OLD_CANN])
-def test_the_kernel_builds_against_both_reduce_spellings(version):
-    r = _syntax_check(NPU / "kernel" / "topth_decode_attn.cpp", f"TOPTH_MODEL_CANN_VERSION_NUM={version}")
+@pytest.mark.parametrize("entry", ["topth_decode_attn.cpp", "topth_decode_attn_cube.cpp"])
+def test_the_kernel_builds_against_both_reduce_spellings(version, entry):
+    r = _syntax_check(NPU / "kernel" / entry, f"TOPTH_MODEL_CANN_VERSION_NUM={version}")
     assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -233,3 +233,22 @@ def test_forcing_the_cube_path_where_it_cannot_run_is_refused():
              placement=0, sdc=0, vmc=0, scale=1.0, sdc_gamma=0.05)
     with pytest.raises(ValueError, match="the cube path cannot run: float32 inputs"):
         _model().compute_tiling(s, dict(A2_TARGET, path="cube"))
+
+
+def test_the_path_knob(monkeypatch):
+    """TOPTH_ASCENDC_PATH chooses the kernel of both Ascend backends (auto / vector / cube);
+    anything else makes the backend unavailable with a reason naming the variable."""
+    from topth_ops.registry import get_backend
+
+    backend = get_backend("ascendc-cpu")
+    rng = np.random.default_rng(2)
+    inputs = small_int_case(1, 4, 1, 130, 64, [130], torch.float16, "pre_softmax", rng)
+    for path in ("vector", "cube"):
+        monkeypatch.setenv("TOPTH_ASCENDC_PATH", path)
+        out, stats = inputs.empty_outputs(fill=float("nan"))
+        backend.forward(inputs, out, stats)
+        assert backend.last_report["tiling"]["path"] == path and backend.bench_counters()["path"] == path
+        check_against_oracle(inputs, out, stats)
+    monkeypatch.setenv("TOPTH_ASCENDC_PATH", "gpu")
+    reasons = backend.unavailable_reasons()
+    assert len(reasons) == 1 and reasons[0].startswith("TOPTH_ASCENDC_PATH must be one of auto, vector, cube")

@@ -167,8 +167,12 @@ def test_the_npu_binding_launches_through_the_guarded_path():
 
     src = (Path(__file__).resolve().parents[1] / "npu_kernels" / "npu" / "topth_npu_binding.cpp").read_text()
     assert src.count("ACLRT_LAUNCH_KERNEL(topth_decode_attn)") == 1
+    assert src.count("ACLRT_LAUNCH_KERNEL(topth_decode_attn_cube)") == 1  # the cube path's mix kernel
     assert "topth::GuardedLaunch(rt, device" in src and "c10::DeviceGuard" in src
-    assert src.index("topth::GuardedLaunch(rt, device") < src.index("ACLRT_LAUNCH_KERNEL(topth_decode_attn)")
+    for entry in ("ACLRT_LAUNCH_KERNEL(topth_decode_attn)", "ACLRT_LAUNCH_KERNEL(topth_decode_attn_cube)"):
+        assert src.index("topth::GuardedLaunch(rt, device") < src.index(entry)
+    cmake = (Path(__file__).resolve().parents[1] / "npu_kernels" / "npu" / "CMakeLists.txt").read_text()
+    assert "kernel/topth_decode_attn_cube.cpp" in cmake
 
 
 # ----------------------------------------------------------------------------- 5. margins

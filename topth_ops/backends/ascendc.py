@@ -103,15 +103,25 @@ def _knob_error(name: str, lo: int, hi: int, what: str, got) -> ValueError:
     return ValueError(f"{name} must be an integer in [{lo}, {hi}] ({what}), got {got!r}")
 
 
+# Which kernel runs (both Ascend backends; the NPU binding reads it too): "auto" (default: the
+# cube path wherever it can run, else the all-vector kernel), "vector" or "cube" (refused with
+# the reason where it cannot run). docs/ascendc.md, "Which path runs".
+PATH_ENV = "TOPTH_ASCENDC_PATH"
+PATHS = ("auto", "vector", "cube")
+
+
 def check_target(target: dict) -> dict:
-    """Validate a CPU-model target dict (``cores``, ``ub_bytes``, ``min_split_len``, ``name``).
+    """Validate a CPU-model target dict (``cores``, ``ub_bytes``, ``min_split_len``, ``name``,
+    ``path``).
 
     Raises
     ------
     ValueError
         A value that is not an integer in its range of :data:`CPU_KNOBS` (``ub_bytes`` also
-        a multiple of 32), naming the key and the expected value.
+        a multiple of 32), or a ``path`` not in :data:`PATHS`, naming the key and the expected value.
     """
+    if target.get("path") is not None and target["path"] not in PATHS:
+        raise ValueError(f"target['path'] must be one of {PATHS}, got {target['path']!r}")
     for _env, key, lo, hi, what in CPU_KNOBS:
         v = target.get(key)
         if v is None:
@@ -123,15 +133,22 @@ def check_target(target: dict) -> dict:
 
 def cpu_target() -> dict:
     """Target of ``ascendc-cpu``: Atlas A2 unless TOPTH_ASCENDC_CPU_CORES / _UB_BYTES /
-    _MIN_SPLIT_LEN override the vector-core count, unified-buffer bytes or the shortest
-    KV split (ranges in :data:`CPU_KNOBS`).
+    _MIN_SPLIT_LEN override the vector-core count (the cube cores are half of it), unified-buffer
+    bytes or the shortest KV split (ranges in :data:`CPU_KNOBS`), and TOPTH_ASCENDC_PATH the
+    path (:data:`PATHS`).
 
     Raises
     ------
     ValueError
-        A variable that is not an integer in its range, naming the variable and the range.
+        A variable that is not an integer in its range, or an unknown path, naming the
+        variable and the expected values.
     """
     t = dict(A2_TARGET)
+    path = os.environ.get(PATH_ENV, "").strip()
+    if path:
+        if path not in PATHS:
+            raise ValueError(f"{PATH_ENV} must be one of {', '.join(PATHS)} (which kernel runs), got {path!r}")
+        t["path"] = path
     for env, key, lo, hi, what in CPU_KNOBS:
         raw = os.environ.get(env, "").strip()
         if not raw:
@@ -160,14 +177,17 @@ def run_cpu_model(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[Decod
         Written when given.
     target : dict, optional
         ``name``, ``ub_bytes`` (unified-buffer bytes per vector core), ``cores`` (vector
-        cores), ``min_split_len``; test switches ``reserve_api_scratch`` (False plans
-        buffers over the API's scratch block) and ``sync`` ("hard" / "soft"); default
-        :func:`cpu_target` (Atlas A2).
+        cores), ``aic_cores`` (cube cores, default half the vector cores), ``min_split_len``,
+        ``path`` ("auto", "vector", "cube"), ``ring_slots``; what the tiling believes of the
+        cube memories (``l1_bytes``, ``l0a_bytes``, ``l0b_bytes``, ``l0c_bytes``; the model's
+        are Atlas A2's); test switches ``reserve_api_scratch`` (False plans buffers over the
+        API's scratch block) and ``sync`` ("hard" / "soft"); default :func:`cpu_target` (Atlas A2).
     launch : dict, optional
         Model conditions: ``check_rows`` (default True: every K / V read must be a row the
         block table names for the work item's sequence), ``resident_blocks`` (blocks that
         start together when another stream holds cores; 0 = all), ``transcendental_error``
-        (relative error of the model's Exp / Ln, +/- by element).
+        (relative error of the model's Exp / Ln, +/- by element), ``fault`` (a deliberate bug
+        of the kernel source, TOPTH_MODEL_FAULT, for the tests that the model catches it).
 
     Returns
     -------
@@ -175,9 +195,13 @@ def run_cpu_model(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[Decod
         The model's report: ``k_bytes`` and ``v_bytes`` (GM -> UB bytes of the key and value
         caches), ``buffers`` (per-buffer GM <-> UB bytes and copy counts), ``counters`` and
         ``per_block`` (pipe counters: MTE2 / MTE3 bytes and requests, vector instructions
-        and repeats, scalar UB / GM accesses, barriers, flags, cube instructions),
-        ``ub_peak`` and ``ub_capacity`` (bytes), ``block_dim``, ``sync_all_calls`` and the
-        ``tiling``.
+        and repeats, scalar UB / GM accesses, barriers, flags, cube instructions and their
+        fractals, L1 -> L0 and Fixpipe bytes, cross-core flags; one entry per core with its
+        ``core`` "aiv" / "aic"), ``counters_aic`` / ``counters_aiv`` (summed over the cube /
+        vector cores), ``ub_peak`` and ``ub_capacity`` (bytes), ``l1_peak`` / ``l0a_peak`` /
+        ``l0b_peak`` / ``l0c_peak`` (cube cores), ``block_dim`` (vector cores, or AI cores on the
+        cube path), ``cube_path``, ``kernel_type``, ``sync_all_calls`` and the ``tiling`` (with
+        ``path`` and ``pathReason``).
 
     Raises
     ------
@@ -282,6 +306,12 @@ class AscendCCpuBackend(Backend):
             "ub_peak": r["ub_peak"],
         }
         counters.update({f"pipe_{k}": v for k, v in r["counters"].items()})
+        # the cube cores' share (cube path; zeros on the all-vector path) and the vector cores'
+        # barriers and cross-core flags, for the cycle estimate (bench/ascendc_counters.py)
+        counters.update({f"pipe_aic_{k}": v for k, v in r["counters_aic"].items()})
+        counters["pipe_barriers_aiv"] = r["counters_aiv"]["barriers"]
+        counters["pipe_cross_sets_aiv"] = r["counters_aiv"]["cross_sets"]
+        counters["path"] = r["tiling"]["path"]
         return counters
 
     def _plan_counters(self) -> dict:
@@ -303,6 +333,7 @@ class AscendCCpuBackend(Backend):
             "plan_score_tiles": plan["score_tiles"],
             "plan_work_items": items,
             "plan_group": inputs.group_size,
+            "plan_row_bytes": inputs.head_dim * e,
         }
 
 
