@@ -1,6 +1,8 @@
 /*
- * Top-Theta thresholded incremental (decode) flash attention: Ascend C kernel for
- * Atlas A2 / Ascend 910B AI vector cores.
+ * Top-Theta thresholded incremental (decode) flash attention: the all-vector Ascend C kernel
+ * for Atlas A2 / Ascend 910B AI vector cores (the cube path's mix kernel, which computes the
+ * scores on the cube cores and shares everything from the scores on with this one, is
+ * topth_decode_attn_cube.cpp; the host tiling picks one per call).
  *
  * One source, two builds: with CANN (bisheng, ascendc_library) for the NPU, and with g++
  * against the CPU model of the Ascend C API in npu_kernels/cpu_model (the model's

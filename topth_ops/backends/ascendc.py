@@ -3,9 +3,11 @@ kernel source compiled with g++ against the CPU model of the Ascend C API).
 
 The kernel (``npu_kernels/kernel/``) is modelled on Ascend's IncrementalFlashAttention: work
 split over batch x kv-heads across AI vector cores, and over the actual KV length
-(flash-decoding, combined by log-sum-exp) when that is too little work; K tiles
-double-buffered GM -> UB through the block table (contiguous BNSD, paged NHD / HND); V rows
-copied only when the GQA group keeps them; per-head or per-group selection, threshold sets.
+(flash-decoding, combined by log-sum-exp) when that is too little work; K read through the
+block table (contiguous BNSD, paged NHD / HND) and the scores computed on the cube cores of a
+mix kernel (the cube path: float16 / bfloat16 where its buffers fit) or on the vector cores
+(the all-vector kernel; ``TOPTH_ASCENDC_PATH`` forces one); V rows copied only when the GQA
+group keeps them; per-head or per-group selection, threshold sets.
 The caches are read in place through their strides; layouts the kernel cannot read are
 refused with the reason (never copied). docs/ascendc.md describes the design, the build and
 what was verified where: the ``ascendc`` backend has **not** run on Ascend hardware; CI

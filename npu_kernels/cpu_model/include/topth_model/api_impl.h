@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "topth_model/api_core.h"
+#include "topth_model/api_queue.h"
 #include "topth_model/api_sync.h"
 #include "topth_model/api_copy.h"
 #include "topth_model/api_vec.h"
