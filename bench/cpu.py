@@ -8,8 +8,8 @@ variants are:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` decode on the BNSD cache
   with ``enable_gqa=True``; ``sdpa-expanded``: on caches expanded to num_q_heads (the copy
   is made once, untimed; only where it fits :data:`EXPAND_LIMIT`);
-- ``vllm-cpu``: vLLM's CPU paged decode attention when vLLM's CPU build is importable
-  (else a row says why not).
+- ``vllm-cpu``: vLLM's CPU decode attention (``cpu_attention_with_kv_cache`` of vLLM's CPU
+  build, its own paged layout, block size 128) when importable (else a row says why not).
 
 Every variant is checked once (the kernel's statistics against the planted kept sets,
 its output against the torch reference on sequence 0, each dense baseline against the
@@ -105,38 +105,50 @@ def _sdpa(dense, expanded: bool) -> _Variant:
     return _Variant(name, "dense", 1.0, fn, lambda: holder["out"][:, :, 0])
 
 
+VLLM_BLOCK = 128
+"""Block size of the vLLM cache (its CPU attention takes multiples of 32; 128 is vLLM's CPU default)."""
+
+
 def _vllm(dense) -> _Variant:
-    """vLLM's CPU paged decode attention (``paged_attention_v1`` of its CPU build: key cache
-    ``[blocks, kv_heads, head_dim / x, block_size, x]``, value cache ``[blocks, kv_heads,
-    head_dim, block_size]``, x = 16 bytes / element size; copied once, untimed)."""
+    """vLLM's CPU decode attention (vLLM >= 0.11, the v1 CPU backend's
+    ``cpu_attention_with_kv_cache``): one paged cache ``[blocks, kv_heads, block_size,
+    2 * head_dim]`` holding K then V per block, filled once (untimed) by vLLM's own
+    ``cpu_attn_reshape_and_cache``,
+    scheduler metadata built once per shape as vLLM's metadata builder does."""
     name = "vllm-cpu"
     try:
         from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except Exception as e:  # noqa: BLE001 - any import failure means "not here"
-        return _Variant(name, "dense", 1.0, reason=f"vllm not importable ({type(e).__name__}: {e})"[:200])
+        return _Variant(name, "dense", 1.0, reason=f"vLLM's CPU build not importable ({type(e).__name__}: {e})"[:200])
     B, Hq, D = dense.query.shape
-    Hkv, S = dense.num_kv_heads, dense.max_seq_len
-    bs, x = 16, 16 // dense.query.element_size()
+    Hkv, S, bs = dense.num_kv_heads, dense.max_seq_len, VLLM_BLOCK
     nb = -(-S // bs)
-    pad = nb * bs - S
-    k = torch.nn.functional.pad(dense.key_cache, (0, 0, 0, pad))  # [B, Hkv, nb*bs, D]
-    v = torch.nn.functional.pad(dense.value_cache, (0, 0, 0, pad))
-    kc = k.view(B, Hkv, nb, bs, D // x, x).permute(0, 2, 1, 4, 3, 5).reshape(B * nb, Hkv, D // x, bs, x).contiguous()
-    vc = v.view(B, Hkv, nb, bs, D).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, D, bs).contiguous()
-    table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
-    lens = dense.seq_lens.to(torch.int32)
-    out = torch.empty_like(dense.query)
-    one = torch.tensor(1.0)
-
-    def fn():
-        ops.paged_attention_v1(out, dense.query, kc, vc, Hkv, dense.scale, table, lens, bs, S, None, "auto", one, one)
-
     try:
+        kv = torch.zeros(B * nb, Hkv, bs, 2 * D, dtype=dense.dtype)
+        view = kv.view(B * nb, Hkv, 2 * bs, D)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
+        pos = torch.arange(S)
+        slots = (table[:, pos // bs].to(torch.int64) * bs + (pos % bs)).reshape(-1)  # [B * S]
+        isa = _get_attn_isa(dense.dtype, bs, D, "auto")
+        # vLLM's own writer lays each block out for its ISA
+        ops.cpu_attn_reshape_and_cache(dense.key_cache.transpose(1, 2).reshape(B * S, Hkv, D),
+                                       dense.value_cache.transpose(1, 2).reshape(B * S, Hkv, D),
+                                       key_cache, value_cache, slots, isa)
+        lens = dense.seq_lens.to(torch.int32)
+        qsl = torch.arange(B + 1, dtype=torch.int32)
+        meta = ops.cpu_attn_get_scheduler_metadata(B, Hq, Hkv, D, lens, dense.dtype, qsl, True, -1, isa, True)
+        out = torch.empty_like(dense.query)
+
+        def fn():
+            ops.cpu_attention_with_kv_cache(dense.query, key_cache, value_cache, out, qsl, lens, dense.scale, True,
+                                            None, -1, table, 0.0, meta, None)
+
         fn()
-    except Exception as e:  # noqa: BLE001 - the CUDA wheel, or another API version
-        return _Variant(name, "dense", 1.0, reason=f"vLLM's CPU paged_attention_v1 did not run ({type(e).__name__}: "
-                                                   f"{e})"[:200])
-    return _Variant(name, "dense", 1.0, fn, lambda: out)
+    except Exception as e:  # noqa: BLE001 - another vLLM version or a shape it refuses
+        return _Variant(name, "dense", 1.0, reason=f"vLLM's CPU attention did not run ({type(e).__name__}: {e})"[:200])
+    return _Variant(name, "dense", 1.0, fn, lambda: out, reason=f"isa {isa}, block size {bs}")
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
