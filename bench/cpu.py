@@ -21,12 +21,9 @@ shape; ``bound`` is 2 / (1 + f_union) (K read fully, V only kept rows).
 
 from __future__ import annotations
 
-import csv
-import math
-import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -35,7 +32,7 @@ from topth_ops.backends.torch_ref import reference_decode
 from topth_ops.conformance.compare import TOLERANCES
 from topth_ops.registry import get_backend
 
-from .cpu_cases import CPU_SHAPE_SETS, CpuShape, make_shape_inputs
+from .cpu_cases import CpuShape, make_shape_inputs
 
 EXPAND_LIMIT = 1 << 30
 """Largest expanded K + V copy (bytes) made for ``sdpa-expanded``."""

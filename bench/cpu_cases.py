@@ -41,9 +41,8 @@ class CpuShape:
 
     @property
     def name(self) -> str:
-        return (f"b{self.batch}-h{self.num_q_heads}x{self.num_kv_heads}-d{self.head_dim}"
-                f"-s{self.seq_len // 1024}k-{self.dtype}" if self.seq_len >= 1024 else
-                f"b{self.batch}-h{self.num_q_heads}x{self.num_kv_heads}-d{self.head_dim}-s{self.seq_len}-{self.dtype}")
+        s = f"{self.seq_len // 1024}k" if self.seq_len % 1024 == 0 else str(self.seq_len)
+        return f"b{self.batch}-h{self.num_q_heads}x{self.num_kv_heads}-d{self.head_dim}-s{s}-{self.dtype}"
 
     @property
     def cache_bytes(self) -> int:
