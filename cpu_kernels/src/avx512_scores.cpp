@@ -66,11 +66,8 @@ inline void qk_chunks(const float* qh, const float* tile, int32_t dpad, int32_t 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
             const float* q, int32_t G, float* S, int64_t ldS, float* tile) {
     const int32_t nct = dpad / 16;
-    const int64_t row_bytes = int64_t(d) * (dtype == kF32 ? 4 : 2);
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        if (sdim == 1)
-            for (int64_t t = t0 + 16; t < count && t < t0 + 32; ++t) prefetch_row(rows[t], row_bytes);
         for (int64_t t = 0; t < T; ++t) load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
         for (int64_t t = T; t < 16; ++t) memset(tile + t * dpad, 0, sizeof(float) * size_t(dpad));
         for (int32_t h = 0; h < G; ++h) {

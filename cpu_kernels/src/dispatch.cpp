@@ -1,9 +1,11 @@
 // Dispatch of one call: SIMD level, clamping of unchecked values, the split-KV plan, and
 // the phases run on the thread pool (docs/cpu.md).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 
 #include "kernel.h"
@@ -77,6 +79,8 @@ const SimdOps* ops_of(int32_t level) {
 std::mutex g_call;
 Plan g_plan;
 std::vector<Scratch> g_scratch;
+std::unique_ptr<std::atomic<int64_t>[]> g_remaining;  // per pair: items not finished yet
+int64_t g_remaining_size = 0;
 
 void build_plan(Plan& pl, const Params& P) {
     pl.P = &P;
@@ -194,17 +198,29 @@ Counters decode(const Params& P, int32_t level) {
     build_plan(pl, P);
     const int32_t threads = int32_t(g_scratch.size());
     const int64_t I = int64_t(pl.items.size()), pairs = pl.pairs();
-    auto items = [&](Phase phase) {
-        parallel_for(threads, I, [&](int64_t t, int32_t w) { run_item(pl, pl.order[size_t(t)], phase, g_scratch[size_t(w)]); });
-    };
-    if (pl.two_phase) {
-        items(kScores);
-        parallel_for(threads, pairs, [&](int64_t p, int32_t) { combine_lse(pl, p); });
-        items(kSelect);
-    } else {
-        items(kFull);
+    // Items run longest first on the pool; the last item of a (sequence, KV head) to finish
+    // runs that pair's combine (acq_rel counter: it sees every split's partial record), so a
+    // call needs one pool round trip (two with split post_softmax: scores, then select + P.V).
+    if (g_remaining_size < pairs) {
+        g_remaining.reset(new std::atomic<int64_t>[size_t(pairs)]);
+        g_remaining_size = pairs;
     }
-    parallel_for(threads, pairs, [&](int64_t p, int32_t) { combine_pair(pl, p); });
+    auto items = [&](Phase phase) {
+        for (int64_t p = 0; p < pairs; ++p) g_remaining[p].store(pl.pair_count[size_t(p)], std::memory_order_relaxed);
+        parallel_for(threads, I, [&](int64_t t, int32_t w) {
+            const int64_t i = pl.order[size_t(t)];
+            run_item(pl, i, phase, g_scratch[size_t(w)]);
+            const int64_t pair = pl.items[size_t(i)].b * P.num_kv_heads + pl.items[size_t(i)].g;
+            if (g_remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                if (phase == kScores) combine_lse(pl, pair);
+                else combine_pair(pl, pair);
+            }
+        });
+    };
+    if (pl.two_phase) items(kScores);
+    items(pl.two_phase ? kSelect : kFull);
+    for (int64_t p = 0; p < pairs; ++p)
+        if (pl.pair_count[size_t(p)] == 0) combine_pair(pl, p);  // n = 0: zeros
 
     Counters c;
     for (int64_t i = 0; i < I; ++i) {
