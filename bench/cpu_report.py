@@ -115,7 +115,7 @@ def plot_cpu(rows: list[CpuRow], path: str, title: str) -> bool:
     ax2.axhline(1.0, color="k", lw=0.8)
     ax2.set_xticks(range(len(dense)))
     ax2.set_xticklabels([r.shape for r in dense], rotation=70, ha="right", fontsize=6)
-    ax2.set_ylabel("cpu dense mode: speedup over torch SDPA (enable_gqa)")
+    ax2.set_ylabel("cpu dense mode / torch SDPA (GQA)")
     ax2.set_yscale("log")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -103,8 +103,12 @@ def test_forced_split_kv(split, rule, monkeypatch):
     assert BACKEND.last_counters["splits_max"] > 1
 
 
+@pytest.mark.parametrize("parallel", ["auto", "pool"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_thread_counts(threads):
+def test_thread_counts(threads, parallel, monkeypatch):
+    """Both thread runtimes: torch's OpenMP team (auto, when its runtime is loaded, as with
+    torch's wheels) and the kernel's own pool."""
+    monkeypatch.setenv(cpu_backend.ENV_PARALLEL, parallel)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -114,7 +118,17 @@ def test_thread_counts(threads):
     finally:
         torch.set_num_threads(old)
     assert c["threads"] == (threads if threads > 1 else 1)
+    if threads > 1:
+        openmp = bool(cpu_backend.cpu_module().openmp_runtime())
+        assert c["runtime"] == ("openmp" if parallel == "auto" and openmp else "pool")
     _assert_matches_oracle(case.kwargs, out, stats, torch.bfloat16)
+
+
+def test_runs_on_torchs_openmp_runtime():
+    """torch's wheels load their own libgomp; the kernel finds it and runs on torch's team."""
+    rt = cpu_backend.cpu_module().openmp_runtime()
+    assert "omp" in rt and os.path.exists(rt)
+    assert "OpenMP team" in cpu_backend.threads_line()
 
 
 @pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
@@ -201,7 +215,8 @@ def test_output_rounding_matches_torch(dtype, code):
 
 def test_knob_errors_make_the_backend_unavailable(monkeypatch):
     case = random_case("knob", Shape((5,), 4, 2, 64, 8), torch.float32, placement="pre_softmax", seed=1)
-    for name, value in ((cpu_backend.ENV_SIMD, "sse9"), (cpu_backend.ENV_SPLIT, "-3"), (cpu_backend.ENV_SPLIT, "x")):
+    for name, value in ((cpu_backend.ENV_SIMD, "sse9"), (cpu_backend.ENV_SPLIT, "-3"), (cpu_backend.ENV_SPLIT, "x"),
+                        (cpu_backend.ENV_PARALLEL, "tbb")):
         monkeypatch.setenv(name, value)
         reasons = BACKEND.unavailable_reasons()
         assert any(name in r for r in reasons), reasons

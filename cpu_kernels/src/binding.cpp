@@ -56,9 +56,10 @@ Params params_from(const py::dict& args) {
         if (v < 1) throw py::value_error("shape values must be >= 1");
     if (P.num_q_heads % P.num_kv_heads) throw py::value_error("num_q_heads must be a multiple of num_kv_heads");
     auto opt = args["options"].cast<std::vector<int64_t>>();
-    if (opt.size() != 7) throw py::value_error("options: expected 7 values");
+    if (opt.size() != 8) throw py::value_error("options: expected 8 values");
     P.dtype = int32_t(opt[0]); P.placement = int32_t(opt[1]); P.sdc = int32_t(opt[2]); P.vmc = int32_t(opt[3]);
     P.group_selection = int32_t(opt[4]); P.threads = int32_t(opt[5]); P.split_len = opt[6];
+    P.use_openmp = int32_t(opt[7]);
     if (P.dtype < kF16 || P.dtype > kF32) throw py::value_error("unknown dtype code");
     P.scale = args["scale"].cast<float>();
     P.sdc_gamma = args["sdc_gamma"].cast<float>();
@@ -100,6 +101,7 @@ py::dict decode_py(const py::dict& args, int32_t level) {
     r["items"] = c.items;
     r["splits_max"] = c.splits_max;
     r["threads"] = c.threads_used;
+    r["runtime"] = c.runtime == 2 ? "openmp" : (c.runtime == 1 ? "pool" : "inline");
     r["simd"] = simd_level_name(level == kLevelAuto ? best_simd_level() : level);
     return r;
 }
@@ -126,7 +128,9 @@ PYBIND11_MODULE(_topth_cpu, m) {
           "Run one call; args from topth_ops.backends.cpu.kernel_args. Returns the row counters.");
     m.def("simd_levels", &simd_levels, "SIMD levels compiled in and supported by this CPU, best first");
     m.def("best_simd_level", [] { return std::string(simd_level_name(best_simd_level())); });
-    m.def("pool_workers", &pool_workers, "worker threads started so far");
+    m.def("pool_workers", &pool_workers, "worker threads of the own pool started so far");
+    m.def("openmp_runtime", [] { return std::string(openmp_runtime()); },
+          "path of the loaded OpenMP runtime the kernel runs on ('' when none, or after fork)");
     m.def("_convert_out", &convert_out, "float32 -> float16 (0) / bfloat16 (1) bits, as the kernel writes them");
     m.attr("LEVELS") = py::dict(py::arg("auto") = kLevelAuto, py::arg("generic") = kLevelGeneric,
                                 py::arg("avx2") = kLevelAvx2, py::arg("avx512") = kLevelAvx512);

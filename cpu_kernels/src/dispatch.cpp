@@ -215,7 +215,7 @@ Counters decode(const Params& P, int32_t level) {
                 if (phase == kScores) combine_lse(pl, pair);
                 else combine_pair(pl, pair);
             }
-        });
+        }, P.use_openmp != 0);
     };
     if (pl.two_phase) items(kScores);
     items(pl.two_phase ? kSelect : kFull);
@@ -231,6 +231,7 @@ Counters decode(const Params& P, int32_t level) {
     c.items = I;
     for (int64_t p = 0; p < pairs; ++p) c.splits_max = std::max(c.splits_max, pl.pair_count[size_t(p)]);
     c.threads_used = threads;
+    c.runtime = (threads <= 1 || I <= 1) ? 0 : (P.use_openmp && openmp_runtime()[0] ? 2 : 1);
     return c;
 }
 

@@ -14,9 +14,11 @@ it, and this backend then reports why it is unavailable (the registry falls back
 
 - ``TOPTH_CPU_SIMD``: ``auto`` (default: the best level this CPU runs), ``avx512``,
   ``avx2`` or ``generic`` (the portable C++ path);
-- ``TOPTH_CPU_SPLIT_LEN``: positions per KV split (default 0: automatic).
+- ``TOPTH_CPU_SPLIT_LEN``: positions per KV split (default 0: automatic);
+- ``TOPTH_CPU_PARALLEL``: ``auto`` (default: torch's own OpenMP thread team when its runtime
+  is loaded, else the kernel's pool) or ``pool`` (always the kernel's pool).
 
-Threads: ``torch.get_num_threads()`` per call, on the kernel's own pool (not OpenMP).
+Threads: ``torch.get_num_threads()`` per call (docs/cpu.md, "Threads").
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from ..registry import Backend
 
 ENV_SIMD = "TOPTH_CPU_SIMD"
 ENV_SPLIT = "TOPTH_CPU_SPLIT_LEN"
+ENV_PARALLEL = "TOPTH_CPU_PARALLEL"
 SIMD_CHOICES = ("auto", "avx512", "avx2", "generic")
+PARALLEL_CHOICES = ("auto", "pool")
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
 SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
@@ -75,6 +79,27 @@ def split_len() -> int:
     if v < 0:
         raise ValueError(f"{ENV_SPLIT} must be an integer >= 0 (positions per KV split, 0: automatic), got {raw!r}")
     return v
+
+
+def parallel_request() -> str:
+    """``TOPTH_CPU_PARALLEL`` (``auto`` when unset).
+
+    Raises
+    ------
+    ValueError
+        A value outside :data:`PARALLEL_CHOICES`, naming the variable.
+    """
+    raw = os.environ.get(ENV_PARALLEL, "").strip().lower() or "auto"
+    if raw not in PARALLEL_CHOICES:
+        raise ValueError(f"{ENV_PARALLEL} must be one of {', '.join(PARALLEL_CHOICES)}, got {raw!r}")
+    return raw
+
+
+def threads_line() -> str:
+    """Thread count and where the threads come from, for ``topth-ops info``."""
+    rt = cpu_module().openmp_runtime() if parallel_request() == "auto" else ""
+    where = f"torch's OpenMP team ({os.path.basename(rt)})" if rt else "the kernel's own pool"
+    return f"{torch.get_num_threads()} threads (torch.get_num_threads()) on {where}"
 
 
 def simd_level() -> str:
@@ -130,7 +155,8 @@ def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeS
         "shape": [inputs.batch, inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim, inputs.block_size,
                   inputs.num_blocks, inputs.max_blocks_per_seq, inputs.max_row_id, inputs.num_sets],
         "options": [DTYPE_CODES[inputs.dtype], PLACEMENT_CODES[inputs.placement], SDC_CODES[inputs.sdc], vmc,
-                    int(inputs.selection == "group"), torch.get_num_threads(), split_len()],
+                    int(inputs.selection == "group"), torch.get_num_threads(), split_len(),
+                    int(parallel_request() == "auto")],
         "scale": float(inputs.scale),
         "sdc_gamma": float(inputs.sdc_gamma),
         "query": _tensor(inputs.query),
@@ -162,11 +188,11 @@ class CpuBackend(Backend):
     @property
     def description(self) -> str:
         try:
-            level = simd_level()
+            level, threads = simd_level(), threads_line()
         except (ImportError, ValueError) as e:
-            level = f"? ({e})"
-        return (f"compiled C++ kernel (pybind11), SIMD {level}, {torch.get_num_threads()} threads "
-                f"(torch.get_num_threads()); K read once per GQA group, only kept-union V rows read (docs/cpu.md)")
+            level, threads = f"? ({e})", f"{torch.get_num_threads()} threads"
+        return (f"compiled C++ kernel (pybind11), SIMD {level}, {threads}; K read once per GQA group, only "
+                f"kept-union V rows read (docs/cpu.md)")
 
     def unavailable_reasons(self) -> list[str]:
         try:
@@ -175,7 +201,7 @@ class CpuBackend(Backend):
             return [f"the CPU kernel extension topth_ops.cpu_kernels._topth_cpu is not built ({e}); reinstall "
                     f"with `pip install .` (needs a C++17 compiler; pybind11 is a build requirement)"]
         reasons = []
-        for check in (simd_level, split_len):
+        for check in (simd_level, split_len, parallel_request):
             try:
                 check()
             except ValueError as e:
@@ -197,7 +223,8 @@ class CpuBackend(Backend):
             return {}
         r = self._row_bytes
         return {"k_bytes": c["k_rows"] * r, "v_bytes": c["v_rows"] * r, "v_mean_bytes": c["v_mean_rows"] * r,
-                "items": c["items"], "splits_max": c["splits_max"], "threads": c["threads"], "simd": c["simd"]}
+                "items": c["items"], "splits_max": c["splits_max"], "threads": c["threads"], "simd": c["simd"],
+                "runtime": c["runtime"]}
 
 
 BACKENDS = [CpuBackend()]

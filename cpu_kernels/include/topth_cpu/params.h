@@ -42,6 +42,7 @@ struct Params {
     // execution
     int32_t threads = 1;
     int64_t split_len = 0;  // positions per KV split; 0: automatic
+    int32_t use_openmp = 1; // run on the loaded OpenMP runtime (torch's) when there is one
 };
 
 // Rows read by the stages of one call (the kernel's debug counters, exact by construction).
@@ -52,6 +53,7 @@ struct Counters {
     int64_t items = 0;        // work items (sequence x KV head x split)
     int64_t splits_max = 0;   // largest number of splits of one (sequence, KV head)
     int64_t threads_used = 0;
+    int32_t runtime = 0;      // 0: caller's thread only, 1: own pool, 2: the loaded OpenMP runtime
 };
 
 // Arguments of the selection stage (thresholding + group union + kept weights) on the
