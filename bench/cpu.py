@@ -14,13 +14,14 @@ variants are:
 Every variant is checked once (the kernel's statistics against the planted kept sets,
 its output against the torch reference on sequence 0, each dense baseline against the
 kernel's dense output), then timed in interleaved rounds (round r runs every variant
-once, in an order rotated by r), so that load on a shared machine hits every variant
-alike; a row reports the median. Speedups are against the best dense variant of the same
+once, in a new random order), so that load on a shared machine, and the threads torch or
+vLLM leave spinning after their calls, hit every variant alike; a row reports the median. Speedups are against the best dense variant of the same
 shape; ``bound`` is 2 / (1 + f_union) (K read fully, V only kept rows).
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -205,9 +206,9 @@ def time_interleaved(variants: list[_Variant], *, min_reps: int, max_reps: int,
         v.fn()
         t_round += time.perf_counter() - t0
     reps = max(min_reps, min(max_reps, int(budget_s / max(t_round, 1e-9))))
-    for r in range(reps):
-        for i in range(len(live)):
-            v = live[(i + r) % len(live)]
+    rng = random.Random(0)
+    for _ in range(reps):
+        for v in rng.sample(live, len(live)):  # a new order each round: no fixed neighbour
             t0 = time.perf_counter()
             v.fn()
             times[v.name].append((time.perf_counter() - t0) * 1e3)
