@@ -302,11 +302,31 @@ def test_interpreter_off_reason(monkeypatch):
 
 
 def test_choose_num_splits():
+    """One full wave of resident slots (SMs x CTAs per SM), never a partial second one."""
     f = kernels().choose_num_splits
-    # target case on an H200 (132 SMs): 64 (b, kv head) programs -> 5 splits of 32768
-    assert f(8, 8, 32768, 64, 132) == 5
+    from topth_ops.cuda_kernels import occupancy
+
+    # target case on an H200 (132 SMs): 64 (b, kv head) programs, 2 or 3 CTAs per SM
+    assert f(8, 8, 32768, 64, 132, 2) == 4  # 256 programs <= 264 slots
+    assert f(8, 8, 32768, 64, 132, 3) == 6  # 384 <= 396
+    for ctas in (1, 2, 3, 4):
+        ns = f(8, 8, 32768, 64, 132, ctas)
+        assert occupancy.waves(64 * ns, 132, ctas)[0] == 1
     # one long sequence still fills the GPU, bounded by 64
     assert f(1, 1, 1 << 20, 64, 132) == 64
-    # short caches are not split below 512 positions per split
-    assert f(1, 8, 1000, 64, 132) == 1
+    # short caches are not split below 256 positions per split
+    assert f(1, 8, 1000, 64, 132) == 3
     assert f(64, 8, 32768, 64, 132) == 1
+
+
+def test_occupancy_arithmetic():
+    """CUDA occupancy calculator on sm_90: registers per warp in units of 256, 1 KiB of
+    shared memory reserved per CTA."""
+    from topth_ops.cuda_kernels import occupancy
+
+    assert occupancy.ctas_per_sm(128, 0, 4) == 4  # 65536 / (128 * 32 * 4)
+    assert occupancy.ctas_per_sm(130, 0, 4) == 3  # 130 regs round up to 136 per thread
+    assert occupancy.ctas_per_sm(64, 100 * 1024, 4) == 2  # shared memory bound
+    assert occupancy.ctas_per_sm(32, 0, 4) == 16  # thread bound: 2048 / 128
+    assert occupancy.ctas_per_sm(256, 0, 4) == 0  # over the 255-register limit
+    assert occupancy.waves(265, 132, 2) == (2, 265 / 528)
