@@ -149,6 +149,28 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
             "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
 
 
+_SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def spills_in_loops(cubin: bytes) -> int:
+    """Local-memory (spill) instructions, STL / LDL, that lie inside a loop of the SASS: a
+    loop is the range [target, branch] of a backward branch. A spill outside every loop
+    costs one L1 access per program; inside a loop it costs one per iteration."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as fh:
+            fh.write(cubin)
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    instrs = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _SASS.finditer(sass)]
+    loops = []
+    for addr, op, rest in instrs:
+        if op.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) <= addr:
+            loops.append((int(t.group(1), 16), addr))
+    return sum(1 for addr, op, _ in instrs if op.split(".")[0] in ("STL", "LDL")
+               and any(lo <= addr <= hi for lo, hi in loops))
+
+
 _LOC_DEF = re.compile(r"^#(loc\d*) = loc\((.*)\)\s*$")
 _LOC_FILE = re.compile(r'^"([^"]+)":(\d+):\d+$')
 _LOC_CALL = re.compile(r"^callsite\(#(loc\d*) at #(loc\d*)\)$")
@@ -226,6 +248,8 @@ def compile_call(name, fn, args, kwargs, arch, *, usage=True):
     }
     if usage:
         row.update(ptxas_usage(ptx, arch))
+        row["spills_in_loops"] = (spills_in_loops(k.asm["cubin"])
+                                  if row["spill_stores"] or row["spill_loads"] else 0)
     return row
 
 

@@ -8,8 +8,11 @@ writes a compact **candidate list** per (sequence, KV head, split): the position
 their G scores, that can still be kept. The filter is exact in one direction: LSE of the
 whole row >= LSE of the part of the split seen so far (adding terms only raises it), so
 ``a_j - LSE_run <= ln(theta) - slack`` proves that j is dropped; anything else is a
-candidate. Memory is ``capacity x (G + 1) x 4`` bytes per split (the launcher's
-``post_capacity``), not ``4 x Hq x S`` per sequence.
+candidate. When the list fills up, it is compacted in place against the current running
+LSE (:func:`_compact`): what survives has a probability above theta / e^slack within the
+prefix seen, so at most ``G e^slack / theta`` entries, however long the split. Memory is
+``capacity x (G + 1) x 4`` bytes per split (the launcher's ``post_capacity``, a constant),
+not ``4 x Hq x S`` per sequence.
 
 Pass 2 (``_post_select_kernel``) combines every split's (m, l) into the row LSE, decides
 each candidate exactly and reads only kept V rows, with the same skewed pipeline as the
@@ -37,6 +40,34 @@ def _cut(TH, TSET, stride_ts, st_set, st_head, st_row, b, n, kvh, h, gmask, num_
     s_idx = set_index(TSET, stride_ts, b, num_sets, HAS_SETS)
     theta = load_theta(TH, s_idx, st_set, st_head, st_row, row_index(n, max_row_id), kvh, h, gmask, GROUP)
     return log_cut(theta)
+
+
+@triton.jit
+def _compact(C_POS, C_S, c_base, count, lse_run, cut, offs_g, gmask, G, BLOCK_N: tl.constexpr,
+             GROUP: tl.constexpr):
+    """Drop, in place, the stored candidates that the running LSE now proves dropped
+    (a - LSE_run <= cut); returns the new count. The survivors of any prefix are at most
+    G e^slack / theta (their probabilities within the prefix exceed theta / e^slack), so the
+    list stays bounded however long the split. Barriers order this program's own global
+    stores and loads (each slot moves down only: dst <= src)."""
+    tl.debug_barrier()
+    n_keep = count * 0
+    for t in range(0, count, BLOCK_N):
+        slots = t + tl.arange(0, BLOCK_N)
+        smask = slots < count
+        c_idx = c_base + slots.to(tl.int64)
+        pos = tl.load(C_POS + c_idx, mask=smask, other=0)
+        valid = gmask[:, None] & smask[None, :]
+        sc = tl.load(C_S + c_idx[None, :] * G + offs_g[:, None], mask=valid, other=float("-inf"))
+        _, keep = keep_mask(sc - lse_run[:, None], valid, cut, GROUP)
+        keep = keep & smask
+        dst = c_base + (n_keep + tl.cumsum(keep.to(tl.int32), axis=0) - 1).to(tl.int64)
+        tl.debug_barrier()  # every load of this tile before any store into it
+        tl.store(C_POS + dst, pos, mask=keep)
+        tl.store(C_S + dst[None, :] * G + offs_g[:, None], sc, mask=keep[None, :] & gmask[:, None])
+        n_keep += tl.sum(keep.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    return n_keep
 
 
 @triton.jit(do_not_specialize=POST_NO_SPEC)
@@ -82,38 +113,49 @@ def _post_scores_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([G_PAD], tl.float32)
     count = tl.sum(tl.zeros([BLOCK_N], tl.int32), axis=0)
+    over = count * 0
     vsum = tl.zeros([D_PAD], tl.float32)
-    for start_n in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        nmask = offs_n < end
-        koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, block_size, num_blocks,
-                                 sk_blk, sk_slot, sv_blk, sv_slot, PAGED)
-        k = load_rows(K_head, koff, nmask, offs_d, dmask, sk_dim, EVEN_D)
-        s = dot_qk(q, k, MMA, DOT_PREC) * scale
-        valid = gmask[:, None] & nmask[None, :]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_sum = l_sum * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-        m = m_new
-        # LSE of what this split has seen so far <= LSE of the whole row
-        lse_run = m_safe + tl.log(l_sum)
-        cand_kept, cand = keep_mask(s - lse_run[:, None], valid, cut - SLACK, GROUP)
-        cand = cand & nmask
-        slot = count + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-        ok = cand & (slot < CAP)
-        c_idx = c_base + slot.to(tl.int64)
-        tl.store(C_POS + c_idx, offs_n, mask=ok)
-        tl.store(C_S + c_idx[None, :] * G + offs_g[:, None], s, mask=ok[None, :] & gmask[:, None])
-        count += tl.sum(cand.to(tl.int32), axis=0)
-        if COMPUTE_MEAN:
-            v = load_rows(V_head, voff, nmask, offs_d, dmask, sv_dim, EVEN_D)
-            vsum += tl.sum(v.to(tl.float32), axis=0)
+    # chunks of CAP / 2 positions: the list never holds more than CAP entries; between
+    # chunks (outside the pipelined tile loop) it is compacted when half full
+    chunk = tl.maximum(CAP // 2 // BLOCK_N, 1) * BLOCK_N
+    for c0 in range(start, end, chunk):
+        c1 = tl.minimum(c0 + chunk, end)
+        for start_n in tl.range(c0, c1, BLOCK_N, num_stages=NUM_STAGES):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            nmask = offs_n < c1
+            koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, block_size, num_blocks,
+                                     sk_blk, sk_slot, sv_blk, sv_slot, PAGED)
+            k = load_rows(K_head, koff, nmask, offs_d, dmask, sk_dim, EVEN_D)
+            s = dot_qk(q, k, MMA, DOT_PREC) * scale
+            valid = gmask[:, None] & nmask[None, :]
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_sum = l_sum * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+            m = m_new
+            # LSE of what this split has seen so far <= LSE of the whole row
+            lse_run = m_safe + tl.log(l_sum)
+            cand_kept, cand = keep_mask(s - lse_run[:, None], valid, cut - SLACK, GROUP)
+            cand = cand & nmask
+            slot = count + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+            ok = cand & (slot < CAP)
+            c_idx = c_base + slot.to(tl.int64)
+            tl.store(C_POS + c_idx, offs_n, mask=ok)
+            tl.store(C_S + c_idx[None, :] * G + offs_g[:, None], s, mask=ok[None, :] & gmask[:, None])
+            count += tl.sum(cand.to(tl.int32), axis=0)
+            if COMPUTE_MEAN:
+                v = load_rows(V_head, voff, nmask, offs_d, dmask, sv_dim, EVEN_D)
+                vsum += tl.sum(v.to(tl.float32), axis=0)
+        over = tl.maximum(over, (count > CAP).to(tl.int32))  # candidates lost: pass 2 recomputes this split
+        if count > CAP - chunk:
+            m_c = tl.where(m == float("-inf"), 0.0, m)
+            count = _compact(C_POS, C_S, c_base, tl.minimum(count, CAP), m_c + tl.log(l_sum), cut - SLACK,
+                             offs_g, gmask, G, BLOCK_N, GROUP)
 
     p_idx = (b * num_q_heads + h).to(tl.int64) * num_splits + pid_s
     tl.store(P_M + p_idx, m, mask=gmask)
     tl.store(P_L + p_idx, l_sum, mask=gmask)
-    tl.store(C_CNT + g_idx, count)
+    tl.store(C_CNT + g_idx, tl.where(over > 0, CAP + 1, count))
     if COMPUTE_MEAN:
         tl.store(P_VSUM + g_idx * D_PAD + offs_d, vsum, mask=dmask)
 

@@ -83,11 +83,12 @@ def gpu_tiles(head_dim: int, group: int, elem_bytes: int = 2) -> tuple[int, int]
 
 
 def post_capacity(chunk: int, block_n: int) -> int:
-    """Default candidate capacity per split of ``chunk`` positions: chunk / 8 + 256, whole
-    tiles, at most the chunk (a split with more candidates recomputes its scores)."""
-    cap = chunk // 8 + 256
-    cap = -(-cap // block_n) * block_n
-    return max(block_n, min(cap, chunk))
+    """Default candidate capacity per split: 2048 positions (whole tiles), at most the
+    split's length. With in-place compaction the list holds at most G e^slack / theta
+    entries (docs/triton.md); a split that still overflows recomputes its scores from K
+    (correct, slower), so the capacity trades memory for that rare fallback."""
+    cap = -(-2048 // block_n) * block_n
+    return max(block_n, min(cap, -(-chunk // block_n) * block_n))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -120,17 +121,23 @@ _OCCUPANCY: dict = {}
 
 
 def _ctas_per_sm(kernel, args, kwargs, device) -> Optional[int]:
-    """Resident CTAs per SM of ``kernel`` as compiled for these arguments (cached), from its
-    registers and shared memory and the device's limits; None if unavailable."""
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel),
-           tuple(sorted((k, v) for k, v in kwargs.items())),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args), device.index)
+    """Resident CTAs per SM of ``kernel`` as compiled for these arguments (tensors or the
+    dtypes that stand in for them), from its registers and shared memory and the device's
+    limits; None if unavailable (then the static estimate of 2 is used). Compiled through
+    Triton's warmup once per variant and cached."""
+    name = getattr(getattr(kernel, "fn", None), "__name__", str(kernel))
+    key = (name, tuple(sorted((k, str(v)) for k, v in kwargs.items())),
+           tuple(str(a.dtype) if isinstance(a, torch.Tensor) else
+                 (str(a) if isinstance(a, torch.dtype) else (a if isinstance(a, int) and a in (0, 1) else 2))
+                 for a in args), device.index)
     if key in _OCCUPANCY:
         return _OCCUPANCY[key]
     ctas = None
     try:
         wargs = [a.dtype if isinstance(a, torch.Tensor) else a for a in args]
         compiled = kernel.warmup(*wargs, grid=(1,), **kwargs)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
         compiled._init_handles()
         props = torch.cuda.get_device_properties(device)
         limits = occupancy.SmLimits(
@@ -139,9 +146,9 @@ def _ctas_per_sm(kernel, args, kwargs, device) -> Optional[int]:
             max_threads_per_sm=getattr(props, "max_threads_per_multi_processor", 2048))
         ctas = occupancy.ctas_per_sm(compiled.n_regs, compiled.metadata.shared, kwargs["num_warps"], limits)
         if compiled.n_spills:
-            logger.warning("topth triton kernel %s spills %d registers", key[0], compiled.n_spills)
+            logger.warning("topth: triton kernel %s spills %d registers", name, compiled.n_spills)
     except Exception as e:  # noqa: BLE001 - fall back to the static estimate
-        logger.info("topth: occupancy of %s unavailable (%s): 2 CTAs/SM assumed", key[0], e)
+        logger.info("topth: occupancy of %s unavailable (%s): 2 CTAs/SM assumed", name, e)
     _OCCUPANCY[key] = ctas
     return ctas
 
@@ -271,7 +278,10 @@ def decode_attn_fwd(
     def chunk_of(ns):
         return math.ceil(math.ceil(S / ns) / cfg.block_n) * cfg.block_n
 
-    def partials(ns):
+    def partials(ns, probe=False):
+        if probe:  # dtypes stand in for buffers: Triton's warmup compiles without them
+            return dict(M=f32, L=f32, ACC=f32, R=f32, CNT=i32 if count else f32,
+                        VROWS=i32 if (union or post) else f32, VSUM=f32)
         n_head = B * Hq * ns
         n_grp = B * Hkv * ns
         P = dict(M=torch.empty(n_head, dtype=f32, device=dev), L=torch.empty(n_head, dtype=f32, device=dev),
@@ -294,12 +304,18 @@ def decode_attn_fwd(
     def post_launch(ns, P, run=True):
         cap = cfg.post_capacity or post_capacity(chunk_of(ns), cfg.block_n)
         n_grp = B * Hkv * ns
-        c_pos = torch.empty(n_grp * cap, dtype=i32, device=dev)
-        c_s = torch.empty(n_grp * cap * G, dtype=f32, device=dev)
-        c_cnt = torch.empty(n_grp, dtype=i32, device=dev)
+        if run:
+            c_pos = torch.empty(n_grp * cap, dtype=i32, device=dev)
+            c_s = torch.empty(n_grp * cap * G, dtype=f32, device=dev)
+            c_cnt = torch.empty(n_grp, dtype=i32, device=dev)
+        else:
+            c_pos, c_s, c_cnt = i32, f32, i32
         a1 = (query, key_cache, value_cache, seq_lens, th, tset, bt, P["M"], P["L"], P["VSUM"], c_pos, c_s, c_cnt,
               *common_args(ns), cap)
-        k1 = dict(flags, COMPUTE_MEAN=compute_mean)
+        # pass 1: at most 3 stages (4 make ptxas spill a few bytes around the compaction;
+        # 5 CTAs/SM x 2 tiles in flight already cover the memory latency)
+        st1 = min(3, cfg.num_stages)
+        k1 = dict(flags, COMPUTE_MEAN=compute_mean, NUM_STAGES=st1, num_stages=st1)
         a2 = (query, key_cache, value_cache, seq_lens, th, tset, bt, P["M"], P["L"], P["R"], P["CNT"], P["ACC"],
               P["VROWS"], c_pos, c_s, c_cnt, *common_args(ns), cap)
         k2 = dict(flags, COUNT=count, UNION=union)
@@ -311,8 +327,8 @@ def decode_attn_fwd(
     launch = post_launch if post else pre_launch
     ns = int(cfg.num_splits)
     if on_gpu and not user_cfg:
-        # split count from the compiled kernels' occupancy (cached per variant)
-        probe = launch(1, partials(1), run=False)
+        # split count from the compiled kernels' occupancy (compiled once per variant, cached)
+        probe = launch(1, partials(1, probe=True), run=False)
         ctas = [_ctas_per_sm(k, a, kw, dev) for k, a, kw in probe]
         if all(c for c in ctas):
             ns = choose_num_splits(B, Hkv, S, cfg.block_n, _num_sms(dev), min(ctas))

@@ -51,6 +51,6 @@ def test_every_contract_case_compiles():
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert rows and all(r["status"] == "ok" for r in rows)
-    assert all(r["spill_stores"] == 0 for r in rows)
+    assert all(r["spills_in_loops"] == 0 for r in rows)
     fp32 = [r for r in rows if r["case"] == "post-vmc-fp32-d96" and r["kernel"] == "_post_select_kernel"]
     assert fp32 and fp32[0]["mma"] == 0

@@ -47,7 +47,7 @@ def test_paged_equals_contiguous(layout, block_size):
     placement = "post_softmax" if block_size in (32, 1, 48) else "pre_softmax"
     case = random_case("paged", shape, torch.float32, placement=placement,
                        sdc="exact" if placement == "pre_softmax" else "none", vmc=True, seed=block_size)
-    config = cfg(2)
+    config = cfg(2, post_capacity=64)  # the default capacity depends on max_seq_len, which paging changes
     base = launch(case.kwargs, config)
     check(base, case.oracle(), torch.float32)
     pcase = paged_case(case, block_size, layout, seed=block_size + 1)
@@ -106,6 +106,19 @@ def test_post_candidate_overflow(selection):
     # theta <= 0 keeps every finite score: every position is a candidate
     kw = dict(case.kwargs, thresholds=torch.zeros_like(case.kwargs["thresholds"]))
     check(launch(kw, cfg(2, post_capacity=32)), oracle_decode(**kw), torch.float32)
+
+
+@pytest.mark.parametrize("selection", ["head", "group"])
+def test_post_candidate_compaction(selection):
+    """One long split, a capacity of 32 candidates (compaction every 16 positions): the
+    early positions of the split are candidates until the running LSE rules them out, and
+    compaction must drop exactly those (a kept one lost would change the result)."""
+    shape = Shape((300, 150), 8, 2, 64, 300)
+    case = random_case("compact", shape, torch.float32, placement="post_softmax", selection=selection,
+                       keep_range=(0.05, 0.15), seed=24)
+    ref = case.oracle()
+    assert 0 < ref.kept.sum()
+    check(launch(case.kwargs, cfg(1, block_n=16, post_capacity=32)), ref, torch.float32)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (64, 1)])
