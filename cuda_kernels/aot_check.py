@@ -114,7 +114,8 @@ def record(label, dtype, placement, sdc, vmc, vmean_given, dense, hq, hkv, d, *,
         st = (torch.empty(batch, hq, dtype=torch.int32), torch.empty(batch, hkv, dtype=torch.int32),
               torch.empty(batch, hq)) if stats else None
         if config is None:
-            bn, warps = la.gpu_tiles(d, hq // hkv, torch.tensor([], dtype=dtype).element_size())
+            bn, warps = la.gpu_tiles(d, hq // hkv, torch.tensor([], dtype=dtype).element_size(),
+                                     "pre_softmax" if dense else placement)
             config = la.LaunchConfig(block_n=bn, num_splits=5, num_warps=warps)
         la.decode_attn_fwd(q, kv, kv, torch.full((batch,), seq, dtype=torch.int32), th, out,
                            scale=d ** -0.5, placement=placement, sdc=sdc, sdc_table=table, vmc=vmc,
@@ -152,23 +153,45 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
 _SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def spills_in_loops(cubin: bytes) -> int:
-    """Local-memory (spill) instructions, STL / LDL, that lie inside a loop of the SASS: a
-    loop is the range [target, branch] of a backward branch. A spill outside every loop
-    costs one L1 access per program; inside a loop it costs one per iteration."""
+def sass_of(cubin: bytes) -> str:
+    """SASS text of a cubin (``cuobjdump -sass``, bundled with Triton)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as fh:
             fh.write(cubin)
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", path], capture_output=True, text=True,
+        return subprocess.run([_bin("cuobjdump"), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
+
+
+def _instrs_and_loops(sass: str):
     instrs = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _SASS.finditer(sass)]
     loops = []
     for addr, op, rest in instrs:
         if op.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) <= addr:
             loops.append((int(t.group(1), 16), addr))
+    return instrs, loops
+
+
+def spills_in_loops_of(sass: str) -> int:
+    """Local-memory (spill) instructions, STL / LDL, that lie inside a loop of the SASS: a
+    loop is the range [target, branch] of a backward branch. A spill outside every loop
+    costs one L1 access per program; inside a loop it costs one per iteration."""
+    instrs, loops = _instrs_and_loops(sass)
     return sum(1 for addr, op, _ in instrs if op.split(".")[0] in ("STL", "LDL")
                and any(lo <= addr <= hi for lo, hi in loops))
+
+
+def tile_loop_instrs(sass: str) -> int:
+    """SASS instructions of the innermost loop with tensor-core or cp.async work (the tile
+    loop), or of the largest loop: what one warp issues per tile."""
+    instrs, loops = _instrs_and_loops(sass)
+    best = 0
+    for lo, hi in loops:
+        body = [op for addr, op, _ in instrs if lo <= addr <= hi]
+        inner = not any(lo < a <= b < hi for a, b in loops if (a, b) != (lo, hi))
+        if inner and any(op.startswith(("HMMA", "LDGSTS", "FFMA")) for op in body):
+            best = max(best, len(body))
+    return best
 
 
 _LOC_DEF = re.compile(r"^#(loc\d*) = loc\((.*)\)\s*$")
@@ -248,8 +271,13 @@ def compile_call(name, fn, args, kwargs, arch, *, usage=True):
     }
     if usage:
         row.update(ptxas_usage(ptx, arch))
-        row["spills_in_loops"] = (spills_in_loops(k.asm["cubin"])
-                                  if row["spill_stores"] or row["spill_loads"] else 0)
+        sass = sass_of(k.asm["cubin"])
+        row["spills_in_loops"] = spills_in_loops_of(sass)
+        row["loop_instrs"] = tile_loop_instrs(sass)
+        bn, dpad = kwargs.get("BLOCK_N"), kwargs.get("D_PAD")
+        es = next((a.element_size() for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()
+                   and a.dtype != torch.float32), 4)
+        row["tile_kib"] = round(bn * dpad * es / 1024, 2) if bn and dpad else None
     return row
 
 

@@ -79,10 +79,10 @@ def _post_scores_kernel(
     sv_blk, sv_head, sv_slot, sv_dim,
     stride_l, stride_ts, stride_btb, stride_bti,
     st_set, st_head, st_row,
-    num_kv_heads, max_seq_len, block_size, num_blocks, max_row_id, num_sets, num_splits, scale, CAP,
+    num_kv_heads, max_seq_len, block_size, block_shift, num_blocks, max_row_id, num_sets, num_splits, scale, CAP,
     G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, PAGED: tl.constexpr, HAS_SETS: tl.constexpr, COMPUTE_MEAN: tl.constexpr,
-    MMA: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GROUP: tl.constexpr, PAGING: tl.constexpr, HAS_SETS: tl.constexpr, COMPUTE_MEAN: tl.constexpr,
+    DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Pass 1. Writes P_M, P_L [(b * Hq + h) * num_splits + split]; per group and split
     g = (b * Hkv + kv head) * num_splits + split: C_CNT[g] (candidates found, may exceed
@@ -123,10 +123,10 @@ def _post_scores_kernel(
         for start_n in tl.range(c0, c1, BLOCK_N, num_stages=NUM_STAGES):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             nmask = offs_n < c1
-            koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, block_size, num_blocks,
-                                     sk_blk, sk_slot, sv_blk, sv_slot, PAGED)
+            koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, start_n, block_size,
+                                     block_shift, num_blocks, sk_blk, sk_slot, sv_blk, sv_slot, PAGING)
             k = load_rows(K_head, koff, nmask, offs_d, dmask, sk_dim, EVEN_D)
-            s = dot_qk(q, k, MMA, DOT_PREC) * scale
+            s = dot_qk(q, k, DOT_PREC) * scale
             valid = gmask[:, None] & nmask[None, :]
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -162,14 +162,13 @@ def _post_scores_kernel(
 
 @triton.jit
 def _select_tile(s, valid, lse, cut, w_prev, v, acc, w_sum, cnt, vrows,
-                 GROUP: tl.constexpr, COUNT: tl.constexpr, UNION: tl.constexpr,
-                 MMA: tl.constexpr, DOT_PREC: tl.constexpr):
+                 GROUP: tl.constexpr, COUNT: tl.constexpr, UNION: tl.constexpr, DOT_PREC: tl.constexpr):
     """Keep a - LSE > ln(theta) in this tile, weights w = exp(a - LSE) at kept positions;
     multiply the previous tile's weights by its V rows ``v`` (loaded one step early)."""
     x = s - lse[:, None]
     kept, union = keep_mask(x, valid, cut, GROUP)
     w = tl.where(kept, tl.exp(x), 0.0)
-    acc += dot_pv(w_prev, v, MMA, DOT_PREC)
+    acc += dot_pv(w_prev, v, DOT_PREC)
     w_sum += tl.sum(w, axis=1)
     if COUNT:
         cnt += tl.sum(kept.to(tl.int32), axis=1)
@@ -187,10 +186,10 @@ def _post_select_kernel(
     sv_blk, sv_head, sv_slot, sv_dim,
     stride_l, stride_ts, stride_btb, stride_bti,
     st_set, st_head, st_row,
-    num_kv_heads, max_seq_len, block_size, num_blocks, max_row_id, num_sets, num_splits, scale, CAP,
+    num_kv_heads, max_seq_len, block_size, block_shift, num_blocks, max_row_id, num_sets, num_splits, scale, CAP,
     G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, PAGED: tl.constexpr, HAS_SETS: tl.constexpr,
-    COUNT: tl.constexpr, UNION: tl.constexpr, MMA: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GROUP: tl.constexpr, PAGING: tl.constexpr, GATHER_PAGING: tl.constexpr, HAS_SETS: tl.constexpr,
+    COUNT: tl.constexpr, UNION: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Pass 2. Writes P_R (sum of kept weights), P_CNT, P_ACC (sum of kept w v) per head
     and split, P_VROWS per group and split (indices as in pass 1)."""
@@ -245,12 +244,12 @@ def _post_select_kernel(
             smask = slots < count
             c_idx = c_base + slots.to(tl.int64)
             pos = tl.load(C_POS + c_idx, mask=smask, other=0)
-            _, voff = row_offsets(BT, stride_btb, stride_bti, b, pos, smask, block_size, num_blocks,
-                                  sk_blk, sk_slot, sv_blk, sv_slot, PAGED)
+            _, voff = row_offsets(BT, stride_btb, stride_bti, b, pos, smask, t, block_size, block_shift,
+                                  num_blocks, sk_blk, sk_slot, sv_blk, sv_slot, GATHER_PAGING)
             valid = gmask[:, None] & smask[None, :]
             s = tl.load(C_S + c_idx[None, :] * G + offs_g[:, None], mask=valid, other=float("-inf"))
             w_prev, rm_prev, acc, w_sum, cnt, vrows = _select_tile(
-                s, valid, lse, cut, w_prev, v, acc, w_sum, cnt, vrows, GROUP, COUNT, UNION, MMA, DOT_PREC)
+                s, valid, lse, cut, w_prev, v, acc, w_sum, cnt, vrows, GROUP, COUNT, UNION, DOT_PREC)
             voff_prev = voff
     else:
         # overflow: recompute this split's scores from K
@@ -261,16 +260,16 @@ def _post_select_kernel(
             v = load_rows(V_head, voff_prev, rm_prev, offs_d, dmask, sv_dim, EVEN_D)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             nmask = offs_n < end
-            koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, block_size, num_blocks,
-                                     sk_blk, sk_slot, sv_blk, sv_slot, PAGED)
+            koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, start_n, block_size,
+                                     block_shift, num_blocks, sk_blk, sk_slot, sv_blk, sv_slot, PAGING)
             k = load_rows(K_head, koff, nmask, offs_d, dmask, sk_dim, EVEN_D)
             valid = gmask[:, None] & nmask[None, :]
-            s = tl.where(valid, dot_qk(q, k, MMA, DOT_PREC) * scale, float("-inf"))
+            s = tl.where(valid, dot_qk(q, k, DOT_PREC) * scale, float("-inf"))
             w_prev, rm_prev, acc, w_sum, cnt, vrows = _select_tile(
-                s, valid, lse, cut, w_prev, v, acc, w_sum, cnt, vrows, GROUP, COUNT, UNION, MMA, DOT_PREC)
+                s, valid, lse, cut, w_prev, v, acc, w_sum, cnt, vrows, GROUP, COUNT, UNION, DOT_PREC)
             voff_prev = voff
     v = load_rows(V_head, voff_prev, rm_prev, offs_d, dmask, sv_dim, EVEN_D)
-    acc += dot_pv(w_prev, v, MMA, DOT_PREC)
+    acc += dot_pv(w_prev, v, DOT_PREC)
 
     p_idx = head_base + pid_s
     tl.store(P_R + p_idx, w_sum, mask=gmask)

@@ -1,7 +1,7 @@
 """pre_softmax in one pass, and the dense mode: ``_pre_kernel``.
 
 One program per (sequence b, KV head, split): all ``G`` query heads of the group at once
-(``G_PAD`` rows of one tensor-core product, or CUDA-core products for G = 1), so a K row
+(``G_PAD`` >= 16 rows of one tensor-core product), so a K row
 and a V row are read once per group. theta is known before the pass (paper section 3.1),
 so scores, selection and the V product happen in the same loop.
 
@@ -30,7 +30,7 @@ from .tiles import clamped_len, dot_pv, dot_qk, load_rows, row_index, row_offset
 
 # Shape-like ints and small-tensor strides are not specialised on their values; cache
 # strides are (alignment and a unit dim stride enable vector loads).
-NO_SPEC = ["num_kv_heads", "max_seq_len", "block_size", "num_blocks", "max_row_id", "num_sets",
+NO_SPEC = ["num_kv_heads", "max_seq_len", "block_size", "block_shift", "num_blocks", "max_row_id", "num_sets",
            "num_splits", "G", "stride_l", "stride_ts", "stride_btb", "stride_bti",
            "st_set", "st_head", "st_row"]
 
@@ -44,11 +44,11 @@ def _pre_kernel(
     sv_blk, sv_head, sv_slot, sv_dim,
     stride_l, stride_ts, stride_btb, stride_bti,
     st_set, st_head, st_row,
-    num_kv_heads, max_seq_len, block_size, num_blocks, max_row_id, num_sets, num_splits, scale,
+    num_kv_heads, max_seq_len, block_size, block_shift, num_blocks, max_row_id, num_sets, num_splits, scale,
     G, G_PAD: tl.constexpr, D, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DENSE: tl.constexpr, GROUP: tl.constexpr, PAGED: tl.constexpr, HAS_SETS: tl.constexpr,
+    DENSE: tl.constexpr, GROUP: tl.constexpr, PAGING: tl.constexpr, HAS_SETS: tl.constexpr,
     COUNT: tl.constexpr, UNION: tl.constexpr, COMPUTE_MEAN: tl.constexpr,
-    TILE_SKIP: tl.constexpr, V_EARLY: tl.constexpr, MMA: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILE_SKIP: tl.constexpr, V_EARLY: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Partials index: p = (b * Hq + h) * num_splits + split for per-head values
     (P_M, P_L, P_R, P_CNT [p], P_ACC [p, D_PAD]); (b * Hkv + kv head) * num_splits + split
@@ -94,7 +94,7 @@ def _pre_kernel(
         if TILE_SKIP:
             if tl.max(rm_prev.to(tl.int32), axis=0) > 0:
                 v = load_rows(V_head, voff_prev, rm_prev, offs_d, dmask, sv_dim, EVEN_D)
-                acc += dot_pv(p_prev, v, MMA, DOT_PREC)
+                acc += dot_pv(p_prev, v, DOT_PREC)
                 if COMPUTE_MEAN:
                     vsum += tl.sum(v.to(tl.float32), axis=0)
         elif V_EARLY:
@@ -105,10 +105,10 @@ def _pre_kernel(
 
         offs_n = start_n + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, block_size, num_blocks,
-                                 sk_blk, sk_slot, sv_blk, sv_slot, PAGED)
+        koff, voff = row_offsets(BT, stride_btb, stride_bti, b, offs_n, nmask, start_n, block_size, block_shift,
+                                 num_blocks, sk_blk, sk_slot, sv_blk, sv_slot, PAGING)
         k = load_rows(K_head, koff, nmask, offs_d, dmask, sk_dim, EVEN_D)
-        s = dot_qk(q, k, MMA, DOT_PREC) * scale
+        s = dot_qk(q, k, DOT_PREC) * scale
         valid = gmask[:, None] & nmask[None, :]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -117,7 +117,7 @@ def _pre_kernel(
         p = tl.exp(s - m_safe[:, None])  # NaN where a score is NaN (and at a +inf score)
 
         if not TILE_SKIP:
-            acc += dot_pv(p_prev, v, MMA, DOT_PREC)
+            acc += dot_pv(p_prev, v, DOT_PREC)
             if COMPUTE_MEAN:
                 vsum += tl.sum(v.to(tl.float32), axis=0)
         acc = acc * alpha[:, None]
@@ -149,7 +149,7 @@ def _pre_kernel(
         v = load_rows(V_head, voff_prev, rm_prev, offs_d, dmask, sv_dim, EVEN_D)
     else:
         v = v_next
-    acc += dot_pv(p_prev, v, MMA, DOT_PREC)
+    acc += dot_pv(p_prev, v, DOT_PREC)
     if COMPUTE_MEAN:
         vsum += tl.sum(v.to(tl.float32), axis=0)
 

@@ -60,25 +60,21 @@ def next_pow2(x: int) -> int:
 
 
 def group_pad(group: int) -> int:
-    """Rows of the head tile: 1 for one query head per KV head (CUDA-core products), else
-    the next power of two >= 16 (tensor-core products need 16 rows)."""
-    return 1 if group == 1 else max(16, next_pow2(group))
+    """Rows of the head tile: the next power of two >= 16 (tensor-core products need 16
+    rows; also for one query head per KV head, see :func:`topth_ops.cuda_kernels.tiles.dot_qk`)."""
+    return max(16, next_pow2(group))
 
 
-def gpu_tiles(head_dim: int, group: int, elem_bytes: int = 2) -> tuple[int, int]:
+def gpu_tiles(head_dim: int, group: int, elem_bytes: int = 2, placement: str = "pre_softmax") -> tuple[int, int]:
     """(block_n, num_warps) on a GPU, chosen from the sm_90 compilation (``topth-ops bench
-    --compile-report``: no spills, 3-4 CTAs per SM, docs/triton.md). Tensor-core head tiles
-    (G >= 2): an 8 KiB K tile per pipeline stage (``block_n x D_PAD = 4096`` elements in
-    16-bit, 2048 in fp32), 4 warps; 64+ rows: 8 warps and half the tile. One query head per
-    KV head (CUDA-core products, a [block_n, D_PAD] fp32 product per tile): half of that."""
+    --compile-report``: no spill, registers within budget, fewest issue cycles per byte;
+    docs/triton.md): an 8 KiB K tile per pipeline stage (``block_n x D_PAD = 4096``
+    elements in 16-bit, 2048 in fp32) and 4 warps; head tiles of 64+ rows use 8 warps,
+    with half the tile for post_softmax (its selection kernel needs the registers)."""
     d_pad = max(16, next_pow2(head_dim))
-    g_pad = group_pad(group)
-    elems = 8192 // max(2, elem_bytes)
-    if g_pad == 1:
-        return max(16, min(128, elems // 2 // d_pad)), 4
-    block_n = max(16, min(128, elems // d_pad))
-    if g_pad >= 64:
-        return max(16, block_n // 2), 8
+    block_n = max(16, min(128, 8192 // max(2, elem_bytes) // d_pad))
+    if group_pad(group) >= 64:
+        return (max(16, block_n // 2) if placement == "post_softmax" else block_n), 8
     return block_n, 4
 
 
@@ -106,13 +102,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: 
 
 
 def choose_config(batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                  device: torch.device, group: int = 4, elem_bytes: int = 2) -> LaunchConfig:
+                  device: torch.device, group: int = 4, elem_bytes: int = 2,
+                  placement: str = "pre_softmax") -> LaunchConfig:
     """Default :class:`LaunchConfig` with a static occupancy estimate of 2 CTAs per SM; the
     launcher refines the split count from the compiled kernel on a GPU."""
     if interpreter_enabled() or device.type != "cuda":
         block_n, warps = 32, 4
     else:
-        block_n, warps = gpu_tiles(head_dim, group, elem_bytes)
+        block_n, warps = gpu_tiles(head_dim, group, elem_bytes, placement)
     ns = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, _num_sms(device))
     return LaunchConfig(block_n=block_n, num_splits=ns, num_warps=warps)
 
@@ -238,7 +235,8 @@ def decode_attn_fwd(
     G_PAD = group_pad(G)
     D_PAD = max(16, next_pow2(D))
     user_cfg = config is not None
-    cfg = config or choose_config(B, Hkv, S, D, dev, group=G, elem_bytes=query.element_size())
+    cfg = config or choose_config(B, Hkv, S, D, dev, group=G, elem_bytes=query.element_size(),
+                                  placement="pre_softmax" if dense else placement)
     if not 1 <= cfg.num_splits <= MAX_SPLITS:
         raise ValueError(f"config.num_splits must be in [1, {MAX_SPLITS}], got {cfg.num_splits}")
     f32, i32 = torch.float32, torch.int32
@@ -266,14 +264,20 @@ def decode_attn_fwd(
     max_row_id = th.shape[-1]
 
     ks, vs = cache_strides(key_cache, layout), cache_strides(value_cache, layout)
+    # block-table addressing (tiles.row_offsets): one entry per tile when a tile never
+    # straddles two blocks, shift / mask for power-of-two blocks, else a division per row
+    pow2 = block_size & (block_size - 1) == 0
+    gather_paging = 0 if block_table is None else (2 if pow2 else 3)
+    paging = 1 if (block_table is not None and block_size % cfg.block_n == 0) else gather_paging
+    block_shift = block_size.bit_length() - 1 if pow2 else 0
     flags = dict(G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, EVEN_D=(D == D_PAD), BLOCK_N=cfg.block_n,
-                 GROUP=group, PAGED=block_table is not None, HAS_SETS=has_sets, MMA=G_PAD >= 16,
+                 GROUP=group, PAGING=paging, HAS_SETS=has_sets, 
                  DOT_PREC="ieee" if query.dtype == f32 else "tf32",
                  NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def common_args(ns):
         return ((*query.stride(), *ks, *vs, seq_lens.stride(0), tset.stride(0), *bt.stride(), *th_strides,
-                 Hkv, S, block_size, num_blocks, max_row_id, num_sets, ns, float(scale)))
+                 Hkv, S, block_size, block_shift, num_blocks, max_row_id, num_sets, ns, float(scale)))
 
     def chunk_of(ns):
         return math.ceil(math.ceil(S / ns) / cfg.block_n) * cfg.block_n
@@ -318,7 +322,7 @@ def decode_attn_fwd(
         k1 = dict(flags, COMPUTE_MEAN=compute_mean, NUM_STAGES=st1, num_stages=st1)
         a2 = (query, key_cache, value_cache, seq_lens, th, tset, bt, P["M"], P["L"], P["R"], P["CNT"], P["ACC"],
               P["VROWS"], c_pos, c_s, c_cnt, *common_args(ns), cap)
-        k2 = dict(flags, COUNT=count, UNION=union)
+        k2 = dict(flags, COUNT=count, UNION=union, GATHER_PAGING=gather_paging)
         if run:
             _post_scores_kernel[(B * Hkv, ns)](*a1, **k1)
             _post_select_kernel[(B * Hkv, ns)](*a2, **k2)

@@ -73,7 +73,7 @@ VARIANTS = [
             vmc=True, vmean=True),
     Variant("pre-d64-g3", hq=9, hkv=3, d=64),
     Variant("pre-d256-g4-fp16", hq=8, hkv=2, d=256, dtype=torch.float16),
-    Variant("pre-d128-g1-mha", hq=8, hkv=8),
+    Variant("pre-d128-g1-mha", hq=8, hkv=8),  # tensor cores with 15 padded rows (see tiles.dot_qk)
     Variant("post-d128-g1-mha", placement="post_softmax", hq=8, hkv=8),
     Variant("pre-d128-g64", hq=64, hkv=1),
     Variant("post-d128-g64", placement="post_softmax", hq=64, hkv=1),
@@ -119,13 +119,25 @@ def h200_waves(arch: int = 90, num_sms: int = occupancy.H200_SMS) -> list[dict]:
         from .launch import gpu_tiles
 
         block_n, _ = gpu_tiles(case.head_dim, case.num_q_heads // case.num_kv_heads,
-                               torch.tensor([], dtype=case.torch_dtype).element_size())
+                               torch.tensor([], dtype=case.torch_dtype).element_size(), case.placement)
         ns = occupancy.choose_splits(groups, case.seq_len, block_n, num_sms, ctas, max_splits=MAX_SPLITS)
         programs = groups * ns
         waves, eff = occupancy.waves(programs, num_sms, ctas)
         out.append(dict(case=case.name, groups=groups, ctas_per_sm=ctas, slots=num_sms * ctas, num_splits=ns,
                         programs=programs, waves=waves, wave_efficiency=round(eff, 3)))
     return out
+
+
+MEM_CYCLES_PER_KIB = 1024 / (4.0e12 / 132 / 1.755e9)
+"""SM cycles to read one KiB at an assumed 4.0 TB/s sustained (H200: 4.8 TB/s peak) over 132
+SMs at 1.755 GHz: about 59. An estimate to compare instruction issue with, not a measurement."""
+
+
+def issue_cycles_per_kib(row: dict):
+    """Issue cycles per KiB of K tile of a main kernel's tile loop (None elsewhere)."""
+    if row["kernel"] not in ("_pre_kernel", "_post_scores_kernel") or not row.get("tile_kib") or not row["loop_instrs"]:
+        return None
+    return round(row["loop_instrs"] * row["num_warps"] / 4 / row["tile_kib"])
 
 
 def gates(rows: list[dict], waves: list[dict]) -> list[tuple[str, bool, str]]:
@@ -158,14 +170,18 @@ def format_report(rows, waves, checks) -> str:
     lines = ["Static performance report: Triton kernels compiled for sm_90 (Triton + ptxas, no GPU). "
              "Nothing here is a measured speed.", ""]
     head = (f"{'variant':<30} {'kernel':<20} {'regs':>4} {'spill':>5} {'smem KiB':>8} {'warps':>5} "
-            f"{'stg':>3} {'CTA/SM':>6}  K loads / V loads")
+            f"{'stg':>3} {'CTA/SM':>6} {'loop':>5} {'cyc/KiB':>7}  K loads / V loads")
     lines += [head, "-" * len(head)]
     for r in rows:
         kl = ",".join(r["loads"]["K"]) or "-"
         vl = ",".join(r["loads"]["V"]) or "-"
+        cyc = issue_cycles_per_kib(r)
         lines.append(f"{r['variant']:<30} {r['kernel']:<20} {r['regs']:>4} {r['spill_stores'] + r['spill_loads']:>5} "
                      f"{r['shared_bytes'] / 1024:>8.1f} {r['num_warps']:>5} {r['num_stages']:>3} "
-                     f"{r['ctas_per_sm']:>6}  {kl} / {vl}")
+                     f"{r['ctas_per_sm']:>6} {r['loop_instrs'] or '-':>5} {cyc if cyc else '-':>7}  {kl} / {vl}")
+    lines += ["", "loop: SASS instructions one warp issues per tile; cyc/KiB: issue cycles of an SM per KiB of "
+              "K tile (loop x warps / 4 schedulers / tile KiB), to compare with the memory time of a KiB per SM "
+              f"({MEM_CYCLES_PER_KIB:.0f} cycles at 4.0 TB/s, 132 SMs, 1.755 GHz; x (1 + f) with V)"]
     lines += ["", "h200 case set on 132 SMs: split count from the occupancy above", ""]
     head = (f"{'case':<30} {'groups':>6} {'CTA/SM':>6} {'slots':>5} {'splits':>6} {'programs':>8} "
             f"{'waves':>5} {'wave eff':>8}")

@@ -1,10 +1,10 @@
 """Device helpers shared by every stage: lengths and set indices read through their
 strides and clamped in their own dtype, split ranges, KV row addresses through the block
-table, tile loads and the two products (q k^T and p v).
+table, tile loads and the two tensor-core products (q k^T and p v).
 
 Cache addressing (contract v0.2): position j of sequence b is slot ``j % block_size`` of
 block ``block_table[b, j // block_size]``; a BNSD cache is one block of ``max_seq_len``
-slots per sequence (block = b, ``PAGED`` off, no table read). Every cache is addressed as
+slots per sequence (block = b, ``PAGING`` 0, no table read). Every cache is addressed as
 ``base + block * s_block + kv_head * s_head + slot * s_slot + d * s_dim`` in elements, so
 NHD, HND and BNSD (any strides) share one code path.
 """
@@ -52,23 +52,36 @@ def split_range(n, pid_s, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def row_offsets(BT, stride_btb, stride_bti, b, pos, pmask, block_size, num_blocks,
-                s_block_k, s_slot_k, s_block_v, s_slot_v, PAGED: tl.constexpr):
+def row_offsets(BT, stride_btb, stride_bti, b, pos, pmask, tile_start, block_size, block_shift, num_blocks,
+                s_block_k, s_slot_k, s_block_v, s_slot_v, PAGING: tl.constexpr):
     """Element offsets (int64) of the K and V rows of positions ``pos`` of sequence b.
 
-    Paged: the table entry of each position (only where ``pmask``: entries past the
-    sequence's blocks are never read) clamped into [0, num_blocks - 1], so unchecked
-    tables never address outside the cache. BNSD: block = b, slot = position.
+    ``PAGING``: 0, BNSD (block = b, slot = position); paged, the table entry of each
+    position is read only where ``pmask`` (entries past the sequence's blocks are never
+    read) and clamped into [0, num_blocks - 1], so unchecked tables never address
+    outside the cache: 1, a contiguous tile inside one block (block_size a multiple of
+    the tile; ``tile_start`` is its first position): one table entry per tile; 2, a
+    power-of-two block size (``block_shift`` = log2): shift and mask per row; 3, any
+    block size: a division per row.
     """
-    if PAGED:
-        blk_i = pos // block_size
+    if PAGING == 0:
+        slot = pos.to(tl.int64)
+        blk = b.to(tl.int64)
+    elif PAGING == 1:
+        blk_i = tile_start // block_size
         slot = (pos - blk_i * block_size).to(tl.int64)
+        blk = tl.load(BT + b.to(tl.int64) * stride_btb + blk_i.to(tl.int64) * stride_bti)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+    else:
+        if PAGING == 2:
+            blk_i = pos >> block_shift
+            slot = (pos & (block_size - 1)).to(tl.int64)
+        else:
+            blk_i = pos // block_size
+            slot = (pos - blk_i * block_size).to(tl.int64)
         blk = tl.load(BT + b.to(tl.int64) * stride_btb + blk_i.to(tl.int64) * stride_bti,
                       mask=pmask, other=0)
         blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-    else:
-        slot = pos.to(tl.int64)
-        blk = b.to(tl.int64)
     return blk * s_block_k + slot * s_slot_k, blk * s_block_v + slot * s_slot_v
 
 
@@ -85,24 +98,18 @@ def load_rows(base, off, rmask, offs_d, dmask, s_dim, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def dot_qk(q, k, MMA: tl.constexpr, DOT_PREC: tl.constexpr):
-    """q k^T: [G_PAD, D_PAD] x [BLOCK_N, D_PAD] -> [G_PAD, BLOCK_N] fp32. ``MMA`` uses
-    tensor cores (G_PAD >= 16); otherwise (one query head per KV head, G_PAD = 1) CUDA-core
-    multiply-adds, which waste no padded rows."""
-    if MMA:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC, out_dtype=tl.float32)
-    else:
-        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    return s
+def dot_qk(q, k, DOT_PREC: tl.constexpr):
+    """q k^T: [G_PAD, D_PAD] x [BLOCK_N, D_PAD] -> [G_PAD, BLOCK_N] fp32 on tensor cores
+    (16-bit inputs) or as exact fp32 products (``DOT_PREC="ieee"``). The head tile has at
+    least 16 rows even for one query head per KV head: the padded rows cost tensor-core
+    throughput, which a decode kernel has in excess, while a CUDA-core product costs
+    3.6x more instructions per byte (docs/triton.md, "One query head per KV head")."""
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PREC, out_dtype=tl.float32)
 
 
 @triton.jit
-def dot_pv(p, v, MMA: tl.constexpr, DOT_PREC: tl.constexpr):
+def dot_pv(p, v, DOT_PREC: tl.constexpr):
     """p v: [G_PAD, BLOCK_N] x [BLOCK_N, D_PAD] -> [G_PAD, D_PAD] fp32; ``p`` is already in
     the product's operand dtype (v's dtype for 16-bit inputs: one tensor-core product per
     tile, as FlashAttention does)."""
-    if MMA:
-        acc = tl.dot(p, v, input_precision=DOT_PREC, out_dtype=tl.float32)
-    else:
-        acc = tl.sum(p.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    return acc
+    return tl.dot(p, v, input_precision=DOT_PREC, out_dtype=tl.float32)

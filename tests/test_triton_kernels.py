@@ -330,3 +330,60 @@ def test_occupancy_arithmetic():
     assert occupancy.ctas_per_sm(32, 0, 4) == 16  # thread bound: 2048 / 128
     assert occupancy.ctas_per_sm(256, 0, 4) == 0  # over the 255-register limit
     assert occupancy.waves(265, 132, 2) == (2, 265 / 528)
+
+
+def test_spills_in_loops_parser():
+    """The report's spill gate: STL/LDL inside a backward branch's range count, others not."""
+    from topth_ops.cuda_kernels.aot_check import spills_in_loops_of
+
+    sass = """
+        /*0000*/                   STL [R1], R0 ;
+        /*0010*/                   LDGSTS.E [R76+0x3800], desc[UR22][R10.64], P4 ;
+        /*0020*/                   LDL R2, [R1] ;
+        /*0030*/              @P1 BRA 0x10 ;
+        /*0040*/                   LDL.LU R10, [R1] ;
+        /*0050*/                   EXIT ;
+    """
+    assert spills_in_loops_of(sass) == 1  # the LDL at 0x20, inside [0x10, 0x30]
+    assert spills_in_loops_of(sass.replace("BRA 0x10", "BRA 0x50")) == 0  # a forward branch
+
+
+def test_occupancy_from_compiled_kernel(monkeypatch):
+    """The launcher's split count on a GPU comes from the compiled kernel's registers and
+    shared memory (Triton's warmup, cached per variant); without them it falls back."""
+    import types
+
+    from topth_ops.cuda_kernels import launch as la
+
+    calls = []
+
+    class Compiled:
+        n_regs, n_spills = 140, 0
+        metadata = types.SimpleNamespace(shared=36 * 1024)
+
+        def _init_handles(self):
+            calls.append("init")
+
+    class Kernel:
+        fn = types.SimpleNamespace(__name__="_fake_kernel")
+
+        def warmup(self, *args, grid, **kwargs):
+            calls.append(args)
+            return Compiled()
+
+    props = types.SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=228 * 1024,
+                                  max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(la, "_OCCUPANCY", {})
+    dev = torch.device("cuda", 0)
+    args = (torch.zeros(2, dtype=torch.bfloat16), torch.float32, 7)
+    assert la._ctas_per_sm(Kernel(), args, {"num_warps": 4, "BLOCK_N": 32}, dev) == 3
+    assert calls[0] == (torch.bfloat16, torch.float32, 7)  # tensors replaced by their dtypes
+    assert la._ctas_per_sm(Kernel(), args, {"num_warps": 4, "BLOCK_N": 32}, dev) == 3
+    assert len(calls) == 2  # cached: compiled once
+
+    class Broken(Kernel):
+        def warmup(self, *args, grid, **kwargs):
+            raise RuntimeError("no driver")
+
+    assert la._ctas_per_sm(Broken(), args, {"num_warps": 4, "BLOCK_N": 64}, dev) is None

@@ -1,7 +1,7 @@
 """Contract v0.2 in the Triton kernels: paged KV (NHD / HND, block sizes that divide the
 tile and ones that do not), group selection, threshold sets, every head_dim that is a
-multiple of 16 up to 256, the post_softmax candidate list (and its overflow path), one
-query head per KV head (CUDA-core products) and large groups.
+multiple of 16 up to 256, the post_softmax candidate list (its compaction and overflow
+paths), one query head per KV head and large groups.
 
 Expected values: the float64 oracle (topth_ops.conformance.oracle), and for paged inputs
 also bitwise equality with the contiguous path of the same kernels (the contract: on the
@@ -123,7 +123,7 @@ def test_post_candidate_compaction(selection):
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (64, 1)])
 def test_mha_and_large_group(hq, hkv):
-    """G = 1 uses CUDA-core products (no padded tensor-core rows); G = 64 a 64-row tile."""
+    """G = 1 (a 16-row head tile with 15 padded rows) and G = 64 (a 64-row tile, 8 warps)."""
     shape = Shape((50, 7), hq, hkv, 64, 50)
     for placement in ("pre_softmax", "post_softmax"):
         case = random_case("g", shape, torch.float16, placement=placement, vmc=True, seed=hq)
