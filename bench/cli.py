@@ -140,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
              f"torch {torch.__version__}"] + (["INTERRUPTED: partial results"] if interrupted else []) + ["", table, ""]
     if bytes_table:
         lines += [bytes_table, ""]
+    from .ascendc_counters import format_pipe_table  # the Ascend C model's pipe counters, if any
+
+    pipe_table = format_pipe_table(rows)
+    if pipe_table:
+        lines += [pipe_table, ""]
     for name, ok, detail in targets:
         lines.append(f"target {'PASS' if ok else 'FAIL'}: {name}: {detail}")
     summary = "\n".join(lines)

@@ -436,7 +436,8 @@ def expected_traffic(inputs: DecodeInputs, v_rows_total: int, counters: dict) ->
         reference.
     counters : dict
         The backend's ``bench_counters()``; only ``workspace_split_gm_to_ub_bytes`` (the
-        split bookkeeping its split plan implies, declared by the backend) is used.
+        split bookkeeping its split plan implies) and ``v_merged_gap_bytes`` (V rows its
+        copy plan fetches between merged runs), declared by the backend, are used.
 
     Returns
     -------
@@ -453,7 +454,9 @@ def expected_traffic(inputs: DecodeInputs, v_rows_total: int, counters: dict) ->
     scores = 4 * inputs.num_q_heads * valid if inputs.placement == "post_softmax" else 0
     return {
         "k_bytes": valid * inputs.num_kv_heads * row,
-        "v_bytes": int(v_rows_total) * row,
+        # + rows a backend declares it fetches between runs of kept rows (a copy plan that
+        # merges runs sharing a DRAM granule; the Ascend C kernel)
+        "v_bytes": int(v_rows_total) * row + int(counters.get("v_merged_gap_bytes", 0)),
         "workspace_gm_to_ub_bytes": scores + int(counters.get("workspace_split_gm_to_ub_bytes", 0)),
     }
 
