@@ -54,7 +54,8 @@ left() { echo $(( 285 - ($(date +%s) - T0) )); }
 
 # 1. benchmark first: the numbers this script exists for
 echo "== [1] benchmark (h200 cases)"
-timeout -s INT 130 "$PY" -m topth_ops.bench --cases h200 --out "$RESULTS_DIR" --budget-ms 50 --check-targets \
+timeout -s INT 130 "$PY" -m topth_ops.bench --cases h200 --backends triton --out "$RESULTS_DIR" --budget-ms 50 \
+    --check-targets \
     2>&1 | tee "$RESULTS_DIR/bench.txt" | tail -45
 rc=${PIPESTATUS[0]}
 echo "bench exit code: $rc (1 = a target missed or a variant wrong, 130 = out of time: partial rows written)" \

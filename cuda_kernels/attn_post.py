@@ -135,7 +135,7 @@ def _post_scores_kernel(
             m = m_new
             # LSE of what this split has seen so far <= LSE of the whole row
             lse_run = m_safe + tl.log(l_sum)
-            cand_kept, cand = keep_mask(s - lse_run[:, None], valid, cut - SLACK, GROUP)
+            _, cand = keep_mask(s - lse_run[:, None], valid, cut - SLACK, GROUP)
             cand = cand & nmask
             slot = count + tl.cumsum(cand.to(tl.int32), axis=0) - 1
             ok = cand & (slot < CAP)
@@ -253,8 +253,7 @@ def _post_select_kernel(
             voff_prev = voff
     else:
         # overflow: recompute this split's scores from K
-        offs_dq = offs_d
-        q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_dq[None, :] * stride_qd,
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
         for start_n in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             v = load_rows(V_head, voff_prev, rm_prev, offs_d, dmask, sv_dim, EVEN_D)

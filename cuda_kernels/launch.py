@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -355,8 +355,3 @@ def decode_attn_fwd(
         COUNT=count, UNION=union, num_warps=8 if G_PAD >= 64 else 4,
     )
     return out
-
-
-def with_splits(cfg: LaunchConfig, num_splits: int) -> LaunchConfig:
-    """``cfg`` with another split count."""
-    return replace(cfg, num_splits=num_splits)

@@ -141,8 +141,11 @@ def test_split_invariance(placement):
     th = guarded_thresholds(q, k.nan_to_num(), lens, scale=0.1, placement=placement, frac=0.2,
                             max_row_id=96)
     ref = oracle64(q, k, v, lens, th, scale=0.1, placement=placement, sdc="none")
+    # the most splits (64) once; post_softmax merges every split's LSE in each program, which
+    # the interpreter runs slowly, so it stops at 24 (still most splits empty)
+    most = 64 if placement == "pre_softmax" else 24
     results = [run_triton(q, k, v, lens, th, config=cfg(ns, bn), scale=0.1, placement=placement)
-               for ns, bn in ((1, 32), (2, 16), (5, 16), (64, 16))]
+               for ns, bn in ((1, 32), (2, 16), (5, 16), (most, 16))]
     for res in results:
         check(res, ref, torch.float32)
         np.testing.assert_allclose(res[0], results[0][0], atol=1e-6)
