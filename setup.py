@@ -42,6 +42,7 @@ cpu_model = Pybind11Extension(
     sources=[
         str(NPU / "cpu_model" / "src" / "binding.cpp"),
         str(NPU / "cpu_model" / "src" / "core.cpp"),
+        str(NPU / "cpu_model" / "src" / "checks.cpp"),
         str(NPU / "cpu_model" / "src" / "selftest.cpp"),
         str(NPU / "kernel" / "topth_decode_attn.cpp"),  # the kernel source, unchanged
     ],

@@ -12,6 +12,7 @@ Examples::
     topth-ops bench --cases h200 --check-targets                       # one H200
     topth-ops bench --device npu --cases npu --backends ascendc        # Ascend, vs IFA
     topth-ops bench --backends ascendc-cpu --cases bytes --no-baselines  # CPU-model bytes
+    topth-ops bench --compile-report                                   # static sm_90 report, no GPU
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cpu; 0: none)")
     parser.add_argument("--out", default=None,
                         help="output folder (default bench/results/<date>-<device>)")
+    parser.add_argument("--compile-report", action="store_true",
+                        help="instead of timing: compile every production Triton kernel variant for sm_90 "
+                             "(no GPU needed) and print registers, spills, shared memory, CTAs per SM, programs "
+                             "vs resident slots for the h200 cases and how V is loaded; exit 1 if a gate fails "
+                             "(docs/triton.md)")
     parser.add_argument("--check-targets", action="store_true",
                         help="exit 1 unless the speed targets of the cases run are met (h200, npu sets)")
 
@@ -80,7 +86,22 @@ def _run_cpu(args: argparse.Namespace) -> int:
                    baselines=not args.no_baselines)
 
 
+def compile_report(json_path=None) -> int:
+    """``python -m topth_ops.cuda_kernels.report`` in a subprocess without TRITON_INTERPRET
+    (the interpreter has no compiler; Triton binds the mode when the kernels are imported)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "topth_ops.cuda_kernels.report"] + (["--json", json_path] if json_path else [])
+    return subprocess.run(cmd, env=env).returncode
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.compile_report:
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+        return compile_report(os.path.join(args.out, "compile_report.json") if args.out else None)
     import torch
 
     from topth_ops.cli import CliError
@@ -153,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
              f"torch {torch.__version__}"] + (["INTERRUPTED: partial results"] if interrupted else []) + ["", table, ""]
     if bytes_table:
         lines += [bytes_table, ""]
+    from .ascendc_counters import format_pipe_table  # the Ascend C model's pipe counters, if any
+
+    pipe_table = format_pipe_table(rows)
+    if pipe_table:
+        lines += [pipe_table, ""]
     for name, ok, detail in targets:
         lines.append(f"target {'PASS' if ok else 'FAIL'}: {name}: {detail}")
     summary = "\n".join(lines)

@@ -256,3 +256,55 @@ def test_valid_value_mean_averages_the_valid_prefix(n):
                         for b, k in enumerate(n)])
     assert got.dtype == torch.float32 and got.shape == (3, 2, 8)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam"])
+def test_vmc_sums_live_on_the_cache_and_add_one_row_per_step(model, mode):
+    """The V mean is not re-read from the whole cache at every step: the sums are built once
+    per layer (first decode step) and then follow the cache, beam reorders included."""
+    batch, kw = MODES[mode]
+    enable(model, TopthSettings(thresholds=_constant(model, 0.1), vmc=True))
+    try:
+        out = _generate(model, _prompts(batch), cache_implementation="dynamic", **kw)
+    finally:
+        disable(model)
+    sums = out.past_key_values._topth_value_sums
+    assert sums.rebuilds == L
+    assert set(sums.layers) == set(range(L))
+
+
+def test_value_sums_follow_cache_edits_against_the_cache_mean():
+    """ValueSums after reorder / batch selection / repeat / crop equals the mean of the
+    valid V rows of the edited cache (float64 reference)."""
+    from transformers import DynamicCache
+
+    from topth_ops.hf.vmean import value_sums_for
+
+    g = torch.Generator().manual_seed(4)
+    cache = DynamicCache(config=_config())
+    B, S0 = 3, 5
+    for layer in range(L):
+        cache.update(torch.randn(B, HKV, S0, D, generator=g), torch.randn(B, HKV, S0, D, generator=g), layer)
+    sums = value_sums_for(cache)
+
+    def step():  # append one row per layer, ask for the mean, compare with the cache
+        for layer in range(L):
+            _, v = cache.update(torch.randn(cache.layers[layer].values.shape[0], HKV, 1, D, generator=g),
+                                torch.randn(cache.layers[layer].values.shape[0], HKV, 1, D, generator=g), layer)
+            n = torch.full((v.shape[0],), v.shape[2], dtype=torch.int64)
+            mu = sums.mean(layer, v, n)
+            torch.testing.assert_close(mu.double(), v.double().mean(2), atol=1e-5, rtol=1e-5)
+
+    step()
+    step()
+    assert sums.rebuilds == L
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    step()
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    step()
+    cache.batch_repeat_interleave(2)
+    step()
+    assert sums.rebuilds == L  # followed, not rebuilt
+    cache.crop(-3)
+    step()
+    assert sums.rebuilds == 2 * L  # a crop drops the sums: rebuilt once per layer

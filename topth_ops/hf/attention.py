@@ -23,11 +23,11 @@ prefill accepts any padding mask (each row's valid keys are counted); decode nee
 sequence's valid keys to be a prefix of the cache, and raises a ValueError for left-padded
 batches.
 
-VMC keeps no state between calls: at every decode step the V mean handed to the op as
-``value_mean`` is derived from the valid V rows of the cache the call receives
-(:func:`topth_ops.hf.cache_view.valid_value_mean`, which explains why a running sum kept
-beside a transformers cache goes stale), and the prefill reference averages each row's own
-valid V rows.
+VMC: the V mean handed to the op as ``value_mean`` comes from running V sums that live on
+the transformers cache object and follow its edits (reorder, batch selection, repeat; a
+crop or reset rebuilds them from the cache), so a decode step adds one V row instead of
+re-reading all of them (:mod:`topth_ops.hf.vmean`); the prefill reference averages each
+row's own valid V rows.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from ..prefill import RowRule, prefill_attention
 from ..rowstats import StatsCollector
 from ..threshold_file import ThresholdSet
 from .cache_view import check_supported, rows_from_mask, sdpa_can_skip_mask, topth_mask, valid_value_mean
+from .vmean import value_sums_for
 
 logger = logging.getLogger("topth_ops")
 
@@ -177,6 +178,13 @@ class TopthAttention:
         self.max_chunk_elems = max_chunk_elems
         self._rules: dict[tuple, RowRule] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
+        self._cache = None  # the transformers cache of the running forward (see _capture_cache)
+
+    def _capture_cache(self, module, args, kwargs) -> None:
+        """Forward pre-hook of each attention module: remember the cache object of this
+        call (keyword ``cache``, or ``past_key_values`` in older transformers) so that the
+        VMC sums can live on it (:mod:`topth_ops.hf.vmean`)."""
+        self._cache = kwargs.get("cache", kwargs.get("past_key_values"))
 
     # ------------------------------------------------------------------ helpers
 
@@ -262,7 +270,10 @@ class TopthAttention:
             )
         n = row_ids[:, 0]
         s = self.settings
-        value_mean = valid_value_mean(value, n) if s.vmc else None
+        value_mean = None
+        if s.vmc:
+            sums = value_sums_for(self._cache)
+            value_mean = sums.mean(layer, value, n) if sums is not None else valid_value_mean(value, n)
         collect = self.decode_stats is not None
         res = decode_attention(
             query[:, :, 0], key, value, n, rule.thresholds, scale=scale, placement=s.placement,
@@ -352,7 +363,10 @@ def enable(model, settings: TopthSettings, **kwargs) -> TopthAttention:
     register()
     ctl = TopthAttention(model, settings, **kwargs)
     for m in _attention_modules(model):
+        if hasattr(m, "_topth_hook"):
+            m._topth_hook.remove()
         m._topth = ctl
+        m._topth_hook = m.register_forward_pre_hook(ctl._capture_cache, with_kwargs=True)
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         model._topth_previous_attn = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)
@@ -364,5 +378,8 @@ def disable(model) -> None:
     for m in _attention_modules(model):
         if hasattr(m, "_topth"):
             del m._topth
+        if hasattr(m, "_topth_hook"):
+            m._topth_hook.remove()
+            del m._topth_hook
     prev = getattr(model, "_topth_previous_attn", None) or "sdpa"
     model.set_attn_implementation(prev)

@@ -14,8 +14,8 @@ capacity and SDPA aligns the causal mask to the upper left; :func:`topth_mask` t
 always materializes the mask, and a call without one (a caller outside transformers'
 model code) follows SDPA's convention for a missing mask (:func:`rows_from_mask`).
 
-The V mean is derived from the cache at every decode step rather than kept as a running
-sum (issue 9.4): see :func:`valid_value_mean`.
+:func:`valid_value_mean` averages the valid V rows of a cache; the decode path uses it only
+to (re)build the running sums of :mod:`topth_ops.hf.vmean`.
 """
 
 from __future__ import annotations
@@ -86,18 +86,11 @@ def rows_from_mask(mask: Optional[torch.Tensor], B: int, T: int, S: int,
 
 
 def valid_value_mean(value: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Mean of each sequence's n valid V rows (positions 0..n-1 of the cache), the mu of VMC.
+    """Mean of each sequence's n valid V rows (positions 0..n-1 of the cache), the mu of VMC
+    (paper section 3.2.2).
 
-    Derived from the cache at every call instead of kept as a running sum: transformers
-    edits caches in place of appending to them (``reorder_cache`` in beam search, ``crop``
-    in assisted decoding, ``batch_select_indices``, ``batch_repeat_interleave``, ``reset``,
-    the quantized layers' deferred reorders, a static cache's fixed capacity), and its Cache
-    API has no hook that would carry an extra per-sequence tensor through those edits, so
-    a sum kept beside the cache goes stale (issue 9.4: about 50% off after the first beam
-    reorder). The V rows handed to the attention function follow the cache by construction.
-    Cost: one read of the valid V rows, O(n * head_dim) per sequence and KV head, the order
-    of the K reads of the step; the op then reads V only at kept rows (``value_mean`` given),
-    as it would with a serving engine's running mean. Paper section 3.2 (VMC).
+    Cost: one read of the valid V rows, O(n * head_dim) per sequence and KV head; the decode
+    path calls it only when the running sums of :mod:`topth_ops.hf.vmean` must be rebuilt.
 
     Parameters
     ----------
