@@ -2,8 +2,8 @@
 
 The one input generator of the benchmark (every case set, every device). Per (sequence,
 KV head) a unit direction u is drawn; the group's query heads point along u (plus a small
-per-head deviation) and exactly ``round(f * n)`` random valid positions get ``c * u``
-added to their key (the planted rows). Their scores sit far above the others for every
+per-head deviation) and exactly ``round(f * n)`` random valid positions (or runs of
+``Case.cluster`` consecutive positions) get ``c * u`` added to their key (the planted rows). Their scores sit far above the others for every
 head of the group. Per query head and sequence length, the threshold is the midpoint of
 the gap between the lowest planted and the highest other score (log-probability for
 post_softmax, returned as a probability), pooled over the sequences of that length (each
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from topth_ops.contract import DecodeInputs, make_inputs
+from topth_ops.paged import to_paged
 
 from .cases import Case
 
@@ -50,7 +51,8 @@ class CaseInputs:
     inputs : DecodeInputs
         Thresholded call (``return_stats=True``) with the case's placement.
     dense : DecodeInputs
-        Same tensors, thresholds -inf, pre_softmax, no SDC: plain attention.
+        Same tensors, thresholds -inf, pre_softmax, no SDC: plain attention. Always BNSD
+        (the dense baselines' layout), also for paged cases.
     planted_union : torch.Tensor
         ``[batch, num_kv_heads]`` int64 on the CPU: the number of V rows every head of the
         group keeps (the planted rows), i.e. the exact kept-union per KV group.
@@ -65,6 +67,18 @@ class CaseInputs:
 def planted_count(kept_frac: float, n: int) -> int:
     """Rows planted among ``n`` valid positions: ``round(kept_frac * n)`` within [0, n]."""
     return min(n, max(0, round(kept_frac * n)))
+
+
+def _planted_positions(cluster: int, count: int, n: int, rows: int, device, gen) -> torch.Tensor:
+    """``[rows, count]`` distinct positions in [0, n): uniformly random, or (``cluster`` > 0)
+    whole runs of ``cluster`` consecutive positions at random multiples of ``cluster``, the
+    last run cut so that exactly ``count`` positions are planted."""
+    if cluster <= 1:
+        return torch.rand(rows, n, device=device, generator=gen).topk(count, dim=-1).indices
+    runs = -(-count // cluster)
+    chunks = torch.rand(rows, n // cluster, device=device, generator=gen).topk(runs, dim=-1).indices
+    pos = (chunks.unsqueeze(-1) * cluster + torch.arange(cluster, device=device)).flatten(1)
+    return pos[:, :count]
 
 
 def case_lengths(case: Case) -> list[int]:
@@ -117,7 +131,7 @@ def make_case_inputs(case: Case, device: torch.device, seed: int = 0) -> CaseInp
     for b, n in enumerate(lens):
         count = planted_count(case.kept_frac, n)
         if count > 0:
-            idx = torch.rand(Hkv, n, device=build, generator=gen).topk(count, dim=-1).indices
+            idx = _planted_positions(case.cluster, count, n, Hkv, build, gen)
             plant[b].scatter_(1, idx, True)
             key[b] += PLANT_GAIN * plant[b].unsqueeze(-1) * u[b].unsqueeze(1)
     value = torch.randn(B, Hkv, S, D, device=build, generator=gen)
@@ -128,8 +142,13 @@ def make_case_inputs(case: Case, device: torch.device, seed: int = 0) -> CaseInp
 
     q, key, value, th = (x.to(device) for x in (q, key, value, th))
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
-    inputs = make_inputs(q, key, value, lens_t, th, scale=scale, placement=case.placement,
-                         return_stats=True)
+    paged = {}
+    if case.block_size:
+        kp, vp, table = to_paged(key, value, lens_t, case.block_size, kv_layout=case.kv_layout,
+                                 generator=torch.Generator().manual_seed(seed))
+        paged = dict(key_cache=kp, value_cache=vp, block_table=table, kv_layout=case.kv_layout)
+    inputs = make_inputs(q, paged.pop("key_cache", key), paged.pop("value_cache", value), lens_t, th,
+                         scale=scale, placement=case.placement, return_stats=True, **paged)
     dense_th = torch.full((Hq, 1), float("-inf"), dtype=torch.float32, device=device)
     dense = make_inputs(q, key, value, lens_t, dense_th, scale=scale, placement="pre_softmax")
     return CaseInputs(case, inputs, dense, planted_union)

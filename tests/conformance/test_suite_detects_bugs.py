@@ -85,6 +85,63 @@ def _assume_contiguous(inp):
     return torch.as_strided(k, k.shape, k.new_empty(k.shape).stride(), k.storage_offset())
 
 
+def _identity_table(inp):
+    if not inp.paged:
+        return inp.block_table
+    bt = inp.block_table
+    return torch.arange(bt.numel(), dtype=torch.int32).view(bt.shape) % inp.num_blocks
+
+
+def _next_block(inp):
+    if not inp.paged:
+        return inp.block_table
+    return torch.roll(inp.block_table, shifts=-1, dims=1)
+
+
+def _whole_last_block_mean(inp):
+    """VMC mean over every slot of the blocks a sequence uses (slots past n included)."""
+    if not inp.vmc or inp.value_mean is not None or not inp.paged:
+        return inp.value_mean
+    from topth_ops.backends.torch_ref import dense_caches
+    n = inp.seq_lens.long()
+    bs = inp.block_size
+    padded = (n + bs - 1) // bs * bs
+    _, v = dense_caches(inp, padded)
+    valid = torch.arange(v.shape[2])[None, :] < padded[:, None]
+    return (v.float() * valid[:, None, :, None]).sum(2) / padded.clamp(min=1)[:, None, None]
+
+
+def _wrong_layout_strides(inp):
+    """Addresses the paged cache with the other layout's contiguous strides."""
+    if not inp.paged:
+        return inp.value_cache
+    v = inp.value_cache
+    return torch.as_strided(v, v.shape, v.transpose(1, 2).contiguous().transpose(1, 2).stride())
+
+
+def _group_by_mean(inp):
+    """Group selection done per head: each query head compares its own scores with the
+    group's threshold (no maximum over the group), so heads keep different rows."""
+    if inp.selection != "group":
+        return inp.thresholds
+    return inp.thresholds.repeat_interleave(inp.group_size, dim=-2)
+
+
+def _set_zero(inp):
+    if inp.threshold_set is None:
+        return inp.threshold_set
+    return torch.zeros_like(inp.threshold_set)
+
+
+def _contiguous_storage(name):
+    def edit(inp):
+        t = getattr(inp, name)
+        if t is None or t.is_contiguous():
+            return t
+        return torch.as_strided(t, t.shape, t.new_empty(t.shape).stride(), t.storage_offset())
+    return edit
+
+
 MUTANTS = [
     # (mutant, rule that must catch it)
     (Mutant("ge-instead-of-gt", _replace(thresholds=lambda i: torch.nextafter(
@@ -105,6 +162,20 @@ MUTANTS = [
     (Mutant("batch-coupled-row-id", _replace(thresholds=_first_sequence_row)), "batch_independence"),
     (Mutant("assumes-contiguous-cache", _replace(key_cache=_assume_contiguous)), "strided_inputs"),
     (Mutant("post-as-pre", _replace(placement=lambda i: "pre_softmax")), "dense_equivalence"),
+    # paged caches, group selection, threshold sets, strides of small tensors, unchecked values
+    (Mutant("ignores-block-table", _replace(block_table=_identity_table)), "paged_equivalence"),
+    (Mutant("block-index-off-by-one", _replace(block_table=_next_block)), "paged_equivalence"),
+    (Mutant("vmc-reads-whole-last-block", _replace(value_mean=_whole_last_block_mean)), "paged_unused_blocks"),
+    (Mutant("wrong-layout-strides", _replace(value_cache=_wrong_layout_strides)), "paged_equivalence"),
+    (Mutant("group-without-group-max", _replace(thresholds=_group_by_mean,
+                                                selection=lambda i: "head")), "group_selection"),
+    (Mutant("ignores-threshold-set", _replace(threshold_set=_set_zero)), "threshold_sets"),
+    (Mutant("seq-lens-stride-ignored", _replace(seq_lens=_contiguous_storage("seq_lens"))), "strided_small_inputs"),
+    (Mutant("thresholds-stride-ignored", _replace(thresholds=_contiguous_storage("thresholds"))),
+     "strided_small_inputs"),
+    (Mutant("block-table-stride-ignored", _replace(block_table=_contiguous_storage("block_table"))),
+     "strided_small_inputs"),
+    (Mutant("lengths-wrap-to-int32", _replace(seq_lens=lambda i: i.seq_lens.to(torch.int32))), "unchecked_values"),
 ]
 
 

@@ -22,15 +22,52 @@
 #include "topth_model/core.h"
 #include "topth_model/types.h"
 
+// ----- toolchain version: CANN force-includes asc_devkit_version.h (asc-devkit >= 8.5);
+// the model emulates the toolchain given by -DTOPTH_MODEL_CANN_VERSION_NUM (default: an
+// older CANN without it, as 8.0 - 8.3) -----
+#ifdef TOPTH_MODEL_CANN_VERSION_NUM
+#define ASC_DEVKIT_VERSION_NUM TOPTH_MODEL_CANN_VERSION_NUM
+#endif
+#if defined(ASC_DEVKIT_VERSION_NUM) && (ASC_DEVKIT_VERSION_NUM >= 90099802)
+#define TOPTH_MODEL_HAS_WHOLE_REDUCE 0  // renamed ReduceRepeat in asc-devkit 9.1.0-beta.2
+#else
+#define TOPTH_MODEL_HAS_WHOLE_REDUCE 1
+#endif
+
 // ----- device qualifiers: nothing on the host -----
 #define __aicore__
 #define __global__
 #define __gm__
 #define GM_ADDR uint8_t*
-#define KERNEL_TASK_TYPE_DEFAULT(x)
-#define KERNEL_TYPE_AIV_ONLY 0
 
-enum pipe_t : int { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
+// Kernel types (KERNEL_TASK_TYPE_DEFAULT records the kernel's type for the checks of SyncAll).
+enum KernelMetaType {
+    KERNEL_TYPE_AIV_ONLY, KERNEL_TYPE_AIC_ONLY, KERNEL_TYPE_MIX_AIV_1_0, KERNEL_TYPE_MIX_AIC_1_0,
+    KERNEL_TYPE_MIX_AIC_1_1, KERNEL_TYPE_MIX_AIC_1_2
+};
+#define KERNEL_TASK_TYPE_DEFAULT(x) topth_model::SetKernelType(static_cast<int>(x))
+
+// ----- CPU-model hooks of the kernel source (empty on the device) -----
+// The work item reads the caches of sequence b, KV head h (the model checks each K / V row).
+#define TOPTH_MODEL_OWNER(b, h) topth_model::SetOwner(static_cast<int64_t>(b), static_cast<int64_t>(h))
+// The kernel is launched in batch schedule mode (__schedmode__(1)): its blocks start together.
+// The model emulates a toolchain with the qualifier (its effect is recorded by the hook;
+// Launch::SetSchedModeNormal simulates a toolchain without it).
+#define TOPTH_HAS_SCHEDMODE 1
+#define __schedmode__(mode)
+#define TOPTH_MODEL_SCHED_BATCH() topth_model::DeclareBatchMode()
+// A deliberate bug the test switched on (launch option "fault"): the kernel source takes the
+// faulty branch so that the tests can check that the model catches it; false on the device.
+#define TOPTH_MODEL_FAULT(name) topth_model::FaultIs(#name)
+
+// Core type of the calling core in a mix kernel (the device compiles the kernel once per
+// core type, where these are constant expressions).
+#define ASCEND_IS_AIV (topth_model::Ctx().type == topth_model::CoreType::AIV)
+#define ASCEND_IS_AIC (topth_model::Ctx().type == topth_model::CoreType::AIC)
+#define ASCEND_IS_NOT_AIV (!ASCEND_IS_AIV)
+#define ASCEND_IS_NOT_AIC (!ASCEND_IS_AIC)
+
+enum pipe_t : int { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_FIX, PIPE_ALL };
 enum event_t : int {
     EVENT_ID0 = 0, EVENT_ID1, EVENT_ID2, EVENT_ID3, EVENT_ID4, EVENT_ID5, EVENT_ID6, EVENT_ID7
 };
@@ -47,15 +84,36 @@ constexpr uint32_t MAX_REPEAT_TIMES = 255;
 
 enum class TPosition : uint8_t { GM, A1, A2, B1, B2, C1, C2, CO1, CO2, VECIN, VECOUT, VECCALC, LCM = VECCALC, MAX };
 using QuePosition = TPosition;
+// Core types (g_coreType values of the device build).
+enum CoreTypeId : int32_t { AIV = 0, AIC = 1, MIX = 2 };
+
+// The on-chip memory a position lives in: A1 / B1 / C1 in L1, A2 in L0A, B2 in L0B, CO1 in
+// L0C (cube core); VECIN / VECOUT / VECCALC in the unified buffer (vector core). -1: none
+// modelled (GM, C2 bias table, CO2).
+constexpr int SpaceOfPosition(TPosition p) {
+    using topth_model::Space;
+    return (p == TPosition::A1 || p == TPosition::B1 || p == TPosition::C1) ? static_cast<int>(Space::L1)
+           : p == TPosition::A2                                               ? static_cast<int>(Space::L0A)
+           : p == TPosition::B2                                               ? static_cast<int>(Space::L0B)
+           : p == TPosition::CO1                                              ? static_cast<int>(Space::L0C)
+           : (p == TPosition::VECIN || p == TPosition::VECOUT || p == TPosition::VECCALC) ? static_cast<int>(Space::UB)
+                                                                                          : -1;
+}
+const char* PositionName(TPosition p);
 
 enum class HardEvent : uint8_t {
-    MTE2_V, V_MTE2, MTE3_V, V_MTE3, MTE2_MTE3, MTE3_MTE2, S_V, V_S, S_MTE2, MTE2_S, S_MTE3, MTE3_S
+    MTE2_V, V_MTE2, MTE3_V, V_MTE3, MTE2_MTE3, MTE3_MTE2, S_V, V_S, S_MTE2, MTE2_S, S_MTE3, MTE3_S,
+    // cube core: L1 <-> L0 <-> cube <-> FIX
+    MTE2_MTE1, MTE1_MTE2, MTE1_M, M_MTE1, M_FIX, FIX_M, MTE2_M, M_MTE2, FIX_MTE2, MTE2_FIX, FIX_S, S_FIX, M_S, S_M,
+    MTE1_FIX, FIX_MTE1
 };
 
 enum class CMPMODE : uint8_t { LT = 0, GT, EQ, LE, GE, NE };
 enum class SELMODE : uint8_t { VSEL_CMPMASK_SPR = 0, VSEL_TENSOR_SCALAR_MODE, VSEL_TENSOR_TENSOR_MODE };
 enum class RoundMode : uint8_t { CAST_NONE = 0, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROUND, CAST_TRUNC, CAST_ODD };
 enum class ReduceOrder : uint8_t { ORDER_VALUE_INDEX = 0, ORDER_INDEX_VALUE, ORDER_ONLY_VALUE, ORDER_ONLY_INDEX };
+enum class ReduceType { NONE = -1, SUM = 0, MAX, MIN };
+enum class CacheMode { CACHE_MODE_DISABLE = 0, CACHE_MODE_NORMAL = 1, CACHE_MODE_LAST = 2, CACHE_MODE_PERSISTENT = 4 };
 
 // ----- copy and repeat parameter structs (field names, types and units as in Ascend C) -----
 struct DataCopyParams {
@@ -99,6 +157,16 @@ struct BinaryRepeatParams {
     uint8_t dstRepStride = 8, src0RepStride = 8, src1RepStride = 8;  // 32-byte units
 };
 
+struct GatherMaskParams {
+    GatherMaskParams() = default;
+    GatherMaskParams(uint8_t s0B, uint16_t rep, uint16_t s0R, uint8_t s1R)
+        : src0BlockStride(s0B), repeatTimes(rep), src0RepeatStride(s0R), src1RepeatStride(s1R) {}
+    uint8_t src0BlockStride = 1;    // 32-byte units
+    uint16_t repeatTimes = 0;
+    uint16_t src0RepeatStride = 0;  // 32-byte units
+    uint8_t src1RepeatStride = 0;   // 32-byte units
+};
+
 struct BrcbRepeatParams {
     BrcbRepeatParams() = default;
     BrcbRepeatParams(uint16_t dB, uint16_t dR) : dstBlkStride(dB), dstRepStride(dR) {}
@@ -135,13 +203,15 @@ public:
         t.bufIndex_ = bufIndex_;
         t.slot_ = slot_;
         t.gen_ = gen_;
+        t.space_ = space_;
         return t;
     }
 
     // ---- model internals ----
-    T* Ptr() const { return reinterpret_cast<T*>(topth_model::Ctx().ub.data() + off_); }
+    T* Ptr() const { return reinterpret_cast<T*>(topth_model::Ctx().Mem(space_).data() + off_); }
     bool valid_ = false;
-    uint32_t off_ = 0;    // byte offset in the unified buffer
+    int space_ = static_cast<int>(topth_model::Space::UB);  // the on-chip memory it lives in
+    uint32_t off_ = 0;    // byte offset in its memory
     uint32_t size_ = 0;   // elements
     uint32_t bufLo_ = 0, bufHi_ = 0;  // byte range of the owning buffer
     int bufIndex_ = -1;
@@ -171,6 +241,10 @@ public:
         return t;
     }
     uint64_t GetSize() const { return size_; }
+    // L2 cache policy of this tensor's accesses: no effect on the model's memory (it has no
+    // cache), recorded for the tests.
+    void SetL2CacheHint(CacheMode mode) { l2Mode_ = mode; }
+    CacheMode l2Mode_ = CacheMode::CACHE_MODE_NORMAL;
     // Scalar-unit read of one element of GM (pipe S, through the scalar data cache).
     T GetValue(uint64_t index, Loc loc = Loc::current()) const;
 
@@ -201,6 +275,7 @@ public:
         }
         LocalTensor<T> t;
         t.valid_ = true;
+        t.space_ = SpaceOfPosition(pos);
         t.off_ = lo_;
         t.size_ = len;
         t.bufLo_ = lo_;

@@ -1,4 +1,6 @@
-// CPU model of the Ascend C API subset used by topth-ops: runtime (see core.h).
+// CPU model of the Ascend C API subset used by topth-ops: the launch (see core.h). The
+// hazard tracker is in hazard.cpp, SyncAll and the cross-core flags in sync.cpp, the
+// checks that need the host's view of the call in checks.cpp.
 #include "topth_model/core.h"
 
 #include <algorithm>
@@ -24,135 +26,58 @@ std::string Where(const std::source_location& loc) {
 
 void Fail(const std::string& msg) {
     std::string prefix = "[ascendc-cpu model] ";
-    if (g_ctx) prefix += "block " + std::to_string(g_ctx->idx) + ": ";
+    if (g_ctx) prefix += g_ctx->name + ": ";
     throw ModelError(prefix + msg);
-}
-
-const char* PipeName(Pipe p) {
-    switch (p) {
-        case Pipe::MTE2: return "MTE2";
-        case Pipe::MTE3: return "MTE3";
-        case Pipe::V: return "V";
-        case Pipe::S: return "S";
-    }
-    return "?";
 }
 
 std::string AccessInfo::Describe() const {
     return std::string(op) + " at " + Basename(file) + ":" + std::to_string(line);
 }
 
-// ---------------------------------------------------------------------------------------
-// IntervalSet / HazardTracker
-
-void IntervalSet::Add(uint64_t lo, uint64_t hi, uint64_t seq, const AccessInfo& info) {
-    v_.erase(std::remove_if(v_.begin(), v_.end(),
-                            [&](const Interval& x) { return x.lo >= lo && x.hi <= hi; }),
-             v_.end());
-    v_.push_back(Interval{lo, hi, seq, info});
-}
-
-const Interval* IntervalSet::OverlapAfter(uint64_t lo, uint64_t hi, uint64_t after) const {
-    for (auto it = v_.rbegin(); it != v_.rend(); ++it) {
-        if (it->seq > after && it->lo < hi && lo < it->hi) return &*it;
+std::vector<uint8_t>& BlockCtx::Mem(int space) {
+    switch (static_cast<Space>(space)) {
+        case Space::L1: return l1;
+        case Space::L0A: return l0a;
+        case Space::L0B: return l0b;
+        case Space::L0C: return l0c;
+        default: return ub;
     }
-    return nullptr;
 }
-
-void IntervalSet::PruneUpTo(uint64_t seq) {
-    v_.erase(std::remove_if(v_.begin(), v_.end(), [&](const Interval& x) { return x.seq <= seq; }), v_.end());
-}
-
-namespace {
-std::string SyncHint(Pipe src, Pipe dst) {
-    if (src == Pipe::V && dst == Pipe::V) return "PipeBarrier<PIPE_V>()";
-    return std::string("SetFlag/WaitFlag<HardEvent::") + PipeName(src) + "_" + PipeName(dst) +
-           ">, or a TQue EnQue/DeQue or FreeTensor/AllocTensor pair between them";
-}
-}  // namespace
-
-void HazardTracker::Access(Space space, Pipe p, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info) {
-    if (hi <= lo) return;
-    const int q = static_cast<int>(p), sp = static_cast<int>(space);
-    auto range = [&](uint64_t a, uint64_t b) {
-        if (space == Space::GM && describeGm) return describeGm(a, b);
-        return std::string(space == Space::UB ? "UB [" : "GM [") + std::to_string(a) + ", " + std::to_string(b) + ")";
-    };
-    for (int s = 0; s < kPipes; ++s) {
-        const bool same = (s == q);
-        if (same && p != Pipe::V) continue;  // MTE2, MTE3 and S execute in order
-        const uint64_t seen = clk_[q][s];
-        const Interval* w = log_[sp][s][1].OverlapAfter(lo, hi, seen);
-        const Interval* r = (write && !same) ? log_[sp][s][0].OverlapAfter(lo, hi, seen) : nullptr;
-        if (w || r) {
-            const Interval* x = w ? w : r;
-            std::ostringstream os;
-            os << "data hazard: " << PipeName(p) << (write ? " writes " : " reads ") << range(lo, hi) << " in "
-               << info.Describe() << ", which " << PipeName(static_cast<Pipe>(s)) << (w ? " wrote" : " reads")
-               << " in " << x->info.Describe() << ", with no " << PipeName(static_cast<Pipe>(s)) << "->"
-               << PipeName(p) << " synchronisation in between (" << SyncHint(static_cast<Pipe>(s), p) << ")";
-            Fail(os.str());
-        }
-    }
-    const uint64_t seq = ++seq_[q];
-    if (p != Pipe::V) clk_[q][q] = seq;
-    log_[sp][q][write ? 1 : 0].Add(lo, hi, seq, info);
-    if (++accesses_ % 4096 == 0) Prune();
-}
-
-void HazardTracker::Prune() {
-    // An access every other pipe is ordered after can never conflict again.
-    for (int p = 0; p < kPipes; ++p) {
-        uint64_t minSeen = UINT64_MAX;
-        for (int q = 0; q < kPipes; ++q) {
-            if (q == p && p != static_cast<int>(Pipe::V)) continue;
-            minSeen = std::min(minSeen, clk_[q][p]);
-        }
-        for (int sp = 0; sp < 2; ++sp)
-            for (int k = 0; k < 2; ++k) log_[sp][p][k].PruneUpTo(minSeen);
-    }
-    for (int sp = 0; sp < 2; ++sp)
-        for (int p = 0; p < kPipes; ++p)
-            for (int k = 0; k < 2; ++k)
-                if (log_[sp][p][k].Size() > 50000) {
-                    Fail("internal: more than 50000 accesses by one pipe are never synchronised with the others");
-                }
-}
-
-PipeClock HazardTracker::Capture(Pipe p) const {
-    PipeClock c;
-    const int q = static_cast<int>(p);
-    for (int i = 0; i < kPipes; ++i) c.c[i] = clk_[q][i];
-    c.c[q] = seq_[q];  // a flag is set after every earlier operation of its pipe completes
-    return c;
-}
-
-void HazardTracker::Observe(Pipe q, const PipeClock& c) {
-    const int x = static_cast<int>(q);
-    for (int i = 0; i < kPipes; ++i) clk_[x][i] = std::max(clk_[x][i], c.c[i]);
-}
-
-void HazardTracker::BarrierV() {
-    const int v = static_cast<int>(Pipe::V);
-    clk_[v][v] = seq_[v];
-}
-
-void HazardTracker::BarrierAll() {
-    for (int q = 0; q < kPipes; ++q)
-        for (int p = 0; p < kPipes; ++p) clk_[q][p] = seq_[p];
-}
-
-// ---------------------------------------------------------------------------------------
-// Launch
 
 BlockCtx& Ctx() {
     if (!g_ctx) throw ModelError("[ascendc-cpu model] Ascend C API called outside a kernel launch");
     return *g_ctx;
 }
 
-Launch::Launch(uint32_t ubBytes, uint32_t coreCount) : ubBytes_(ubBytes), coreCount_(coreCount) {
+bool InLaunch() { return g_ctx != nullptr; }
+
+void SetKernelType(int type) {
+    auto& ctx = Ctx();
+    const auto t = static_cast<KernelType>(type);
+    if (ctx.kernelType != KernelType::Unset && ctx.kernelType != t) Fail("KERNEL_TASK_TYPE_DEFAULT set twice, differently");
+    const bool mix12 = t == KernelType::MixAic12;
+    if (mix12 != ctx.launch->Mix()) {
+        Fail(std::string("KERNEL_TASK_TYPE_DEFAULT declares ") + (mix12 ? "KERNEL_TYPE_MIX_AIC_1_2" : "a kernel without cube cores") +
+             " but the launch starts " + (ctx.launch->Mix() ? "one AIC and two AIVs per block" : "vector cores only") +
+             ": the runtime starts the cores the compiled kernel type says");
+    }
+    ctx.kernelType = t;
+}
+
+void SetOwner(int64_t seq, int64_t head) {
+    auto& ctx = Ctx();
+    ctx.ownerSeq = seq;
+    ctx.ownerHead = head;
+}
+
+void DeclareBatchMode() { Ctx().launch->SetBatchMode(true); }
+
+bool FaultIs(const char* name) { return g_ctx && g_ctx->launch->Fault() == name; }
+
+Launch::Launch(uint32_t ubBytes, uint32_t coreCount) : coreCount_(coreCount), aicCount_(coreCount / 2) {
     if (ubBytes % 32 != 0 || ubBytes == 0) throw ModelError("unified buffer size must be a positive multiple of 32");
     if (coreCount == 0) throw ModelError("core count must be >= 1");
+    mem_.ub = ubBytes;
 }
 
 Launch::~Launch() = default;
@@ -194,9 +119,16 @@ void Launch::AddBytes(GmBuffer& b, bool toUb, uint64_t bytes) {
     }
 }
 
-void Launch::NoteUb(uint32_t used) {
+void Launch::NoteMem(const BlockCtx& ctx) {
     std::lock_guard<std::mutex> lk(mu_);
-    report_.ubPeak = std::max(report_.ubPeak, used);
+    if (ctx.type == CoreType::AIV) {
+        report_.ubPeak = std::max(report_.ubPeak, ctx.cursor[static_cast<int>(Space::UB)]);
+    } else {
+        report_.l1Peak = std::max(report_.l1Peak, ctx.cursor[static_cast<int>(Space::L1)]);
+        report_.l0aPeak = std::max(report_.l0aPeak, ctx.cursor[static_cast<int>(Space::L0A)]);
+        report_.l0bPeak = std::max(report_.l0bPeak, ctx.cursor[static_cast<int>(Space::L0B)]);
+        report_.l0cPeak = std::max(report_.l0cPeak, ctx.cursor[static_cast<int>(Space::L0C)]);
+    }
 }
 
 std::string Launch::DescribeGm(uint64_t lo, uint64_t hi) const {
@@ -209,16 +141,17 @@ std::string Launch::DescribeGm(uint64_t lo, uint64_t hi) const {
     return "GM [" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
 }
 
+// Accesses of different blocks (AI cores) to overlapping writable GM, one of them a write,
+// need a SyncAll between them; the cores of one block are ordered by their shared tracker.
 void Launch::RecordGm(uint32_t block, bool write, uint64_t lo, uint64_t hi, const AccessInfo& info) {
     std::lock_guard<std::mutex> lk(mu_);
     for (const auto& r : epochRecords_) {
         if (r.block == block || !(r.write || write)) continue;
         if (r.lo < hi && lo < r.hi) {
             std::ostringstream os;
-            os << "[ascendc-cpu model] block " << block << ": race on GM: " << (write ? "write" : "read")
-               << " of " << DescribeGm(lo, hi) << " in " << info.Describe() << " and "
-               << (r.write ? "write" : "read") << " by block " << r.block << " in " << r.info.Describe()
-               << " with no SyncAll between them";
+            os << "[ascendc-cpu model] block " << block << ": race on GM: " << (write ? "write" : "read") << " of "
+               << DescribeGm(lo, hi) << " in " << info.Describe() << " and " << (r.write ? "write" : "read")
+               << " by block " << r.block << " in " << r.info.Describe() << " with no SyncAll between them";
             throw ModelError(os.str());
         }
     }
@@ -240,90 +173,108 @@ void Launch::CheckSyncWorkspace(const uint8_t* p, uint64_t bytes, const std::sou
     }
 }
 
-void Launch::Barrier(uint32_t block, const std::source_location& loc) {
-    std::unique_lock<std::mutex> lk(mu_);
-    if (aborted_) throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": aborted (another block failed)");
-    const uint32_t gen = generation_;
-    if (exited_ > 0) {
-        aborted_ = true;
-        cv_.notify_all();
-        throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": SyncAll at " + Where(loc) +
-                         " would hang on the device: " + std::to_string(exited_) +
-                         " block(s) returned without reaching it");
+namespace {
+// End-of-kernel discipline of one core: every queue buffer freed, every flag waited.
+void CheckCoreEnd(const BlockCtx& ctx) {
+    for (const auto& q : ctx.queues) {
+        for (size_t i = 0; i < q->slots.size(); ++i) {
+            if (q->slots[i]->st != SlotState::Free) {
+                static const char* names[] = {"free", "allocated", "enqueued", "dequeued"};
+                Fail("kernel returned with buffer " + std::to_string(i) + " of " + q->desc + " still " +
+                     names[q->slots[i]->st] + " (missing FreeTensor)");
+            }
+        }
     }
-    if (++arrived_ == running_) {
-        arrived_ = 0;
-        ++generation_;
-        ++epoch_;
-        epochRecords_.clear();
-        report_.syncAllCalls++;
-        cv_.notify_all();
-        return;
-    }
-    cv_.wait(lk, [&] { return generation_ != gen || aborted_; });
-    if (generation_ == gen) {
-        throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": SyncAll at " + Where(loc) +
-                         " aborted: another block failed, or returned without reaching SyncAll (on the device "
-                         "this SyncAll would hang)");
+    if (!ctx.flags.empty()) {
+        Fail("kernel returned with " + std::to_string(ctx.flags.size()) + " SetFlag without a matching WaitFlag");
     }
 }
+}  // namespace
 
-void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
+void Launch::Run(uint32_t blockDim, const std::function<void()>& body, uint32_t aicPerBlock, uint32_t aivPerBlock) {
     if (blockDim == 0) throw ModelError("[ascendc-cpu model] launch with blockDim 0");
-    if (blockDim > coreCount_) {
-        throw ModelError("[ascendc-cpu model] launch with blockDim " + std::to_string(blockDim) +
-                         " > " + std::to_string(coreCount_) +
-                         " vector cores: a kernel that uses SyncAll would hang on the device");
+    const bool mix = aicPerBlock > 0;
+    if (mix && (aicPerBlock != 1 || aivPerBlock != 2)) throw ModelError("[ascendc-cpu model] only 1:2 mix launches are modelled");
+    if (!mix && aivPerBlock != 1) throw ModelError("[ascendc-cpu model] a vector-only launch runs one AIV per block");
+    const uint32_t limit = mix ? aicCount_ : coreCount_;
+    if (blockDim > limit) {
+        throw ModelError("[ascendc-cpu model] launch with blockDim " + std::to_string(blockDim) + " > " +
+                         std::to_string(limit) + (mix ? " AI cores (cube cores)" : " vector cores") +
+                         ": a kernel that uses SyncAll would hang on the device");
     }
+    aicPerBlock_ = aicPerBlock;
+    aivPerBlock_ = aivPerBlock;
+    blocks_ = blockDim;
+    const uint32_t perBlock = aicPerBlock + aivPerBlock;
+    const uint32_t total = blockDim * perBlock;
     report_.blockDim = blockDim;
-    running_ = blockDim;
+    report_.perCore.assign(total, CoreReport());
+    alive_ = total;
     arrived_ = 0;
-    exited_ = 0;
+    exitedAiv_ = exitedAll_ = 0;
     aborted_ = false;
+    abortReason_.clear();
     epochRecords_.clear();
-    std::vector<std::exception_ptr> errors(blockDim);
-    std::vector<std::thread> threads;
-    threads.reserve(blockDim);
+    waiters_.clear();
+    trackers_.clear();
+    cross_.assign(blockDim, {});
     for (uint32_t b = 0; b < blockDim; ++b) {
-        threads.emplace_back([&, b] {
+        trackers_.push_back(std::make_unique<HazardTracker>());
+        auto& t = *trackers_.back();
+        t.describeGm = [this](uint64_t lo, uint64_t hi) { return DescribeGm(lo, hi); };
+        if (mix) {
+            t.slotName[0] = "AIC";
+            t.slotName[1] = "AIV0";
+            t.slotName[2] = "AIV1";
+        }
+    }
+    std::vector<std::exception_ptr> errors(total);
+    std::vector<std::thread> threads;
+    threads.reserve(total);
+    for (uint32_t i = 0; i < total; ++i) {
+        threads.emplace_back([&, i] {
             BlockCtx ctx;
             ctx.launch = this;
-            ctx.idx = b;
+            ctx.block = i / perBlock;
             ctx.dim = blockDim;
-            ctx.ub.assign(ubBytes_, 0xFF);
-            ctx.haz.describeGm = [this](uint64_t lo, uint64_t hi) { return DescribeGm(lo, hi); };
+            const uint32_t c = i % perBlock;
+            ctx.type = (mix && c == 0) ? CoreType::AIC : CoreType::AIV;
+            ctx.sub = mix ? (c == 0 ? 0 : c - 1) : 0;
+            ctx.ratio = (mix && ctx.type == CoreType::AIV) ? 2 : 1;
+            ctx.slot = static_cast<int>(c);
+            ctx.haz = trackers_[ctx.block].get();
+            ctx.name = "block " + std::to_string(ctx.block);
+            if (mix) ctx.name += ctx.type == CoreType::AIC ? " AIC" : " AIV" + std::to_string(ctx.sub);
+            if (ctx.type == CoreType::AIV) {
+                ctx.ub.assign(mem_.ub, 0xFF);
+            } else {
+                ctx.l1.assign(mem_.l1, 0xFF);
+                ctx.l0a.assign(mem_.l0a, 0xFF);
+                ctx.l0b.assign(mem_.l0b, 0xFF);
+                ctx.l0c.assign(mem_.l0c, 0xFF);
+            }
+            ctx.haz->SetActive(ctx.slot, true, ctx.type);
             g_ctx = &ctx;
             try {
                 body();
-                // End-of-kernel discipline: every queue buffer freed, every flag waited.
-                for (const auto& q : ctx.queues) {
-                    for (size_t i = 0; i < q->slots.size(); ++i) {
-                        if (q->slots[i]->st != SlotState::Free) {
-                            static const char* names[] = {"free", "allocated", "enqueued", "dequeued"};
-                            Fail("kernel returned with buffer " + std::to_string(i) + " of " + q->desc + " still " +
-                                 names[q->slots[i]->st] + " (missing FreeTensor)");
-                        }
-                    }
-                }
-                if (!ctx.flags.empty()) {
-                    Fail("kernel returned with " + std::to_string(ctx.flags.size()) +
-                         " SetFlag without a matching WaitFlag");
-                }
-                NoteUb(ctx.pipeCursor);
+                CheckCoreEnd(ctx);
+                NoteMem(ctx);
+                std::lock_guard<std::mutex> lk(mu_);
+                report_.perCore[i] = CoreReport{ctx.cnt, ctx.block, ctx.sub, ctx.type};
+                report_.kernelType = static_cast<int>(ctx.kernelType);
             } catch (...) {
-                errors[b] = std::current_exception();
+                errors[i] = std::current_exception();
                 std::lock_guard<std::mutex> lk(mu_);
                 aborted_ = true;
                 cv_.notify_all();
             }
+            ctx.haz->SetActive(ctx.slot, false, ctx.type);
             {
-                // A block that returns while others wait in SyncAll would hang the device.
                 std::lock_guard<std::mutex> lk(mu_);
-                exited_++;
-                if (arrived_ > 0) {
-                    aborted_ = true;
-                    cv_.notify_all();
-                }
+                alive_--;
+                exitedAll_++;
+                if (ctx.type == CoreType::AIV) exitedAiv_++;
+                CheckDeadlock();  // cores still waiting for something only this one could do
             }
             g_ctx = nullptr;
         });
@@ -344,6 +295,7 @@ void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
         }
     }
     if (first) std::rethrow_exception(first);
+    CheckCrossFlagsAtEnd();
 }
 
 }  // namespace topth_model

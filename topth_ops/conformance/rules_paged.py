@@ -1,0 +1,142 @@
+"""Conformance rules for paged KV caches (docs/semantics.md, "Paged caches").
+
+A paged case is a random BNSD case copied into shuffled cache blocks
+(:func:`topth_ops.conformance.cases.paged_case`); the oracle reads the paged tensors
+itself, through the block table, so it shares no gather code with any backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cases import SHAPE_SETS, Case, Shape, paged_case, random_case
+from .compare import exact_report, mismatch_report, to_numpy
+from .rules import Harness, expect_errors, rule
+
+BLOCK_SIZES = (16, 32, 64, 128)
+# Block sizes that do not divide the usual kernel tiles (16 .. 128 rows): a backend
+# computes them correctly or refuses them with a reason.
+ODD_BLOCK_SIZES = (1, 8, 24, 48, 100)
+
+
+def _compare_paths(h: Harness, name: str, paged, contiguous) -> None:
+    """The paged result equals the backend's own contiguous result (out within the dtype
+    tolerance, kept and v_rows exactly)."""
+    rep, _ = mismatch_report(f"{name}: paged vs contiguous out", to_numpy(paged[0]),
+                             to_numpy(contiguous[0]), **h.tol)
+    problems = [rep]
+    for field in ("kept", "v_rows"):
+        problems.append(exact_report(f"stats.{field} paged vs contiguous",
+                                     to_numpy(getattr(paged[1], field)),
+                                     to_numpy(getattr(contiguous[1], field))))
+    for p in problems:
+        if p:
+            h.fail(name, p)
+
+
+@rule("paged_equivalence", "paged NHD/HND caches (block sizes 16-128, shuffled blocks, partial last blocks) equal the oracle and the contiguous path")
+def _paged_equivalence(h: Harness) -> None:
+    for i, shape in enumerate(h.shapes):
+        placement = "pre_softmax" if i % 2 else "post_softmax"
+        sdc = "exp_threshold" if placement == "pre_softmax" else "none"
+        base = random_case("paged", shape, h.dtype, placement=placement, sdc=sdc, vmc=True,
+                           seed=h.seed("paged", shape.id))
+        contiguous = h.forward(base)
+        for j, layout in enumerate(("NHD", "HND")):
+            bs = BLOCK_SIZES[(i + 2 * j) % len(BLOCK_SIZES)]
+            case = paged_case(base, bs, layout, seed=h.seed("paged", shape.id, layout))
+            res = h.check(case)
+            if res is not None and contiguous is not None:
+                _compare_paths(h, case.name, res, contiguous)
+
+
+@rule("paged_unused_blocks", "paged: NaN in unallocated blocks and past n, -1 / huge ids in unused table slots, prefix blocks shared by sequences: never read")
+def _paged_unused(h: Harness) -> None:
+    bs, prefix = 16, 48
+    shape = Shape((prefix + 37, prefix + 5, prefix, 3, 0), 9, 3, 64, 4 * 16 + 32)
+
+    def share_prefix(q, k, v):  # sequences 1 and 2 start with sequence 0's first 48 rows
+        for b in (1, 2):
+            k[b, :, :prefix] = k[0, :, :prefix]
+            v[b, :, :prefix] = v[0, :, :prefix]
+
+    for layout in ("NHD", "HND"):
+        for placement in ("pre_softmax", "post_softmax"):
+            base = random_case(f"paged_shared_{placement}", shape, h.dtype, placement=placement,
+                               vmc=True, mutate=share_prefix,
+                               seed=h.seed("pagedshared", layout, placement))
+            case = paged_case(base, bs, layout, seed=h.seed("pagedshared", layout), spare_blocks=6)
+            kw = case.kwargs
+            table = kw["block_table"]
+            orphans = table[1:3, : prefix // bs].flatten().tolist()
+            table[1:3, : prefix // bs] = table[0, : prefix // bs]  # share sequence 0's blocks
+            for blk in orphans:  # the blocks no longer named by any table: NaN, never read
+                kw["key_cache"][blk] = float("nan")
+                kw["value_cache"][blk] = float("nan")
+            h.check(Case(case.name + " shared prefix", kw))
+
+
+@rule("paged_block_sizes", "paged with block sizes that do not divide a kernel tile (1, 8, 24, 48, 100): correct, or refused with a reason")
+def _paged_odd(h: Harness) -> None:
+    shape = SHAPE_SETS["quick"][1]
+    base = random_case("paged_odd", shape, h.dtype, placement="pre_softmax", sdc="exact",
+                       vmc=True, seed=h.seed("pagedodd"))
+    h.check(paged_case(base, 16, "NHD", seed=h.seed("pagedodd", 16)))  # the anchor
+    for i, bs in enumerate(ODD_BLOCK_SIZES):
+        layout = ("NHD", "HND")[i % 2]
+        h.check(paged_case(base, bs, layout, seed=h.seed("pagedodd", bs)))
+
+
+def _paged_kwargs(h: Harness) -> dict:
+    shape = Shape((37, 16, 0), 9, 3, 64, 48)
+    base = random_case("paged_errors", shape, h.dtype, placement="pre_softmax",
+                       seed=h.seed("pagederrors"))
+    return paged_case(base, 16, "NHD", seed=h.seed("pagederrors")).to(h.device).kwargs
+
+
+def _paged_error_cases(kw: dict) -> list:
+    q, k, table, lens, th = (kw[n] for n in ("query", "key_cache", "block_table", "seq_lens", "thresholds"))
+    hnd = k.transpose(1, 2)
+    cases = [
+        ("block_table int64", dict(block_table=table.long()), TypeError, "block_table"),
+        ("block_table float", dict(block_table=table.float()), TypeError, "block_table"),
+        ("block_table not a tensor", dict(block_table=table.tolist()), TypeError, "block_table"),
+        ("block_table of rank 1", dict(block_table=table[:, 0]), ValueError, "block_table"),
+        ("block_table batch mismatch", dict(block_table=table[:2]), ValueError, "block_table"),
+        ("block_table on another device", dict(block_table=table.to("meta")), ValueError, "block_table"),
+        ("block_table with no column", dict(block_table=table[:, :0]), ValueError, "block_table"),
+        ("kv_layout unknown", dict(kv_layout="BHSD"), ValueError, "kv_layout"),
+        ("kv_layout BNSD with a block table", dict(kv_layout="BNSD"), ValueError, "kv_layout"),
+        ("paged layout without a block table", dict(block_table=None), ValueError, "kv_layout"),
+        ("paged cache of rank 3", dict(key_cache=k[0], value_cache=kw["value_cache"][0]), ValueError, "key_cache"),
+        ("value_cache layout differs", dict(value_cache=kw["value_cache"].transpose(1, 2)), ValueError, "value_cache"),
+        ("HND cache passed as NHD", dict(key_cache=hnd, value_cache=kw["value_cache"].transpose(1, 2)),
+         ValueError, "num_q_heads"),
+        ("selection unknown", dict(selection="kv"), ValueError, "selection"),
+        ("group selection with per-head thresholds", dict(selection="group"), ValueError, "thresholds"),
+        ("threshold_set with 2-D thresholds", dict(threshold_set=torch.zeros_like(lens)), ValueError, "threshold_set"),
+        ("3-D thresholds without threshold_set", dict(thresholds=th[None]), ValueError, "threshold_set"),
+        ("threshold_set float", dict(thresholds=th[None], threshold_set=lens.float()), TypeError, "threshold_set"),
+        ("threshold_set shape", dict(thresholds=th[None], threshold_set=lens[:2]), ValueError, "threshold_set"),
+        ("sdc_table without the set dim", dict(thresholds=th[None], threshold_set=torch.zeros_like(lens),
+                                               sdc="offline", sdc_table=torch.ones_like(th)), ValueError, "sdc_table"),
+    ]
+    if lens.device.type == "cpu":  # value checks need no device sync only on the CPU
+        bad_neg, bad_big, short = table.clone(), table.clone(), lens.clone()
+        bad_neg[0, 1] = -3
+        bad_big[1, 0] = k.shape[0]
+        short[0] = table.shape[1] * k.shape[1] + 1
+        cases += [
+            ("used block_table entry negative", dict(block_table=bad_neg), ValueError, "block_table"),
+            ("used block_table entry past num_blocks", dict(block_table=bad_big), ValueError, "block_table"),
+            ("block_table too short for seq_lens", dict(seq_lens=short), ValueError, "seq_lens"),
+            ("threshold_set out of range", dict(thresholds=th[None], threshold_set=torch.ones_like(lens)),
+             ValueError, "threshold_set"),
+        ]
+    return cases
+
+
+@rule("paged_errors", "invalid block tables, layouts, selections and threshold sets raise TypeError/ValueError naming the argument, before the backend runs")
+def _paged_errors(h: Harness) -> None:
+    kw = _paged_kwargs(h)
+    expect_errors(h, kw, _paged_error_cases(kw))
