@@ -56,6 +56,7 @@ SELECTIONS = ("head", "group")
 DEFAULT_BINS = 512
 DEFAULT_BUCKETS_PER_OCTAVE = 4
 DEFAULT_FIT_OCTAVES = 3.0
+DEFAULT_ROWS_PER_OCTAVE = 128
 MIN_FIT_POINTS = 3
 LOG_PROB_FLOOR = -60.0  # log-probabilities below this are clamped (never near a threshold)
 DOMAINS = {"pre_softmax": "logit", "post_softmax": "log_prob"}
@@ -185,6 +186,9 @@ class CountAccumulator:
     bins : int
         Histogram bins per (layer, head, bucket).
     buckets_per_octave : int
+    rows_per_octave : int
+        Rows recorded per octave of row ids and sequence (a power of two; 0 = every row);
+        see :meth:`record`.
 
     Notes
     -----
@@ -196,7 +200,8 @@ class CountAccumulator:
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, max_row_id: int,
                  ks: Sequence[int], placements: Sequence[str] = PLACEMENTS,
                  selections: Sequence[str] = ("head",), bins: int = DEFAULT_BINS,
-                 buckets_per_octave: int = DEFAULT_BUCKETS_PER_OCTAVE):
+                 buckets_per_octave: int = DEFAULT_BUCKETS_PER_OCTAVE,
+                 rows_per_octave: int = DEFAULT_ROWS_PER_OCTAVE):
         if max_row_id < 1:
             raise ValueError(f"max_row_id must be >= 1, got {max_row_id}")
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -212,6 +217,10 @@ class CountAccumulator:
         self.L, self.Hq, self.Hkv, self.max_row_id = num_layers, num_q_heads, num_kv_heads, max_row_id
         self.placements, self.selections = tuple(placements), tuple(selections)
         self.bins = bins
+        if rows_per_octave > 0 and rows_per_octave & (rows_per_octave - 1):
+            raise ValueError(f"rows_per_octave must be 0 or a power of two, got {rows_per_octave}")
+        self.rows_per_octave = int(rows_per_octave)
+        self._log2_rpo = int(rows_per_octave).bit_length() - 1 if rows_per_octave > 0 else 0
         self.min_k = max(1, min(ks)) if len(ks) else 1
         self.edges = bucket_edges(max_row_id, ks, buckets_per_octave)
         self.NB = len(self.edges) - 1
@@ -246,6 +255,14 @@ class CountAccumulator:
             ``[B, num_q_heads, C, 1]`` row max and log sum exp(a - m) (post_softmax),
             computed here when omitted.
 
+        Notes
+        -----
+        Rows are thinned deterministically above ``rows_per_octave`` row ids: a row is
+        recorded when n is a multiple of ``2 ** max(0, floor(log2 n) - log2(rows_per_octave))``,
+        so each octave of row ids contributes ``rows_per_octave`` rows per sequence (all
+        rows below). The cost of a row grows with n, so this bounds the cost per sequence
+        at ~``rows_per_octave * max n`` values per head instead of ``max n ** 2 / 2``.
+
         Raises
         ------
         ValueError
@@ -256,49 +273,59 @@ class CountAccumulator:
         if int(n.max()) > self.max_row_id:
             raise ValueError(f"calibration row id {int(n.max())} exceeds the accumulator's max_row_id "
                              f"{self.max_row_id}")
-        live = n > self.min_k  # rows n <= every k are dense for every target
-        if not bool(live.any()):
+        keep = (n > self.min_k) & (n % self.row_stride(n) == 0)  # rows n <= every k are dense
+        if not bool(keep.any()):
             return
-        b_idx = torch.bucketize(n, self._edges_t, right=False) - 1  # (e_i, e_i+1] -> i
-        b_idx = b_idx.clamp(0, self.NB - 1)
-        nl = n[live]
-        self.rows[layer].index_add_(0, b_idx[live], torch.ones_like(nl))
-        self.log_n[layer].index_add_(0, b_idx[live], torch.log(nl.to(torch.float64)))
+        bi, ci = keep.nonzero(as_tuple=True)
+        nl = n[bi, ci]
+        b_idx = (torch.bucketize(nl, self._edges_t, right=False) - 1).clamp(0, self.NB - 1)
+        self.rows[layer].index_add_(0, b_idx, torch.ones_like(nl))
+        self.log_n[layer].index_add_(0, b_idx, torch.log(nl.to(torch.float64)))
         self.rows_per_id[layer].index_add_(0, nl, torch.ones_like(nl))
-        if "post_softmax" in self.placements and (m is None or log_z is None):
-            m = scores.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            log_z = torch.log(torch.exp(scores - m).sum(-1, keepdim=True))
+        x_all = scores[bi, :, ci, :]  # [R, H, S]
+        if "post_softmax" in self.placements:
+            if m is None or log_z is None:
+                mm = x_all.amax(-1, keepdim=True)
+                mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
+                lse = mm + torch.log(torch.exp(x_all - mm).sum(-1, keepdim=True))
+            else:
+                lse = (m + log_z)[bi, :, ci, :]
         G = self.Hq // self.Hkv
+        R = x_all.shape[0]
         for p in self.placements:
-            x = scores if p == "pre_softmax" else scores - (m + log_z)
+            x = x_all if p == "pre_softmax" else x_all - lse
             for s in self.selections:
-                xs = x if s == "head" else x.view(B, self.Hkv, G, C, S).amax(2)
-                self._add(p, s, layer, xs, live, b_idx)
+                xs = x if s == "head" else x.view(R, self.Hkv, G, S).amax(2)
+                self._add(p, s, layer, xs, b_idx)
 
-    def _add(self, p: str, s: str, layer: int, x: torch.Tensor, live: torch.Tensor, b_idx: torch.Tensor) -> None:
-        B, H, C, S = x.shape
+    def row_stride(self, n: torch.Tensor) -> torch.Tensor:
+        """Recording stride of rows with row id n (see :meth:`record`)."""
+        if self.rows_per_octave <= 0:
+            return torch.ones_like(n)
+        e = torch.floor(torch.log2(n.clamp(min=1).to(torch.float64))).to(torch.int64) - self._log2_rpo
+        return torch.pow(2, e.clamp(min=0))
+
+    def _add(self, p: str, s: str, layer: int, x: torch.Tensor, b_idx: torch.Tensor) -> None:
+        R, H, S = x.shape
         rng = self.range[(p, s)][layer]
         if bool(torch.isnan(rng[:, 0]).any()):
-            self._set_range(p, rng, x, live)
-        lo = rng[:, 0].to(torch.float32).view(1, H, 1, 1)
-        inv_w = (1.0 / rng[:, 1]).to(torch.float32).view(1, H, 1, 1)
-        finite = torch.isfinite(x) & live.view(B, 1, C, 1)
-        idx = ((x - lo) * inv_w).floor_().clamp_(0, self.bins - 1).to(torch.int64)
-        slot = (torch.arange(H).view(1, H, 1, 1) * self.NB + b_idx.view(B, 1, C, 1)) * self.bins
-        flat = (slot + idx)[finite]
+            self._set_range(p, rng, x)
+        lo = rng[:, 0].to(torch.float32).view(1, H, 1)
+        inv_w = (1.0 / rng[:, 1]).to(torch.float32).view(1, H, 1)
         size = H * self.NB * self.bins
-        self.hist[(p, s)][layer].view(-1).add_(torch.bincount(flat, minlength=size))
+        idx = (x - lo).mul_(inv_w).floor_().clamp_(0, self.bins - 1).to(torch.int64)
+        slot = (torch.arange(H).view(1, H, 1) * self.NB + b_idx.view(R, 1, 1)) * self.bins
+        flat = torch.where(torch.isfinite(x), idx.add_(slot), size)  # invalid keys -> a dump slot
+        self.hist[(p, s)][layer].view(-1).add_(torch.bincount(flat.view(-1), minlength=size + 1)[:size])
 
-    def _set_range(self, p: str, rng: torch.Tensor, x: torch.Tensor, live: torch.Tensor) -> None:
-        """Per-head histogram range from the first chunk a layer sees: its finite values'
+    def _set_range(self, p: str, rng: torch.Tensor, x: torch.Tensor) -> None:
+        """Per-head histogram range from the first rows a layer sees: their finite values'
         span with half a span of margin each side (log-probabilities: at most 0, at
         least LOG_PROB_FLOOR)."""
-        H = x.shape[1]
-        fin = torch.isfinite(x) & live.view(x.shape[0], 1, x.shape[2], 1)
+        fin = torch.isfinite(x)
         big = torch.finfo(torch.float32).max
-        lo = torch.where(fin, x, big).amin(dim=(0, 2, 3)).to(torch.float64)
-        hi = torch.where(fin, x, -big).amax(dim=(0, 2, 3)).to(torch.float64)
+        lo = torch.where(fin, x, big).amin(dim=(0, 2)).to(torch.float64)
+        hi = torch.where(fin, x, -big).amax(dim=(0, 2)).to(torch.float64)
         none = lo > hi
         lo, hi = torch.where(none, -1.0, lo), torch.where(none, 1.0, hi)
         span = (hi - lo).clamp(min=1e-3)
@@ -308,7 +335,6 @@ class CountAccumulator:
             hi = torch.maximum(hi, lo + 1e-3)
         rng[:, 0] = lo
         rng[:, 1] = (hi - lo) / self.bins
-        del H
 
     # ------------------------------------------------------------------ finalize
 
