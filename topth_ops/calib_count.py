@@ -87,9 +87,10 @@ class LengthModel:
 
     Attributes
     ----------
-    domain : {"logit", "log_prob"}
-        The domain where the model is linear: theta itself (pre_softmax) or log theta
-        (post_softmax; also used for SDC tables, which are positive).
+    domain : {"logit", "log_prob", "log"}
+        The domain where the model is linear: theta itself (pre_softmax), log theta
+        (post_softmax; capped at probability 1), or the log of a positive quantity without
+        a cap (the offline SDC table).
     anchor_n : numpy.ndarray
         ``[num_layers, H]`` float64: row id (mean log n of the last bucket, as a real
         number) where the model starts; NaN for dense layers.
@@ -112,10 +113,12 @@ class LengthModel:
 
     def theta(self, n: np.ndarray) -> np.ndarray:
         """theta ``[L, H, len(n)]`` at row ids ``n``; log_prob domain is capped at 0
-        (probability 1); NaN entries (dense layers) become -inf."""
+        (probability 1), "log" is not; NaN entries (dense layers) become -inf."""
         v = self.value(n)
         if self.domain == "log_prob":
             v = np.exp(np.minimum(v, 0.0))
+        elif self.domain == "log":
+            v = np.exp(v)
         return np.where(np.isnan(v), -np.inf, v)
 
 
@@ -437,3 +440,41 @@ class CountAccumulator:
                 dv = np.where(nn > an, beyond, inside)
                 theta[layer, h, k:] = from_domain(dv, domain)
         return theta, counts, LengthModel(domain, anc_n, anc_v, slope)
+
+
+def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str = "log",
+                    fit_octaves: float = DEFAULT_FIT_OCTAVES) -> LengthModel:
+    """Log-linear model of a per-row-id table (e.g. the offline SDC table) for row ids
+    beyond it: per (layer, head), weighted least squares (weights: ``counts``) of
+    domain(value) on log n over the row ids of the last ``fit_octaves`` octaves with
+    samples and value > 0; the model is the regression line (anchored at its weighted
+    mean point). Dense layers get NaN (extended as 0 by the SDC extension).
+
+    Parameters
+    ----------
+    table, counts : numpy.ndarray
+        ``[L, H, R]`` values and samples per row id (column c = row id c + 1).
+    layer_k : sequence of int
+    domain : {"log", "logit"}
+    """
+    L, H, R = table.shape
+    an, av, sl = np.full((L, H), np.nan), np.full((L, H), np.nan), np.zeros((L, H))
+    n = np.arange(1, R + 1, dtype=np.float64)
+    for layer, k in enumerate(layer_k):
+        if k == DENSE:
+            continue
+        for h in range(H):
+            v, w = table[layer, h], counts[layer, h].astype(np.float64)
+            ok = (w > 0) & (n > k) & (v > 0 if domain == "log" else np.isfinite(v))
+            if not ok.any():
+                an[layer, h], av[layer, h] = float(R), (0.0 if domain == "logit" else -np.inf)
+                continue
+            last = n[ok][-1]
+            sel = ok & (n >= last / 2.0 ** fit_octaves)
+            x, ww = np.log(n[sel]), w[sel]
+            y = np.log(v[sel]) if domain == "log" else v[sel]
+            xm, ym = np.average(x, weights=ww), np.average(y, weights=ww)
+            den = np.sum(ww * (x - xm) ** 2)
+            sl[layer, h] = float(np.sum(ww * (x - xm) * (y - ym)) / den) if den > 0 else 0.0
+            an[layer, h], av[layer, h] = math.exp(xm), ym
+    return LengthModel(domain, an, av, sl)

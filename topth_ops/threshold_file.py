@@ -342,8 +342,6 @@ def extend_table(stored: torch.Tensor, model: Optional[LengthModel], extend_to: 
         raise ValueError(f"extending a table of {Rc} row ids to {extend_to} needs a length model")
     n = np.arange(Rc + 1, extend_to + 1, dtype=np.float64)
     ext = torch.from_numpy(model.theta(n).astype(np.float32))
-    if model.domain == "log_prob_sdc":  # pragma: no cover - reserved
-        raise ValueError(model.domain)
     return torch.cat([stored.to(torch.float32), ext], dim=-1)
 
 
@@ -501,8 +499,9 @@ def _validate(ts: ThresholdSet, *, where: str) -> None:
             continue
         if any(np.shape(a) != (L, heads) for a in (m.anchor_n, m.anchor_value, m.slope)):
             bad(f"{name!r} arrays must have shape [{L}, {heads}]")
-        if m.domain not in ("logit", "log_prob"):
-            bad(f"{name!r} domain must be 'logit' or 'log_prob', got {m.domain!r}")
+        allowed = ("logit", "log_prob") if name == "length_model" else ("log",)
+        if m.domain not in allowed:
+            bad(f"{name!r} domain must be one of {allowed}, got {m.domain!r}")
     if R > Rc:
         if ts.length_model is None:
             bad(f"'thresholds' has {R} row ids but only {Rc} are calibrated, and there is no length model")
