@@ -11,6 +11,9 @@ with every backend variant (see :mod:`topth_ops.bench.harness`). The sets:
 ``npu``
     the Ascend targets of issue 5 (bench/npu_check.sh): GQA 32 q / 8 kv heads, head_dim
     128, seq_len 32768, batch 1 and 8, f from 0.05 to 1, fp16 and one bf16 case;
+Each set has paged twins (block sizes 16 and 128) of some of its cases, named
+``...-paged16`` / ``...-paged128``.
+
 ``bytes``
     small shapes for the Ascend C CPU model (backend ``ascendc-cpu``): exact GM -> UB
     bytes against f, in seconds on a CPU.
@@ -45,6 +48,11 @@ class Case:
         "pre_softmax" or "post_softmax".
     ragged : bool
         Mixed sequence lengths in the batch.
+    block_size : int
+        0: contiguous BNSD caches; else paged caches of this block size (blocks shuffled
+        in the pool, see :func:`topth_ops.paged.to_paged`).
+    kv_layout : str
+        Paged layout, "NHD" or "HND" (with ``block_size`` only).
     """
 
     name: str
@@ -57,6 +65,8 @@ class Case:
     dtype: str = "bf16"
     placement: str = "pre_softmax"
     ragged: bool = False
+    block_size: int = 0
+    kv_layout: str = "NHD"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -64,6 +74,12 @@ class Case:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _paged(cases, block_sizes=(16, 128), kv_layout="NHD"):
+    """Paged twins of ``cases`` (one per block size), named ``<name>-paged<bs>``."""
+    return [Case(**dict(c.as_dict(), name=f"{c.name}-paged{bs}", block_size=bs, kv_layout=kv_layout))
+            for c in cases for bs in block_sizes]
 
 
 def _sweep(prefix, fracs, placements=("pre_softmax", "post_softmax"), **shape):
@@ -82,6 +98,7 @@ QUICK = _sweep("quick", (0.1, 0.3), batch=2, seq_len=192, num_q_heads=8, num_kv_
     Case(name="quick-ragged-pre-f0.2", batch=3, seq_len=160, num_q_heads=4, num_kv_heads=1,
          head_dim=80, kept_frac=0.2, dtype="fp16", ragged=True),
 ]
+QUICK += _paged(QUICK[:1] + QUICK[-1:])
 
 # The H200 targets of issue 4: bf16, GQA 32 q / 8 kv heads, head_dim 128, seq_len 32768, batch 8.
 H200_TARGET = dict(batch=8, seq_len=32768, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bf16")
@@ -94,6 +111,8 @@ H200 = _sweep("h200", (0.1, 0.3), **H200_TARGET) + _sweep(
     Case(name="h200-d64-ragged-pre-f0.1", batch=16, seq_len=16384, num_q_heads=9, num_kv_heads=3,
          head_dim=64, kept_frac=0.1, dtype="bf16", ragged=True),
 ]
+# paged twins of the target (block sizes 16 and 128, vLLM's NHD layout)
+H200 += _paged([c for c in H200 if c.name in ("h200-pre-f0.1", "h200-post-f0.1")])
 
 # The Ascend targets of issue 5: >= 1.5x over dense IncrementalFlashAttention at f = 0.1,
 # 32k context (GQA 32 q / 8 kv heads, head_dim 128, fp16). Traffic bound 2 / (1 + f).
@@ -102,6 +121,8 @@ NPU = _sweep("npu-b1", (0.05, 0.1, 0.2, 0.5, 1.0), batch=1, **NPU_TARGET) + _swe
     "npu-b8", (0.1, 0.5, 1.0), placements=("pre_softmax",), batch=8, **NPU_TARGET) + _sweep(
     "npu-b8", (0.1,), placements=("post_softmax",), batch=8, **NPU_TARGET) + _sweep(
     "npu-b1-bf16", (0.1,), placements=("pre_softmax",), batch=1, **dict(NPU_TARGET, dtype="bf16"))
+# paged twins in page attention's HND layout, block sizes 16 and 128
+NPU += _paged([c for c in NPU if c.name in ("npu-b1-pre-f0.1", "npu-b1-pre-f1")], kv_layout="HND")
 
 # GM -> UB bytes on the Ascend C CPU model (seconds on a CPU): V bytes against f on a
 # Llama-like GQA shape, its post_softmax twin (score round trip through the workspace), an

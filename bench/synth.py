@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from topth_ops.contract import DecodeInputs, make_inputs
+from topth_ops.paged import to_paged
 
 from .cases import Case
 
@@ -50,7 +51,8 @@ class CaseInputs:
     inputs : DecodeInputs
         Thresholded call (``return_stats=True``) with the case's placement.
     dense : DecodeInputs
-        Same tensors, thresholds -inf, pre_softmax, no SDC: plain attention.
+        Same tensors, thresholds -inf, pre_softmax, no SDC: plain attention. Always BNSD
+        (the dense baselines' layout), also for paged cases.
     planted_union : torch.Tensor
         ``[batch, num_kv_heads]`` int64 on the CPU: the number of V rows every head of the
         group keeps (the planted rows), i.e. the exact kept-union per KV group.
@@ -128,8 +130,13 @@ def make_case_inputs(case: Case, device: torch.device, seed: int = 0) -> CaseInp
 
     q, key, value, th = (x.to(device) for x in (q, key, value, th))
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
-    inputs = make_inputs(q, key, value, lens_t, th, scale=scale, placement=case.placement,
-                         return_stats=True)
+    paged = {}
+    if case.block_size:
+        kp, vp, table = to_paged(key, value, lens_t, case.block_size, kv_layout=case.kv_layout,
+                                 generator=torch.Generator().manual_seed(seed))
+        paged = dict(key_cache=kp, value_cache=vp, block_table=table, kv_layout=case.kv_layout)
+    inputs = make_inputs(q, paged.pop("key_cache", key), paged.pop("value_cache", value), lens_t, th,
+                         scale=scale, placement=case.placement, return_stats=True, **paged)
     dense_th = torch.full((Hq, 1), float("-inf"), dtype=torch.float32, device=device)
     dense = make_inputs(q, key, value, lens_t, dense_th, scale=scale, placement="pre_softmax")
     return CaseInputs(case, inputs, dense, planted_union)

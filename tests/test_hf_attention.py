@@ -1,6 +1,6 @@
 """The "topth" transformers attention function on a tiny random Llama (no download):
 thresholded prefill == token-by-token decode through the op, dense == SDPA, GQA, KV
-cache, VMC running mean, padding, mismatched files."""
+cache, VMC, padding, mismatched files."""
 
 import pytest
 import torch
@@ -85,7 +85,7 @@ def test_thresholded_prefill_equals_decode_steps(model, files, spec):
                           sdc=spec["sdc"], vmc=spec["vmc"])
     ids = _ids(3, 60)
     pre, dec = _collector(model), _collector(model)
-    ctl = enable(model, s, prefill_stats=pre, decode_stats=dec)
+    enable(model, s, prefill_stats=pre, decode_stats=dec)
     try:
         full = forward(model, ids)
         cache = new_cache(model)
@@ -98,12 +98,6 @@ def test_thresholded_prefill_equals_decode_steps(model, files, spec):
     # the same rows were seen by both paths, with the same kept counts
     assert torch.equal(pre.rows, dec.rows) and torch.equal(pre.kept, dec.kept) and torch.equal(pre.v_rows, dec.v_rows)
     assert dec.attn_kept_frac(lo=8) < 0.9
-    if spec["vmc"]:
-        assert ctl.vsum_rebuilds == 0  # the running V sum only ever added the new rows
-        for layer in range(1, L):
-            S, total = ctl._vsum[layer]
-            assert S == ids.shape[1]
-            torch.testing.assert_close(total / S, cache.layers[layer].values[0].float().mean(1).unsqueeze(0))
 
 
 def test_hf_generate_uses_the_op_and_matches_manual_greedy(model, files):

@@ -169,30 +169,30 @@ def to_paged(key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, blo
     """
     require_choice("kv_layout", kv_layout, PAGED_LAYOUTS)
     B, H, S, D = key.shape
+    dev = key.device
     M = -(-S // block_size)
-    n = seq_lens.to(torch.int64).tolist()
-    need = [-(-x // block_size) for x in n]
-    total = num_blocks if num_blocks is not None else sum(need) + 1
-    if total < sum(need):
-        raise ValueError(f"num_blocks must be >= {sum(need)} (blocks needed), got {total}")
+    n = seq_lens.to(device=dev, dtype=torch.int64)
+    used = torch.arange(M, device=dev)[None, :] < ((n + block_size - 1) // block_size)[:, None]
+    need = int(used.sum())
+    total = num_blocks if num_blocks is not None else need + 1
+    if total < need:
+        raise ValueError(f"num_blocks must be >= {need} (blocks needed), got {total}")
     ids = torch.randperm(total, generator=generator) if shuffle else torch.arange(total)
-    table = torch.full((B, M), -1, dtype=torch.int32)
-    shape = (total, block_size, H, D) if kv_layout == "NHD" else (total, H, block_size, D)
+    ids = ids[:need].to(dev)
+    table = torch.full((B, M), -1, dtype=torch.int32, device=dev)
+    table[used] = ids.to(torch.int32)
+    valid = (torch.arange(M * block_size, device=dev)[None, :] < n[:, None])[:, None, :, None]
     caches = []
     for src in (key, value):
-        dst = torch.full(shape, fill if fill is not None else 0.0, dtype=src.dtype)
-        caches.append(dst)
-    it = iter(ids.tolist())
-    for b in range(B):
-        for i in range(need[b]):
-            blk = next(it)
-            table[b, i] = blk
-            lo, hi = i * block_size, min((i + 1) * block_size, n[b])
-            for src, dst in zip((key, value), caches):
-                rows = src[b, :, lo:hi].cpu()  # [H, hi - lo, D]
-                if kv_layout == "NHD":
-                    dst[blk, : hi - lo] = rows.transpose(0, 1)
-                else:
-                    dst[blk, :, : hi - lo] = rows
-    dev = key.device
-    return caches[0].to(dev), caches[1].to(dev), table.to(dev)
+        padded = torch.zeros(B, H, M * block_size, D, dtype=src.dtype, device=dev)
+        padded[:, :, :S] = src
+        if fill is not None:
+            padded = torch.where(valid, padded, torch.tensor(fill, dtype=src.dtype, device=dev))
+        blocks = padded.view(B, H, M, block_size, D)
+        blocks = blocks.permute(0, 2, 3, 1, 4) if kv_layout == "NHD" else blocks.permute(0, 2, 1, 3, 4)
+        blocks = blocks[used]  # [need, bs, H, D] (NHD) or [need, H, bs, D] (HND)
+        pool = torch.full((total, *blocks.shape[1:]), fill if fill is not None else 0.0,
+                          dtype=src.dtype, device=dev)
+        pool[ids] = blocks
+        caches.append(pool)
+    return caches[0], caches[1], table

@@ -7,8 +7,7 @@ model, and switches the model to it. Per call (one layer, one forward):
 
 - decode steps (query length 1) in Top-Theta mode call :func:`topth_ops.decode_attention`,
   so the backend registry picks the kernel for the device (CPU reference, Triton on
-  CUDA, Ascend C on NPU); the V mean for VMC is kept per layer as a running sum that is
-  updated with the new rows only;
+  CUDA, Ascend C on NPU);
 - prefill (query length > 1) applies the same per-row thresholding through
   :func:`topth_ops.prefill.prefill_attention` (each row with its own row id), or stays
   dense (SDPA) with ``prefill="dense"``;
@@ -16,10 +15,19 @@ model, and switches the model to it. Per call (one layer, one forward):
   op takes one threshold per row id, while top-k needs one per sequence);
 - dense layers (k = dense in the layer map) and dense mode use transformers' SDPA.
 
-Works with the standard KV cache (DynamicCache: the key/value passed in are the whole
-cache after the update, BNSD) and GQA. Padding: prefill accepts any padding mask (each
-row's valid keys are counted); decode needs each sequence's valid keys to be a prefix of
-the cache, and raises a ValueError for left-padded batches.
+Row ids and valid keys come from the attention mask, which transformers builds from the
+cache's positions (:mod:`topth_ops.hf.cache_view`): dynamic, static, offloaded and quantized
+caches work (the key/value passed in are the whole cache after the update, BNSD), with GQA.
+Sliding-window and other non-full attention layers are refused by :func:`enable`. Padding:
+prefill accepts any padding mask (each row's valid keys are counted); decode needs each
+sequence's valid keys to be a prefix of the cache, and raises a ValueError for left-padded
+batches.
+
+VMC: the V mean handed to the op as ``value_mean`` comes from running V sums that live on
+the transformers cache object and follow its edits (reorder, batch selection, repeat; a
+crop or reset rebuilds them from the cache), so a decode step adds one V row instead of
+re-reading all of them (:mod:`topth_ops.hf.vmean`); the prefill reference averages each
+row's own valid V rows.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from ..contract import DEFAULT_SDC_GAMMA, PLACEMENTS, SDC_MODES
 from ..prefill import RowRule, prefill_attention
 from ..rowstats import StatsCollector
 from ..threshold_file import ThresholdSet
+from .cache_view import check_supported, rows_from_mask, sdpa_can_skip_mask, topth_mask, valid_value_mean
+from .vmean import value_sums_for
 
 logger = logging.getLogger("topth_ops")
 
@@ -166,19 +176,20 @@ class TopthAttention:
         self.decode_stats = decode_stats
         self.score_hook = score_hook
         self.max_chunk_elems = max_chunk_elems
-        self._vsum: dict[int, tuple[int, torch.Tensor]] = {}
-        self.vsum_rebuilds = 0  # times a running V sum had to be rebuilt from a cache it had not seen
         self._rules: dict[tuple, RowRule] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
+        self._cache = None  # the transformers cache of the running forward (see _capture_cache)
+
+    def _capture_cache(self, module, args, kwargs) -> None:
+        """Forward pre-hook of each attention module: remember the cache object of this
+        call (keyword ``cache``, or ``past_key_values`` in older transformers) so that the
+        VMC sums can live on it (:mod:`topth_ops.hf.vmean`)."""
+        self._cache = kwargs.get("cache", kwargs.get("past_key_values"))
 
     # ------------------------------------------------------------------ helpers
 
     def layer_k(self, layer: int) -> int:
         return self.settings.layer_k[layer]
-
-    def reset(self) -> None:
-        """Forget the running V sums (a new sequence starts with a prefill anyway)."""
-        self._vsum.clear()
 
     def _table(self, name: str, layer: int, device) -> Optional[torch.Tensor]:
         key = (name, layer, device)
@@ -205,48 +216,29 @@ class TopthAttention:
             )
         return self._rules[key]
 
-    def _value_mean(self, layer: int, value: torch.Tensor, T: int) -> torch.Tensor:
-        """Running mean of V over all S cache rows, updated with the T new rows only.
-
-        Returns ``[B, num_kv_heads, head_dim]`` float32. The running sum is recomputed
-        from the cache only when the cache length is not the one it was last updated to
-        (a new or cropped cache).
-        """
-        B, Hkv, S, D = value.shape
-        prev = self._vsum.get(layer)
-        if prev is not None and prev[0] == S - T and prev[1].shape == (B, Hkv, D) and prev[1].device == value.device:
-            base = prev[1]
-        else:
-            base = value[:, :, : S - T].to(torch.float32).sum(2)
-            self.vsum_rebuilds += int(S - T > 0)
-        total = base + value[:, :, S - T:].to(torch.float32).sum(2)
-        self._vsum[layer] = (S, total)
-        return total / S
-
     # ------------------------------------------------------------------ forward
 
     def forward(self, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor:
         """One layer's attention; returns ``[B, T, num_q_heads, head_dim]``."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if kwargs.get("sliding_window") is not None:
+        if kwargs.get("sliding_window") is not None:  # enable() refuses such models; a model made otherwise
             raise NotImplementedError("topth attention does not support sliding-window layers")
+        if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+            raise NotImplementedError("topth attention is causal decode attention; got a non-causal call")
         layer = module.layer_idx
         B, Hq, T, D = query.shape
         S = key.shape[2]
         scale = float(scaling) if scaling is not None else D ** -0.5
         dev = query.device
-        row_ids, key_valid = _rows_from_mask(attention_mask, B, T, S, dev)
+        row_ids, key_valid = rows_from_mask(attention_mask, B, T, S, dev)
         calibrating = self.score_hook is not None
         rule = self._rule(layer, dev, calibrating)
         s = self.settings
-        vmc_state = s.vmc and rule is not None and not calibrating
 
         if rule is None or (T > 1 and s.prefill == "dense" and not calibrating):
-            if vmc_state:
-                self._value_mean(layer, value, T)
-            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                                            scaling=scale, **kwargs)
+            mask = None if sdpa_can_skip_mask(row_ids, key_valid, S) else attention_mask
+            out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
             stats = self.decode_stats if T == 1 else self.prefill_stats
             if stats is not None:
                 stats.add_dense(layer, row_ids)
@@ -255,8 +247,6 @@ class TopthAttention:
         if T == 1 and rule.kind == "table" and not calibrating:
             return self._decode_op(layer, query, key, value, row_ids, key_valid, rule, scale)
 
-        if vmc_state:
-            self._value_mean(layer, value, T)
         hook = None
         if calibrating:
             hook = functools.partial(self.score_hook, layer)
@@ -271,8 +261,6 @@ class TopthAttention:
     def _decode_op(self, layer, query, key, value, row_ids, key_valid, rule, scale) -> torch.Tensor:
         from .. import decode_attention
 
-        B, Hq, _, D = query.shape
-        S = key.shape[2]
         if key_valid is not None:
             raise ValueError(
                 "topth decode: the valid keys of every sequence must be a prefix of the KV cache "
@@ -284,9 +272,8 @@ class TopthAttention:
         s = self.settings
         value_mean = None
         if s.vmc:
-            mean = self._value_mean(layer, value, 1)
-            if bool((n == S).all()):
-                value_mean = mean
+            sums = value_sums_for(self._cache)
+            value_mean = sums.mean(layer, value, n) if sums is not None else valid_value_mean(value, n)
         collect = self.decode_stats is not None
         res = decode_attention(
             query[:, :, 0], key, value, n, rule.thresholds, scale=scale, placement=s.placement,
@@ -317,24 +304,6 @@ def _model_name(model) -> Optional[str]:
     return os.path.basename(path) or None
 
 
-def _rows_from_mask(mask, B: int, T: int, S: int, dev) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Row ids ``[B, T]`` and the valid-key mask ``[B, T, S]`` (None when every row's valid
-    keys are the causal prefix 0..n-1)."""
-    causal_n = torch.arange(S - T + 1, S + 1, device=dev, dtype=torch.int64)
-    if mask is None:
-        return causal_n.unsqueeze(0).expand(B, T), None
-    if mask.dim() != 4:
-        raise ValueError(f"topth attention expects a 4D attention mask [B, 1, T, S], got shape {list(mask.shape)}")
-    m = mask[:, 0, :, -S:]
-    valid = m if m.dtype == torch.bool else (m > torch.finfo(m.dtype).min / 2)
-    valid = valid.expand(B, T, S)
-    n = valid.sum(-1).to(torch.int64)
-    prefix = torch.arange(S, device=dev).view(1, 1, S) < n.unsqueeze(-1)
-    if bool((prefix == valid).all()):
-        return n, None
-    return n, valid
-
-
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ctl = getattr(module, "_topth", None)
     if ctl is None:
@@ -347,12 +316,13 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
 
 def register() -> None:
     """Register "topth" with transformers' AttentionInterface and AttentionMaskInterface
-    (boolean masks as for SDPA). Idempotent."""
+    (boolean masks as for SDPA, always materialized: :func:`topth_ops.hf.cache_view.topth_mask`).
+    Idempotent."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, _attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, topth_mask)
 
 
 def _attention_modules(model):
@@ -384,12 +354,19 @@ def enable(model, settings: TopthSettings, **kwargs) -> TopthAttention:
     Raises
     ------
     ValueError, ThresholdFileError
-        Invalid settings, or a thresholds file made for another model or placement.
+        Invalid settings, or a thresholds file made for another model or placement; a
+        model or generation config the integration does not support (sliding-window or
+        other non-full attention layers, ``is_causal=False``, the paged cache of continuous
+        batching; :func:`topth_ops.hf.cache_view.check_supported`).
     """
+    check_supported(model)
     register()
     ctl = TopthAttention(model, settings, **kwargs)
     for m in _attention_modules(model):
+        if hasattr(m, "_topth_hook"):
+            m._topth_hook.remove()
         m._topth = ctl
+        m._topth_hook = m.register_forward_pre_hook(ctl._capture_cache, with_kwargs=True)
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         model._topth_previous_attn = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)
@@ -401,5 +378,8 @@ def disable(model) -> None:
     for m in _attention_modules(model):
         if hasattr(m, "_topth"):
             del m._topth
+        if hasattr(m, "_topth_hook"):
+            m._topth_hook.remove()
+            del m._topth_hook
     prev = getattr(model, "_topth_previous_attn", None) or "sdpa"
     model.set_attn_implementation(prev)
