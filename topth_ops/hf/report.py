@@ -103,7 +103,7 @@ def make_plots(records: Sequence[dict], out_dir: str) -> list[str]:
         ax.plot([b["hi"] for b in bs], [b["k_tilde_over_k"] for b in bs], marker="o",
                 label=f"{r['variant']} k={r['k']}")
         calib = r.get("calibration_max_row_id") or calib
-    ax.axhspan(TARGET_KTK[0], TARGET_KTK[1], color="green", alpha=0.08, label="target [0.8, 1.25]")
+    ax.axhspan(TARGET_KTK[0], TARGET_KTK[1], color="green", alpha=0.08, label=f"target [{TARGET_KTK[0]}, {TARGET_KTK[1]}]")
     ax.axhline(1.0, color="grey", lw=0.8)
     if calib:
         ax.axvline(calib, color="red", ls="--", lw=0.8, label=f"longest calibration row ({calib})")
