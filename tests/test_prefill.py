@@ -122,7 +122,7 @@ def test_rule_validation():
         RowRule("table")
 
 
-@pytest.mark.parametrize("placement,sdc,vmc", RULES)
+@pytest.mark.parametrize("placement,sdc,vmc", [RULES[i] for i in (0, 2, 3, 4, 7)])
 @pytest.mark.parametrize("selection,sets", [("group", False), ("head", True), ("group", True)])
 def test_group_selection_and_threshold_sets_equal_decode_op_steps(placement, sdc, vmc, selection, sets):
     """selection='group' (one threshold per KV head against the group maximum) and 3-D

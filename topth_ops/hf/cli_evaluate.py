@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-docs", type=int, default=d.long_docs, metavar="N",
                    help=f"standard-library module sources for the long-context run (default {d.long_docs}; 0 = skip)")
     p.add_argument("--long-tokens", type=int, default=d.long_tokens, metavar="T",
-                   help=f"tokens per long document (default {d.long_tokens}; perplexity over rows >= 2048)")
+                   help=f"tokens per long document (default {d.long_tokens}; perplexity over rows >= --long-min-row)")
+    p.add_argument("--long-min-row", type=int, default=d.long_min_row, metavar="N",
+                   help=f"long documents: perplexity and V rows over rows of at least N keys (default {d.long_min_row})")
     p.add_argument("--backend", default=None, metavar="NAME", help="decode-op backend (default automatic)")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the records here")
     p.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots here")
@@ -92,12 +94,12 @@ def _run(args) -> int:
     from ..calibration import parse_layer_k
     from ..threshold_file import load_threshold_sets, save_threshold_sets
     from .model import load_model
-    from .report import format_table, make_plots, num, pct
+    from .report import format_table, group_vs_head, make_plots, num, pct
     from .texts import humaneval_problems, stdlib_documents
 
     cfg = EvalConfig(problems=args.problems, agreement_problems=min(args.agreement_problems, args.problems),
                      agreement_tokens=args.agreement_tokens, long_docs=args.long_docs,
-                     long_tokens=args.long_tokens, backend=args.backend)
+                     long_tokens=args.long_tokens, long_min_row=args.long_min_row, backend=args.backend)
     if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
     files = [ts for f in args.thresholds for ts in load_threshold_sets(f)] if args.thresholds else []
@@ -172,6 +174,13 @@ def _run(args) -> int:
     table = format_table(records, dense)
     print()
     print(table)
+    gvh = group_vs_head(records)
+    for c in gvh:
+        print(f"{c['family']} k={c['k']}: {pct(c['ppl_rel_change'])} at V rows {num(c['v_rows_frac'])}; per-head at "
+              f"equal perplexity (interpolated) {num(c['head_v_rows_frac_interp'])}"
+              + (f" = {c['ratio_interp']:.2f}x" if c["ratio_interp"] else "")
+              + "".join(f"; per-head k={p['k']} {pct(p['ppl_rel_change'])} at {num(p['v_rows_frac'])} "
+                        f"({p['ratio']:.2f}x)" for p in c["pairs"]))
     result = dict(
         model=lm.name, created=time.strftime("%Y-%m-%d %H:%M:%S"), python=platform.python_version(),
         config=dict(cfg.__dict__, variants=args.variants, k=ks),
@@ -181,6 +190,8 @@ def _run(args) -> int:
         long_documents=[name for name, _ in long_docs],
         humaneval_tasks=[t for t, _, _ in texts.problems],
         records=records,
+        group_vs_head=gvh,
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         seconds=time.time() - t_start,
     )
     os.makedirs(Path(args.json).resolve().parent, exist_ok=True)
