@@ -108,8 +108,9 @@ def test_result_layout_dense_rows_and_length_model():
     assert np.isnan(model.anchor_n[0]).all() and (model.anchor_n[1:] <= T).all()
     # beyond the anchor, theta follows the model exactly
     n = np.arange(100, 257)
+    assert model.feature == "log_log_n_over_k" and list(model.k) == [DENSE, 4, 4]
     np.testing.assert_allclose(np.log(th[2, 1, 99:]), model.anchor_value[2, 1] + model.slope[2, 1] *
-                               (np.log(n) - np.log(model.anchor_n[2, 1])), rtol=1e-9)
+                               (np.log(np.log(n / 4)) - np.log(np.log(model.anchor_n[2, 1] / 4))), rtol=1e-9)
     with pytest.raises(ValueError, match="no calibration row longer than k=64 in layer 1"):
         acc.result("post_softmax", "head", [DENSE, 64, 4])
 
@@ -117,10 +118,16 @@ def test_result_layout_dense_rows_and_length_model():
 def test_fit_length_model_recovers_a_log_linear_law():
     c = np.array([10, 14, 20, 28, 40, 57, 80, 113, 160, 226.0])
     v = 1.5 + 0.75 * np.log(c)
-    an, av, sl = fit_length_model(c, v, np.full(c.size, 7), k=4, domain="logit")
+    an, av, sl = fit_length_model(c, v, np.full(c.size, 7), k=4, domain="logit", feature="log_n")
     assert sl == pytest.approx(0.75) and an == 226.0 and av == pytest.approx(v[-1])
     m = LengthModel("logit", np.array([[an]]), np.array([[av]]), np.array([[sl]]))
     assert m.theta(np.array([1000.0]))[0, 0, 0] == pytest.approx(1.5 + 0.75 * math.log(1000))
+    # the default feature: log log(n / k)
+    w = -2.0 + 0.5 * np.log(np.log(c / 4))
+    an, av, sl = fit_length_model(c, w, np.full(c.size, 7), k=4, domain="log_prob")
+    assert sl == pytest.approx(0.5)
+    m = LengthModel("log_prob", np.array([[an]]), np.array([[av]]), np.array([[sl]]), "log_log_n_over_k", np.array([4]))
+    assert m.theta(np.array([5000.0]))[0, 0, 0] == pytest.approx(math.exp(-2.0 + 0.5 * math.log(math.log(1250))))
     # fewer than two usable points: constant continuation
     assert fit_length_model(c[:1], v[:1], np.ones(1), 4, "logit")[2] == 0.0
 

@@ -29,16 +29,18 @@ centres (the mean log n of their rows) theta is interpolated linearly in log n, 
 domain above (logit, or log-probability); below the first centre the first value is used.
 Beyond the last centre theta follows a per-(layer, head) length model,
 
-    domain(theta)(n) = anchor_value + slope * (log n - log anchor_n),
+    domain(theta)(n) = anchor_value + slope * (log log(n / k) - log log(anchor_n / k)),
 
 with the slope fitted by weighted least squares (weights: rows per bucket) on the bucket
 centres of the last ``fit_octaves`` octaves of the calibrated range (at least
 ``MIN_FIT_POINTS`` centres above 2k, else all above k) and anchored at the last bucket, so
 the calibrated values are used inside the calibrated range and the model only beyond it.
-Why log n: a head whose logits keep their distribution F as n grows needs theta(n) =
-F^-1(1 - k / n), which is linear in log n for an exponential tail (and slightly concave
-for a Gaussian one); the probabilities of post_softmax add -log Z(n), itself ~linear in
-log n. docs/model.md has the measurements that chose it.
+Why log log(n / k): theta must rise with n (pre_softmax: more keys compete for the same k
+places) but ever more slowly; measured on SmolLM2-135M (docs/model.md), a fixed theta beyond
+the calibration keeps 1.1-1.5 x k at 2-4 x the calibrated length, a slope in log n (or
+kept counts scaling like n^gamma) over-corrects to 0.2-0.9 x k, and log log(n / k), whose
+slope in log n decays like 1 / log(n / k), stays closest (0.87-1.0 on the calibration
+text itself at 2-4 x).
 """
 
 from __future__ import annotations
@@ -81,9 +83,16 @@ def bucket_edges(max_row_id: int, ks: Sequence[int], per_octave: int = DEFAULT_B
     return np.array(sorted(e), dtype=np.int64)
 
 
+FEATURES = ("log_n", "log_log_n_over_k")
+
+
 @dataclass
 class LengthModel:
-    """theta as a function of the row id beyond the calibrated buckets (log-linear).
+    """theta as a function of the row id beyond the calibrated buckets.
+
+    ``domain(theta)(n) = anchor_value + slope * (x(n) - x(anchor_n))`` with the feature
+    x(n) = log log(n / k) (thresholds: the growth of theta slows down as rows get longer,
+    measured in docs/model.md) or x(n) = log n (the offline SDC table).
 
     Attributes
     ----------
@@ -97,19 +106,37 @@ class LengthModel:
     anchor_value : numpy.ndarray
         ``[num_layers, H]``: the domain value there (the calibrated bucket value).
     slope : numpy.ndarray
-        ``[num_layers, H]``: d domain(theta) / d log n.
+        ``[num_layers, H]``: d domain(theta) / d x.
+    feature : {"log_n", "log_log_n_over_k"}
+    k : numpy.ndarray or None
+        ``[num_layers]`` k per layer (0 = dense), needed by "log_log_n_over_k".
     """
 
     domain: str
     anchor_n: np.ndarray
     anchor_value: np.ndarray
     slope: np.ndarray
+    feature: str = "log_n"
+    k: Optional[np.ndarray] = None
+
+    def x(self, n: np.ndarray) -> np.ndarray:
+        """Feature ``[L, 1, len(n)]`` (or ``[1, 1, len(n)]``) of row ids ``n``."""
+        n = np.asarray(n, dtype=np.float64).reshape(1, 1, -1)
+        if self.feature == "log_n":
+            return np.log(n)
+        k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1, 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.log(np.log(n / np.where(k > 0, k, np.nan)))
 
     def value(self, n: np.ndarray) -> np.ndarray:
         """Domain value ``[L, H, len(n)]`` at row ids ``n`` (any n >= anchor_n)."""
-        ln = np.log(np.asarray(n, dtype=np.float64))
-        with np.errstate(invalid="ignore"):
-            return self.anchor_value[..., None] + self.slope[..., None] * (ln - np.log(self.anchor_n)[..., None])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if self.feature == "log_n":
+                x0 = np.log(self.anchor_n)
+            else:
+                k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1)
+                x0 = np.log(np.log(self.anchor_n / np.where(k > 0, k, np.nan)))
+            return self.anchor_value[..., None] + self.slope[..., None] * (self.x(n) - x0[..., None])
 
     def theta(self, n: np.ndarray) -> np.ndarray:
         """theta ``[L, H, len(n)]`` at row ids ``n``; log_prob domain is capped at 0
@@ -134,7 +161,8 @@ def from_domain(v: np.ndarray, domain: str) -> np.ndarray:
 
 
 def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, k: int, domain: str,
-                     fit_octaves: float = DEFAULT_FIT_OCTAVES) -> tuple[float, float, float]:
+                     fit_octaves: float = DEFAULT_FIT_OCTAVES, feature: str = "log_log_n_over_k"
+                     ) -> tuple[float, float, float]:
     """Fit the log-linear length model of one (layer, head).
 
     Parameters
@@ -146,6 +174,8 @@ def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, 
     domain : str
     fit_octaves : float
         Fit on the centres within this many octaves of the last one.
+    feature : {"log_log_n_over_k", "log_n"}
+        x of the model (see :class:`LengthModel`).
 
     Returns
     -------
@@ -162,7 +192,8 @@ def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, 
         sel = c > k
     slope = 0.0
     if sel.sum() >= 2:
-        x, y, ww = np.log(c[sel]), v[sel], w[sel]
+        x = np.log(c[sel]) if feature == "log_n" else np.log(np.log(c[sel] / k))
+        y, ww = v[sel], w[sel]
         xm, ym = np.average(x, weights=ww), np.average(y, weights=ww)
         den = np.sum(ww * (x - xm) ** 2)
         if den > 0:
@@ -436,10 +467,17 @@ class CountAccumulator:
                 xs, ys = np.log(c[ok]), v[ok]
                 nn = n_all[k:]
                 inside = np.interp(np.log(nn), xs, ys)  # clamps below the first centre
-                beyond = av + sl * (np.log(nn) - math.log(an))
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    beyond = av + sl * (np.log(np.log(nn / k)) - math.log(math.log(an / k)))
                 dv = np.where(nn > an, beyond, inside)
                 theta[layer, h, k:] = from_domain(dv, domain)
-        return theta, counts, LengthModel(domain, anc_n, anc_v, slope)
+        model = LengthModel(domain, anc_n, anc_v, slope, "log_log_n_over_k", np.array(layer_k, dtype=np.int64))
+        # beyond the anchors the table is exactly the model (what loading re-creates)
+        n_beyond = np.arange(1, R + 1, dtype=np.float64)
+        m = model.theta(n_beyond)
+        beyond_mask = n_beyond[None, None, :] > np.nan_to_num(anc_n, nan=np.inf)[..., None]
+        theta = np.where(beyond_mask, m, theta)
+        return theta, counts, model
 
 
 def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str = "log",

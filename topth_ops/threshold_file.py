@@ -26,7 +26,7 @@ Metadata: ``format`` = "topth-thresholds", ``format_version`` = "2", ``model_nam
 ``attention_fingerprint`` (sha256 prefix of it), ``placement``, ``selection``,
 ``num_sets``, ``sets`` (JSON list, one object per set: ``layer_k`` (0 = dense layer),
 ``alpha``, ``estimator`` ("mean" = algorithm 1, "count" = kept-count), ``extend_to``,
-``length_domain``, ``sdc_length_domain``, ``topk_at_calibration``, ``calibration_text``,
+``length_domain``, ``length_feature``, ``sdc_length_domain``, ``topk_at_calibration``, ``calibration_text``,
 ``calibration_samples``, ``calibration_tokens``, ``source``), ``created_by``.
 
 Format version 1 (still read)
@@ -310,6 +310,7 @@ class ThresholdSet:
             "estimator": self.estimator,
             "extend_to": int(self.max_row_id),
             "length_domain": self.length_model.domain if self.length_model is not None else None,
+            "length_feature": self.length_model.feature if self.length_model is not None else None,
             "sdc_length_domain": self.sdc_length_model.domain if self.sdc_length_model is not None else None,
             "topk_at_calibration": bool(self.topk_at_calibration),
             "calibration_text": self.calibration_text,
@@ -603,14 +604,20 @@ def _load_v1(meta, tensors, cfg, where, path) -> list:
     return [ts]
 
 
-def _load_model(t: Optional[torch.Tensor], domain: Optional[str], L: int, H: int, what: str, where: str):
+def _load_model(t: Optional[torch.Tensor], domain: Optional[str], L: int, H: int, what: str, where: str,
+                feature: Optional[str] = None, layer_k=None):
     if t is None and domain is None:
         return None
+    if (feature or "log_n") not in ("log_n", "log_log_n_over_k"):
+        raise ThresholdFileError(f"{where}: unknown {what} feature {feature!r}")
     if t is None or domain is None or t.dtype != torch.float64 or tuple(t.shape) != (3, L, H):
         raise ThresholdFileError(f"{where}: {what} must be float64 [3, {L}, {H}] with a domain, got "
                                  f"{None if t is None else (str(t.dtype), list(t.shape))}, domain {domain!r}")
     a = t.numpy()
-    return LengthModel(domain, a[0].copy(), a[1].copy(), a[2].copy())
+    k = np.array(layer_k, dtype=np.int64) if isinstance(layer_k, list) and len(layer_k) == L else None
+    if feature == "log_log_n_over_k" and k is None:
+        raise ThresholdFileError(f"{where}: {what} needs the set's layer_k")
+    return LengthModel(domain, a[0].copy(), a[1].copy(), a[2].copy(), feature or "log_n", k)
 
 
 def _load_v2(meta, tensors, cfg, where, path) -> list:
@@ -633,7 +640,8 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
             if f"set{i}.{t}" not in tensors:
                 raise ThresholdFileError(f"{w}: tensor 'set{i}.{t}' is missing (has {sorted(tensors)})")
         _check_alpha(e["alpha"], w)
-        lm = _load_model(tensors.get(f"set{i}.length_model"), e.get("length_domain"), L, H, "length_model", w)
+        lm = _load_model(tensors.get(f"set{i}.length_model"), e.get("length_domain"), L, H, "length_model", w,
+                         e.get("length_feature"), e.get("layer_k"))
         sm = _load_model(tensors.get(f"set{i}.sdc_length_model"), e.get("sdc_length_domain"), L,
                          cfg["num_q_heads"], "sdc_length_model", w)
         stored = tensors[f"set{i}.thresholds"]
