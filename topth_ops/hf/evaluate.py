@@ -52,7 +52,7 @@ FAMILIES: dict[str, dict] = {
 }
 for _f in FAMILIES.values():
     _f.setdefault("selection", "head")
-DEFAULT_FAMILIES = ("topth-post-vmc", "topth-post-vmc-group", "topth-pre-offline-vmc", "topk")
+DEFAULT_FAMILIES = ("topth-post-vmc", "topth-post-vmc-group", "topth-pre-offline-vmc")
 
 # issue 15's targets (SmolLM2; Gemma 3 270M: HumanEval <= 1/3 at +0.5%, TARGETS_BY_MODEL)
 TARGET_HE = dict(v_rows_frac=1 / 6, ppl_rel_change=0.003)
