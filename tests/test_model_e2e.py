@@ -200,3 +200,28 @@ def test_repeated_flags_extend_and_files_are_checked_before_the_model_loads(eval
     assert flat_k(a.k) == [16, 32, 8]
     vs = _file_variants([load_thresholds(post), load_thresholds(pre)], ["topth-post-vmc", "topth-pre-offline-vmc"])
     assert sorted(v.thresholds.placement for v in vs) == ["post_softmax", "pre_softmax"]
+
+
+def test_calibrate_writes_threshold_sets_per_placement_and_selection(tmp_path, capsys):
+    """Several k from one pass go into one file per (placement, selection) as threshold
+    sets; --threshold-set picks one in generate; a bad index names the file."""
+    from topth_ops.threshold_file import load_threshold_sets
+
+    assert main(["calibrate", "--k", "16,32", "--placement", "both", "--selection", "both", "--samples", "1",
+                 "--max-tokens", "96", "--layer-k", "0:dense,1:dense", "--no-sdc-table",
+                 "--out", str(tmp_path / "th_{placement}_{selection}.safetensors"), "--quiet"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert names == ["th_post_softmax_group.safetensors", "th_post_softmax_head.safetensors",
+                     "th_pre_softmax_group.safetensors", "th_pre_softmax_head.safetensors"]
+    sets = load_threshold_sets(tmp_path / "th_post_softmax_group.safetensors")
+    assert [ts.k for ts in sets] == [16, 32] and all(ts.selection == "group" and ts.num_heads == 3 for ts in sets)
+    assert sets[0].max_row_id == 8 * 96 and sets[0].calibrated_row_ids == 96  # length model beyond
+    capsys.readouterr()
+    assert main(["generate", "--thresholds", str(tmp_path / "th_post_softmax_group.safetensors"), "--prompt", "x",
+                 "--threshold-set", "5", "--max-new-tokens", "2"]) == 2
+    assert "index 5 is out of range for thresholds file" in capsys.readouterr().err
+    assert main(["generate", "--thresholds", str(tmp_path / "th_post_softmax_group.safetensors"), "--prompt",
+                 "def f(x):", "--threshold-set", "1", "--max-new-tokens", "3"]) == 0
+    assert main(["calibrate", "--k", "16", "--selection", "group", "--estimator", "mean", "--out",
+                 str(tmp_path / "x.safetensors")]) == 2
+    assert "--selection group needs --estimator count" in capsys.readouterr().err
