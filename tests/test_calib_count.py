@@ -45,6 +45,7 @@ def test_bucket_thresholds_keep_k_on_average(placement, selection):
         for layer in range(2):
             for c0 in range(0, T, 17):  # chunks of rows, as the prefill path feeds them
                 acc.record(layer, a[:, :, c0:c0 + 17], n[:, c0:c0 + 17])
+    xs = [_values(a, placement, selection) for a, _ in seqs]  # [H, T, S] per sequence
     for k in ks:
         centres, vals, rows, usable = acc.bucket_thetas(placement, selection, 1, k)
         assert usable.sum() >= 5
@@ -53,15 +54,13 @@ def test_bucket_thresholds_keep_k_on_average(placement, selection):
             assert lo >= k  # every row of the bucket has n > k
             for h in range(vals.shape[0]):
                 theta = vals[h, b]
-                kept = [(_values(a, placement, selection)[h, n - 1, :n] > theta).sum()
-                        for a, _ in seqs for n in range(lo + 1, hi + 1)]
+                kept = [(x[h, n - 1, :n] > theta).sum() for x in xs for n in range(lo + 1, hi + 1)]
                 assert rows[b] == len(kept)
                 # exact up to the values within one bin width of theta (values inside the
                 # bin are taken as uniform there)
                 w = float(acc.range[(placement, selection)][1][h, 1])
-                near = sum(((_values(a, placement, selection)[h, n - 1, :n] > theta - w) &
-                            (_values(a, placement, selection)[h, n - 1, :n] <= theta + w)).sum()
-                           for a, _ in seqs for n in range(lo + 1, hi + 1))
+                near = sum(((x[h, n - 1, :n] > theta - w) & (x[h, n - 1, :n] <= theta + w)).sum()
+                           for x in xs for n in range(lo + 1, hi + 1))
                 assert abs(np.sum(kept) - k * rows[b]) <= max(near, 1), (k, b, h, np.mean(kept))
                 assert near <= 0.05 * k * rows[b] + 2  # and that window is narrow
             lo_n, hi_n = math.log(lo + 1), math.log(hi)
