@@ -12,9 +12,16 @@
   install goes on without it (``pip install -v`` shows it; the ``ascendc`` backend's reasons
   say how to build it): ``pip install --no-build-isolation -e .`` in the CANN environment.
   TOPTH_BUILD_NPU: ``0`` never builds it; ``required`` makes a failure fail the install.
+* ``topth_ops.cpu_kernels._topth_cpu``: the CPU kernel (backend ``cpu``, cpu_kernels/,
+  docs/cpu.md), pybind11 without torch headers. Optional like the CPU model: without a
+  C++17 compiler the install goes on and the ``cpu`` backend reports why it is
+  unavailable (``torch`` runs instead). On x86-64 its SIMD stages are also compiled with
+  AVX2 and AVX-512 target flags (one file each, chosen at run time); a compiler that
+  rejects those flags drops that level with a warning.
 """
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -35,6 +42,7 @@ cpu_model = Pybind11Extension(
     sources=[
         str(NPU / "cpu_model" / "src" / "binding.cpp"),
         str(NPU / "cpu_model" / "src" / "core.cpp"),
+        str(NPU / "cpu_model" / "src" / "checks.cpp"),
         str(NPU / "cpu_model" / "src" / "selftest.cpp"),
         str(NPU / "kernel" / "topth_decode_attn.cpp"),  # the kernel source, unchanged
     ],
@@ -44,6 +52,30 @@ cpu_model = Pybind11Extension(
     optional=True,
 )
 cpu_model.depends = [str(p.relative_to(ROOT)) for p in (ROOT / NPU).rglob("*.h")]
+
+CPU = Path("cpu_kernels")
+CPU_SRC = CPU / "src"
+cpu_kernel = Pybind11Extension(
+    "topth_ops.cpu_kernels._topth_cpu",
+    sources=[str(CPU_SRC / f) for f in ("binding.cpp", "dispatch.cpp", "item.cpp", "combine.cpp", "pool.cpp",
+                                        "simd_generic.cpp")],
+    include_dirs=[str(CPU / "include"), str(CPU_SRC)],
+    cxx_std=17,
+    extra_compile_args=["-O3"],
+    extra_link_args=["-pthread"],
+    optional=True,
+)
+cpu_kernel.depends = [str(p.relative_to(ROOT)) for p in (ROOT / CPU).rglob("*.h")] + [
+    str(CPU_SRC / "stages_portable.inc")]
+# SIMD levels compiled with their own target flags (x86-64 only): (macro, flags, sources)
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+cpu_kernel.simd_levels = []
+if platform.machine().lower() in ("x86_64", "amd64"):
+    cpu_kernel.simd_levels = [
+        ("TOPTH_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"], [str(CPU_SRC / "simd_avx2.cpp")]),
+        ("TOPTH_HAVE_AVX512", AVX512_FLAGS,
+         [str(CPU_SRC / f) for f in ("avx512_scores.cpp", "avx512_select.cpp", "avx512_pv.cpp")]),
+    ]
 
 
 class CMakeExtension(Extension):
@@ -66,6 +98,8 @@ class NpuBuildSkipped(Exception):
 
 class build_ext(_build_ext):
     def build_extension(self, ext):
+        if getattr(ext, "simd_levels", None):
+            self._compile_simd_levels(ext)
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
         try:
@@ -77,6 +111,24 @@ class build_ext(_build_ext):
             print(f"\n{bar}\nWARNING: {ext.name} (the Ascend NPU kernel) was NOT built: {e}.\n"
                   f"The rest of topth-ops installs without it (backend 'ascendc' unavailable); "
                   f"{NPU_HINT}\n{bar}\n", file=sys.stderr, flush=True)
+
+    def _compile_simd_levels(self, ext):
+        """Compile each SIMD level's sources with its target flags into extra objects; a level the
+        compiler rejects is left out (the kernel then runs the next level down)."""
+        from distutils.errors import CompileError
+
+        for macro, flags, sources in ext.simd_levels:
+            try:
+                objects = self.compiler.compile(
+                    sources, output_dir=self.build_temp, macros=ext.define_macros, include_dirs=ext.include_dirs,
+                    extra_postargs=ext.extra_compile_args + flags, depends=ext.depends)
+            except CompileError as e:
+                print(f"WARNING: {ext.name}: SIMD level {macro} not built ({e}); the kernel runs without it",
+                      file=sys.stderr, flush=True)
+                continue
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+            ext.define_macros = list(ext.define_macros or []) + [(macro, "1")]
+        ext.simd_levels = []
 
     def _build_cmake(self, ext):
         if shutil.which("cmake") is None:
@@ -100,7 +152,7 @@ class build_ext(_build_ext):
                 raise NpuBuildSkipped(f"`{' '.join(cmd[:2])} ...` failed (its output is above)")
 
 
-ext_modules = [cpu_model]
+ext_modules = [cpu_model, cpu_kernel]
 if NPU_BUILD not in ("0", "1", "required"):
     sys.exit(f"TOPTH_BUILD_NPU must be 0, 1 or required, got {os.environ['TOPTH_BUILD_NPU']!r}")
 if NPU_BUILD == "required" or (os.environ.get("ASCEND_HOME_PATH") and NPU_BUILD != "0"):

@@ -53,6 +53,10 @@ class Case:
         in the pool, see :func:`topth_ops.paged.to_paged`).
     kv_layout : str
         Paged layout, "NHD" or "HND" (with ``block_size`` only).
+    cluster : int
+        0: the kept rows are spread uniformly at random; else they come in runs of
+        ``cluster`` consecutive positions (aligned to multiples of ``cluster``), as when
+        attention concentrates on a few passages.
     """
 
     name: str
@@ -67,6 +71,7 @@ class Case:
     ragged: bool = False
     block_size: int = 0
     kv_layout: str = "NHD"
+    cluster: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,10 +105,16 @@ QUICK = _sweep("quick", (0.1, 0.3), batch=2, seq_len=192, num_q_heads=8, num_kv_
 ]
 QUICK += _paged(QUICK[:1] + QUICK[-1:])
 
-# The H200 targets of issue 4: bf16, GQA 32 q / 8 kv heads, head_dim 128, seq_len 32768, batch 8.
+# The H200 targets of issue 4 / 13: bf16, GQA 32 q / 8 kv heads, head_dim 128, seq_len 32768,
+# batch 8. pre_softmax swept over the kept fraction f = 0.05 ... 1 (1: every row kept, the
+# thresholded kernel's own overhead), post_softmax at the two target fractions, and the
+# kept rows clustered in runs of 64 (tile-aligned: whole tiles without a kept row) besides
+# uniformly scattered.
 H200_TARGET = dict(batch=8, seq_len=32768, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bf16")
 H200 = _sweep("h200", (0.1, 0.3), **H200_TARGET) + _sweep(
-    "h200", (0.05, 0.2, 0.5), placements=("pre_softmax",), **H200_TARGET) + [
+    "h200", (0.05, 0.2, 0.5, 1.0), placements=("pre_softmax",), **H200_TARGET) + [
+    Case(name="h200-pre-f0.1-clustered", kept_frac=0.1, cluster=64, **H200_TARGET),
+    Case(name="h200-post-f0.1-clustered", kept_frac=0.1, cluster=64, placement="post_softmax", **H200_TARGET),
     # one long sequence: split-KV must still fill the GPU
     Case(name="h200-b1-s131072-pre-f0.1", batch=1, seq_len=131072, num_q_heads=32, num_kv_heads=8,
          head_dim=128, kept_frac=0.1, dtype="bf16"),

@@ -7,10 +7,12 @@ target; 2 for a bad argument or a device that is not there; 130 when interrupted
 
 Examples::
 
+    topth-ops bench --device cpu                                       # CPU kernel vs dense CPU decode (issue 11)
     topth-ops bench --cases quick                                      # CPU, seconds
     topth-ops bench --cases h200 --check-targets                       # one H200
     topth-ops bench --device npu --cases npu --backends ascendc        # Ascend, vs IFA
     topth-ops bench --backends ascendc-cpu --cases bytes --no-baselines  # CPU-model bytes
+    topth-ops bench --compile-report                                   # static sm_90 report, no GPU
 """
 
 from __future__ import annotations
@@ -21,16 +23,20 @@ import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default="quick",
+    parser.add_argument("--cases", default=None,
                         help="case sets, comma-separated: quick (CPU, seconds), h200 (the GPU targets), "
-                             "npu (the Ascend targets), bytes (GM->UB bytes on the ascendc-cpu model)")
+                             "npu (the Ascend targets), bytes (GM->UB bytes on the ascendc-cpu model); or one of "
+                             "cpu (the CPU kernel against dense CPU decode, issue 11; about 15 min on 2 cores) and "
+                             "cpu-quick (its runner in seconds). Default: cpu with --device cpu, else quick")
     parser.add_argument("--backends", default=None,
                         help="comma-separated registry backends to time (default: every backend that "
                              "runs on the device)")
     parser.add_argument("--device", default=None,
                         help="cuda, npu or cpu (default: cuda if available, else npu if torch_npu sees one, else cpu)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the dense baselines")
-    parser.add_argument("--reps", type=int, default=5, help="repetitions on the CPU (median)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions on the CPU (median; default 5); with --cases cpu: the most interleaved "
+                             "rounds per shape (default 50; rounds fill about 12 s per shape, at least 3)")
     parser.add_argument("--budget-ms", type=float, default=200.0,
                         help="time budget per measurement on cuda (triton do_bench rep) and npu")
     parser.add_argument("--copy-mib", type=int, default=None,
@@ -38,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cpu; 0: none)")
     parser.add_argument("--out", default=None,
                         help="output folder (default bench/results/<date>-<device>)")
+    parser.add_argument("--compile-report", action="store_true",
+                        help="instead of timing: compile every production Triton kernel variant for sm_90 "
+                             "(no GPU needed) and print registers, spills, shared memory, CTAs per SM, programs "
+                             "vs resident slots for the h200 cases and how V is loaded; exit 1 if a gate fails "
+                             "(docs/triton.md)")
     parser.add_argument("--check-targets", action="store_true",
                         help="exit 1 unless the speed targets of the cases run are met (h200, npu sets)")
 
@@ -54,7 +65,43 @@ def _default_backends(device) -> list[str]:
     return names
 
 
+def _run_cpu(args: argparse.Namespace) -> int:
+    """The CPU comparison (bench/cpu.py): the cpu backend at each f, its dense mode and the dense
+    CPU baselines, interleaved per shape; --reps caps the rounds per shape (at least 3)."""
+    from topth_ops.cli import CliError
+    from topth_ops.registry import get_backend
+
+    from .cpu_report import run_cpu
+
+    if args.device not in (None, "cpu"):
+        raise CliError(f"--cases {args.cases} runs on the CPU, got --device {args.device}")
+    if args.backends not in (None, "cpu"):
+        raise CliError(f"--cases {args.cases} times the backend cpu only, got --backends {args.backends}")
+    reasons = get_backend("cpu").unavailable_reasons()
+    if reasons:
+        raise CliError(f"--cases {args.cases}: backend 'cpu' is unavailable: {'; '.join(reasons)}")
+    out_dir = args.out or os.path.join("bench", "results", f"{datetime.date.today().isoformat()}-cpu-{args.cases}")
+    max_reps = args.reps if args.reps is not None else 50
+    return run_cpu(args.cases, out_dir, min_reps=min(3, max_reps), max_reps=max_reps,
+                   baselines=not args.no_baselines)
+
+
+def compile_report(json_path=None) -> int:
+    """``python -m topth_ops.cuda_kernels.report`` in a subprocess without TRITON_INTERPRET
+    (the interpreter has no compiler; Triton binds the mode when the kernels are imported)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "topth_ops.cuda_kernels.report"] + (["--json", json_path] if json_path else [])
+    return subprocess.run(cmd, env=env).returncode
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.compile_report:
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+        return compile_report(os.path.join(args.out, "compile_report.json") if args.out else None)
     import torch
 
     from topth_ops.cli import CliError
@@ -64,8 +111,16 @@ def run(args: argparse.Namespace) -> int:
                           fill_speedups, format_bytes_table, format_table, plot, resolve_device, run_cases,
                           timing_method, write_csv)
 
-    if args.reps < 1:
+    from .cpu_cases import CPU_SHAPE_SETS
+
+    if args.reps is not None and args.reps < 1:
         raise CliError(f"--reps must be >= 1, got {args.reps}")
+    if args.cases is None:
+        args.cases = "cpu" if args.device == "cpu" else "quick"
+    if args.cases in CPU_SHAPE_SETS:
+        return _run_cpu(args)
+    if args.reps is None:
+        args.reps = 5
     if not args.budget_ms > 0:
         raise CliError(f"--budget-ms must be > 0, got {args.budget_ms}")
     cases = []
@@ -119,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
              f"torch {torch.__version__}"] + (["INTERRUPTED: partial results"] if interrupted else []) + ["", table, ""]
     if bytes_table:
         lines += [bytes_table, ""]
+    from .ascendc_counters import format_pipe_table  # the Ascend C model's pipe counters, if any
+
+    pipe_table = format_pipe_table(rows)
+    if pipe_table:
+        lines += [pipe_table, ""]
     for name, ok, detail in targets:
         lines.append(f"target {'PASS' if ok else 'FAIL'}: {name}: {detail}")
     summary = "\n".join(lines)

@@ -2,7 +2,9 @@
 # One-shot Ascend check for the ascendc backend on one NPU (Atlas A2 / Ascend 910B), the
 # twin of bench/gpu_check.sh:
 #   1. the conformance suite on the NPU: topth-ops conformance --backend ascendc
-#      (every rule, fp16/bf16/fp32, the contract's full shape set), JSON saved;
+#      (every rule, fp16/bf16/fp32, the contract's full shape set, paged caches, group
+#      selection, threshold sets), JSON saved; then the kept sets on inputs planted with a
+#      wide margin around every threshold (bench/npu_margin.py), compared exactly;
 #   2. the kernel benchmark on the issue-5 target cases (bench/cases.py, set "npu"):
 #      each case checked against the torch reference on the NPU (output, stats, V rows =
 #      planted kept-union), then timed with NPU events against the dense baselines
@@ -72,6 +74,18 @@ timeout -s INT "${CONFORMANCE_TIMEOUT:-900}" "$PY" -m topth_ops conformance --ba
     --json "$RESULTS_DIR/conformance.json" 2>&1 | tee "$RESULTS_DIR/conformance.txt" | tail -40
 rc=${PIPESTATUS[0]}
 echo "conformance exit code: $rc (124 = out of time)" | tee -a "$RESULTS_DIR/conformance.txt"
+[ "$rc" -ne 0 ] && status=1
+
+# 1b. kept sets on the NPU with inputs planted at a wide margin: the conformance suite's
+# guard band (2e-4) is meant for CPU float32 against a float64 oracle; the device's Exp / Ln
+# round differently, so a kept / v_rows mismatch in [1] can be rounding. This check plants
+# every score >= 0.5 nat away from its threshold (head and group selection, threshold
+# sets, BNSD and paged NHD / HND caches) and compares kept / v_rows exactly.
+echo "== [1b] kept sets with planted margins: python -m topth_ops.bench.npu_margin"
+timeout -s INT "${MARGIN_TIMEOUT:-600}" "$PY" -m topth_ops.bench.npu_margin --backend ascendc --device npu \
+    2>&1 | tee "$RESULTS_DIR/margin.txt" | tail -20
+rc=${PIPESTATUS[0]}
+echo "margin check exit code: $rc" | tee -a "$RESULTS_DIR/margin.txt"
 [ "$rc" -ne 0 ] && status=1
 
 # 2. benchmark: the npu cases, the ascendc backend and the dense baselines (IFA included)

@@ -2,8 +2,8 @@
 
 The one input generator of the benchmark (every case set, every device). Per (sequence,
 KV head) a unit direction u is drawn; the group's query heads point along u (plus a small
-per-head deviation) and exactly ``round(f * n)`` random valid positions get ``c * u``
-added to their key (the planted rows). Their scores sit far above the others for every
+per-head deviation) and exactly ``round(f * n)`` random valid positions (or runs of
+``Case.cluster`` consecutive positions) get ``c * u`` added to their key (the planted rows). Their scores sit far above the others for every
 head of the group. Per query head and sequence length, the threshold is the midpoint of
 the gap between the lowest planted and the highest other score (log-probability for
 post_softmax, returned as a probability), pooled over the sequences of that length (each
@@ -69,6 +69,18 @@ def planted_count(kept_frac: float, n: int) -> int:
     return min(n, max(0, round(kept_frac * n)))
 
 
+def _planted_positions(cluster: int, count: int, n: int, rows: int, device, gen) -> torch.Tensor:
+    """``[rows, count]`` distinct positions in [0, n): uniformly random, or (``cluster`` > 0)
+    whole runs of ``cluster`` consecutive positions at random multiples of ``cluster``, the
+    last run cut so that exactly ``count`` positions are planted."""
+    if cluster <= 1:
+        return torch.rand(rows, n, device=device, generator=gen).topk(count, dim=-1).indices
+    runs = -(-count // cluster)
+    chunks = torch.rand(rows, n // cluster, device=device, generator=gen).topk(runs, dim=-1).indices
+    pos = (chunks.unsqueeze(-1) * cluster + torch.arange(cluster, device=device)).flatten(1)
+    return pos[:, :count]
+
+
 def case_lengths(case: Case) -> list[int]:
     """Sequence lengths of ``case``: all ``seq_len``, or for ``ragged`` cases distinct
     lengths from ``seq_len`` down towards ``seq_len / 2`` (each >= 1)."""
@@ -119,7 +131,7 @@ def make_case_inputs(case: Case, device: torch.device, seed: int = 0) -> CaseInp
     for b, n in enumerate(lens):
         count = planted_count(case.kept_frac, n)
         if count > 0:
-            idx = torch.rand(Hkv, n, device=build, generator=gen).topk(count, dim=-1).indices
+            idx = _planted_positions(case.cluster, count, n, Hkv, build, gen)
             plant[b].scatter_(1, idx, True)
             key[b] += PLANT_GAIN * plant[b].unsqueeze(-1) * u[b].unsqueeze(1)
     value = torch.randn(B, Hkv, S, D, device=build, generator=gen)

@@ -50,11 +50,16 @@ def _register():
     assert "test-never" not in priority("cpu")
 
 
-def test_builtin_torch_backend_is_listed_and_default_on_cpu(monkeypatch):
+def _cpu_default() -> str:
+    """The compiled cpu kernel leads the CPU order; torch runs when it is not built."""
+    return "cpu" if get_backend("cpu").is_available() else "torch"
+
+
+def test_builtin_backends_are_listed_and_cpu_default_on_cpu(monkeypatch):
     monkeypatch.delenv("TOPTH_BACKEND", raising=False)
-    assert "torch" in [b.name for b in list_backends()]
-    assert priority("cpu")[-1] == "torch"
-    assert select_backend(_inputs()).name == "torch"
+    assert {"torch", "cpu"} <= {b.name for b in list_backends()}
+    assert priority("cpu")[-2:] == ["cpu", "torch"]
+    assert select_backend(_inputs()).name == _cpu_default()
 
 
 def test_automatic_selection_skips_with_logged_reasons(monkeypatch, caplog):
@@ -62,7 +67,7 @@ def test_automatic_selection_skips_with_logged_reasons(monkeypatch, caplog):
     registry._logged.clear()  # the message is logged once per process
     with caplog.at_level(logging.WARNING, logger="topth_ops"):
         b = select_backend(_inputs(torch.float32))
-    assert b.name == "torch"
+    assert b.name == _cpu_default()
     text = caplog.text
     assert "test-never" in text and "imaginary accelerator" in text
     assert "test-fp16-only" in text and "float32 not supported" in text
@@ -102,11 +107,12 @@ def test_nothing_qualifies_lists_inputs_and_every_backend(monkeypatch):
     i = _inputs(head_dim=16)
     monkeypatch.setattr(TorchBackend, "input_reasons", lambda self, inputs: ["disabled in this test"])
     monkeypatch.setattr(_Fp16Only, "input_reasons", lambda self, inputs: ["disabled in this test"])
+    monkeypatch.setattr(type(get_backend("cpu")), "input_reasons", lambda self, inputs: ["disabled in this test"])
     with pytest.raises(NotImplementedError) as e:
         select_backend(i)
     msg = str(e.value)
     assert "query [2, 4, 16] float32" in msg
-    for name in ("torch", "test-never", "test-fp16-only"):
+    for name in ("cpu", "torch", "test-never", "test-fp16-only"):
         assert f"  {name}:" in msg
 
 

@@ -34,6 +34,7 @@ ENV_BACKEND = "TOPTH_BACKEND"
 
 # Modules that define the built-in backends; each exposes ``BACKENDS`` (a list of Backend).
 _BUILTIN_MODULES: tuple[str, ...] = (
+    "topth_ops.backends.cpu",
     "topth_ops.backends.torch_ref",
     "topth_ops.backends.triton_backend",
     "topth_ops.backends.ascendc",
@@ -44,7 +45,7 @@ _BUILTIN_MODULES: tuple[str, ...] = (
 _PRIORITY: dict[str, list[str]] = {
     "cuda": ["triton", "torch"],
     "npu": ["ascendc", "torch"],
-    "cpu": ["torch"],
+    "cpu": ["cpu", "torch"],
 }
 _DEFAULT_PRIORITY = ["torch"]
 

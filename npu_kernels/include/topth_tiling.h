@@ -1,8 +1,9 @@
 // Host-side tiling of the topth decode-attention kernel (header-only, no CANN dependency):
-// from the shapes and the target's unified-buffer size and vector-core count, choose
-// the work split over cores (batch x kv-heads, and the KV sequence when that is too
-// little work: flash-decoding), the K / V tile sizes, every unified-buffer buffer size
-// and the workspace layout. A shape that cannot fit is refused with the reason.
+// from the shapes and the target's unified-buffer size and vector-core count, choose the
+// work split over cores (batch x kv-heads, and at most splitCap splits of the KV sequence
+// when that is too little work: flash-decoding; the kernel picks the split count from the
+// actual lengths), the K / V tile sizes, every unified-buffer buffer size and the
+// workspace layout. A shape that cannot fit is refused with the reason.
 //
 // Used by the CPU model binding (cpu_model/src/binding.cpp) and by the NPU binding
 // (npu/topth_npu_binding.cpp); the kernel only reads the result.
@@ -23,7 +24,11 @@ struct TargetInfo {
     std::string name = "Ascend910B (Atlas A2)";
     uint64_t ubBytes = 196608;  // 192 KiB per AIV core on Atlas A2 / Ascend 910B
     uint32_t aivCores = 48;     // 910B1/B2: 24 AI cores x 2 AIV; 910B3/B4 have 40
-    uint32_t minSplitLen = 512; // fewest KV positions one split handles (flash-decoding)
+    uint32_t minSplitLen = 512; // fewest KV positions one split handles (IFA's empirical 512)
+    bool reserveApiScratch = true;  // keep the top 8 KiB of UB for the API (false: test of the bug)
+    uint32_t syncMode = TOPTH_SYNC_HARD;
+    uint32_t mergeGapBytes = 512;  // DRAM access granule of the V-row merge (0: no merging)
+    uint64_t l2Bytes = 192ull << 20;  // L2 cache (Atlas A2: 192 MB)
 };
 
 struct ProblemShape {
@@ -32,9 +37,15 @@ struct ProblemShape {
     uint32_t placement = TOPTH_PRE_SOFTMAX;
     uint32_t sdc = TOPTH_SDC_NONE;
     uint32_t vmc = 0;
+    uint32_t selection = TOPTH_SELECT_HEAD;
+    uint32_t numSets = 1, hasSets = 0;
     float scale = 1.0f, sdcGamma = 0.05f;
-    // KV cache strides (batch, kv head, position) in elements; each row of head_dim
-    // elements is contiguous. All 0: the contiguous [B, Hkv, S, D] layout.
+    // Paged caches (paged = 1): numBlocks blocks of blockSize slots, block_table
+    // [batch, maxBlocksPerSeq]; maxSeqLen = maxBlocksPerSeq * blockSize. Contiguous BNSD:
+    // paged = 0, numBlocks = batch, blockSize = maxSeqLen, maxBlocksPerSeq = 1.
+    uint32_t paged = 0, blockSize = 0, numBlocks = 0, maxBlocksPerSeq = 1;
+    // Cache strides (block, kv head, slot) in elements; each row of head_dim elements is
+    // contiguous. All 0: the contiguous layout ([B, Hkv, S, D] BNSD / HND).
     uint64_t kStrides[3] = {0, 0, 0}, vStrides[3] = {0, 0, 0};
 };
 
@@ -49,12 +60,17 @@ inline uint32_t MaxHeadDim(uint32_t dtype) {
     const uint32_t granule = 32 / ElemBytes(dtype);
     return (255u * 32u / 4u) / granule * granule;
 }
+// Bytes of the unified buffer a plan may use on a target.
+inline uint64_t UbLimit(const TargetInfo& target) {
+    if (!target.reserveApiScratch || target.ubBytes <= TOPTH_UB_API_RESERVE) return target.ubBytes;
+    return target.ubBytes - TOPTH_UB_API_RESERVE;
+}
 
 // Fill the unified-buffer plan for tiles (tileK, tileV); returns the total bytes.
 inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     const uint64_t G = t.group, Dp = t.headDimPad, E = t.elemBytes, W = TOPTH_TILE_W;
     const bool widen = E != 4;  // fp16 / bf16 are cast to float32 in UB
-    const bool split = t.splitNum > 1;
+    const bool split = t.splitCap > 1;
     const bool post = t.placement == TOPTH_POST_SOFTMAX;
     const uint64_t tvPad = Up(tileV, 8);
     t.ubKIn = static_cast<uint32_t>(Up(tileK * Dp * E, 32));             // x2 (double buffer)
@@ -63,7 +79,7 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     t.ubQ = static_cast<uint32_t>(G * Dp * 4);
     t.ubAcc = static_cast<uint32_t>(G * Dp * 4);
     t.ubTile = static_cast<uint32_t>(G * W * 4);                          // x6 tile buffers
-    t.ubMask = static_cast<uint32_t>(Up(G * W / 8, 32));
+    t.ubMask = static_cast<uint32_t>(Up(G * W / 8, 32) + 64);  // + union and fetch bit masks
     t.ubVIn = static_cast<uint32_t>(Up(tvPad * Dp * E, 32));             // x2 (double buffer)
     t.ubVF32 = widen ? static_cast<uint32_t>(tvPad * Dp * 4) : 0;
     t.ubWc = static_cast<uint32_t>(G * W * 4);
@@ -72,9 +88,10 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     t.ubPairB = static_cast<uint32_t>(2 * t.pairWidth * 32);
     t.ubStage = widen ? static_cast<uint32_t>(Up(G * Dp * E, 32)) : 0;
     t.ubMu = t.vmc ? static_cast<uint32_t>(Dp * 4) : 0;
-    t.ubCmb = split ? static_cast<uint32_t>(uint64_t(t.partFloats) * 4) : 0;   // one partial record
-    t.ubMAll = split ? static_cast<uint32_t>(2ull * t.splitNum * t.pairWidth * 4) : 0;
-    t.ubSync = split ? static_cast<uint32_t>(t.blockDim * 32) : 0;
+    // combine: the statistics of one partial record and one accumulator row at a time
+    t.ubCmb = split ? static_cast<uint32_t>((4ull * t.pairWidth + 8 + Dp) * 4) : 0;
+    t.ubMAll = split ? static_cast<uint32_t>(2ull * t.splitCap * t.pairWidth * 4) : 0;
+    t.ubSync = (split && t.syncMode == TOPTH_SYNC_SOFT) ? static_cast<uint32_t>(t.blockDim * 32) : 0;
     t.ubStat = static_cast<uint32_t>(3 * Up(G * 4, 32));
     t.ubSIn = post ? static_cast<uint32_t>(G * W * 4) : 0;               // x2 (double buffer)
     uint64_t total = 2ull * t.ubKIn + t.ubKF32 + t.ubProd + t.ubQ + t.ubAcc + 6ull * t.ubTile + t.ubMask +
@@ -82,7 +99,7 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
                      t.ubCmb + t.ubMAll + t.ubSync + t.ubStat + 2ull * t.ubSIn;
     t.tileK = tileK;
     t.tileV = tileV;
-    t.ubTotal = static_cast<uint32_t>(total);
+    t.ubTotal = static_cast<uint32_t>(std::min<uint64_t>(total, 0xffffffffull));
     return total;
 }
 
@@ -95,178 +112,28 @@ inline std::string UbBreakdown(const TopthTilingData& t) {
     return os.str();
 }
 
-// Split count for `pairs` work items on `cores`: the smallest count <= cap whose rounds
-// are >= 95% full, else the fullest.
-inline uint32_t SplitByFill(uint32_t pairs, uint32_t cores, uint32_t cap) {
-    uint32_t best = 1;
-    double bestFill = 0.0;
-    for (uint32_t c = 1; c <= cap; ++c) {
-        const uint64_t items = uint64_t(pairs) * c;
-        const double fill = double(items) / double((items + cores - 1) / cores * cores);
-        if (fill > bestFill + 1e-9) {
-            bestFill = fill;
-            best = c;
-        }
-        if (fill >= 0.95) break;
-    }
-    return best;
-}
-
-// Uniform split of max_seq_len into at most `want` chunks of a whole number of score tiles.
-inline void ApplySplit(TopthTilingData& t, uint32_t want, uint32_t cores) {
-    const uint32_t splitLen = static_cast<uint32_t>(Up((t.maxSeqLen + want - 1) / want, TOPTH_TILE_W));
-    t.splitLen = splitLen;
-    t.splitNum = (t.maxSeqLen + splitLen - 1) / splitLen;
-    t.numItems = t.numPairs * t.splitNum;
-    t.blockDim = std::min<uint32_t>(cores, t.numItems);
-}
-
 // The largest K tile (then V tile) whose buffers fit; false when even 8 x 8 does not.
-inline bool FitTiles(TopthTilingData& t, uint64_t ubBytes) {
+inline bool FitTiles(TopthTilingData& t, uint64_t limit) {
     static const uint32_t kTiles[] = {64, 32, 16, 8};
     static const uint32_t vTiles[] = {32, 16, 8};
     for (uint32_t tk : kTiles) {
         for (uint32_t tv : vTiles) {
-            if (PlanUb(t, tk, tv) <= ubBytes) return true;
+            if (PlanUb(t, tk, tv) <= limit) return true;
         }
     }
     return false;
 }
 
+// Cache strides and addressable span; false (with *why) for layouts the kernel cannot read.
+inline bool CacheLayout(const ProblemShape& s, TopthTilingData& t, std::string* why);
+
 // Compute the tiling. Returns false and sets *reason when the shape cannot run.
-inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, TopthTilingData* out, std::string* reason) {
-    TopthTilingData t{};
-    auto refuse = [&](const std::string& why) {
-        if (reason) *reason = why;
-        return false;
-    };
-    if (s.batch == 0 || s.numQHeads == 0 || s.numKvHeads == 0 || s.maxSeqLen == 0 || s.headDim == 0 || s.maxRowId == 0) {
-        return refuse("every dimension must be >= 1");
-    }
-    if (s.numQHeads % s.numKvHeads != 0) return refuse("num_q_heads must be a multiple of num_kv_heads");
-    if (s.dtype > TOPTH_DTYPE_FP32) return refuse("unknown dtype code");
-    if (target.aivCores == 0 || target.aivCores > 65535) return refuse("invalid target: vector cores must be in [1, 65535]");
-    if (target.ubBytes < 1024 || target.ubBytes % 32 != 0 || target.ubBytes > 0xffffffffull) {
-        return refuse("invalid target: unified-buffer bytes must be a multiple of 32 in [1024, 2^32)");
-    }
-    t.batch = s.batch;
-    t.numQHeads = s.numQHeads;
-    t.numKvHeads = s.numKvHeads;
-    t.group = s.numQHeads / s.numKvHeads;
-    t.maxSeqLen = s.maxSeqLen;
-    t.headDim = s.headDim;
-    t.elemBytes = ElemBytes(s.dtype);
-    t.headDimPad = static_cast<uint32_t>(Up(uint64_t(s.headDim) * t.elemBytes, 32) / t.elemBytes);
-    t.maxRowId = s.maxRowId;
-    t.dtype = s.dtype;
-    t.placement = s.placement;
-    t.sdc = s.sdc;
-    t.vmc = s.vmc;
-    t.scale = s.scale;
-    t.sdcGamma = s.sdcGamma;
-    t.pairWidth = static_cast<uint32_t>(Up(2ull * t.group, 8));
-    // Partial record of one split: [M, R, E, K] pair vectors, an 8-word block (union
-    // count), then the G x Dp float32 accumulators.
-    t.partFloats = static_cast<uint32_t>(4ull * t.pairWidth + 8 + uint64_t(t.group) * t.headDimPad);
-
-    // KV cache layout. Rows are copied in runs with a GM gap of (row stride - head_dim)
-    // elements (DataCopyPad: a 32-bit byte gap), so rows must not overlap.
-    const char* names[2] = {"key_cache", "value_cache"};
-    const uint64_t* in[2] = {s.kStrides, s.vStrides};
-    uint64_t* outS[2] = {&t.kStrideB, &t.vStrideB};
-    uint64_t* span[2] = {&t.kSpan, &t.vSpan};
-    for (int c = 0; c < 2; ++c) {
-        uint64_t st[3] = {in[c][0], in[c][1], in[c][2]};
-        if (st[0] == 0 && st[1] == 0 && st[2] == 0) {  // contiguous
-            st[2] = s.headDim;
-            st[1] = uint64_t(s.maxSeqLen) * s.headDim;
-            st[0] = uint64_t(s.numKvHeads) * st[1];
-        }
-        if (s.maxSeqLen == 1) st[2] = s.headDim;  // one row per (b, h): its stride is never used
-        if (st[2] < s.headDim) {
-            std::ostringstream os;
-            os << names[c] << ": position stride " << st[2] << " is smaller than head_dim " << s.headDim
-               << " (overlapping rows; the kernel copies runs of whole rows)";
-            return refuse(os.str());
-        }
-        if ((st[2] - s.headDim) * t.elemBytes > 0xffffffffull) {
-            return refuse(std::string(names[c]) + ": the gap between rows exceeds the 32-bit byte stride of DataCopyPad");
-        }
-        outS[c][0] = st[0];
-        outS[c][1] = st[1];
-        outS[c][2] = st[2];
-        *span[c] = (uint64_t(s.batch) - 1) * st[0] + (uint64_t(s.numKvHeads) - 1) * st[1] +
-                   (uint64_t(s.maxSeqLen) - 1) * st[2] + s.headDim;
-    }
-
-    // Limits of the vector instructions the kernel issues (repeat strides are 8-bit, in
-    // 32-byte blocks; repeat counts at most 255).
-    // A float32 row of headDimPad elements is a repeat stride of headDimPad / 8 blocks:
-    // headDimPad <= 2040, and headDimPad is head_dim rounded up to 32 bytes of the input
-    // dtype, so head_dim <= 2040 (float32) or 2032 (float16 / bfloat16: 16-element granule).
-    if (uint64_t(t.headDimPad) * 4 / 32 > 255) {
-        std::ostringstream os;
-        os << "head_dim " << s.headDim << " is too large for " << DtypeName(s.dtype) << ": a float32 row of "
-           << t.headDimPad * 4 << " bytes (head_dim padded to 32 bytes of " << DtypeName(s.dtype)
-           << ") exceeds the 255-block repeat stride of the vector unit (" << DtypeName(s.dtype)
-           << ": head_dim <= " << MaxHeadDim(s.dtype) << ")";
-        return refuse(os.str());
-    }
-    if (t.group > 255) return refuse("more than 255 query heads per KV head");
-    if (uint64_t(s.maxSeqLen) * 4 > 0xffffffffull) return refuse("max_seq_len too large for 32-bit copy strides");
-
-    // Work split: batch x kv-heads pairs over vector cores. When that leaves cores idle
-    // (few pairs, as IncrementalFlashAttention splits below 40% of the cores, or a last
-    // round only partly filled), also split the KV sequence (flash-decoding; the splits are
-    // combined by LSE): the smallest split count whose rounds are >= 95% full, else the
-    // fullest. Lengths are not known on the host (seq_lens lives on the device), so splits
-    // are uniform over max_seq_len. Splitting costs unified buffer (the combine step's
-    // partial record and per-split maxima, the SyncAll area): when the buffers do not fit
-    // with a split count, fewer splits are tried, down to none, before refusing.
-    t.numPairs = s.batch * s.numKvHeads;
-    const uint32_t byLen = std::max<uint32_t>(1, (s.maxSeqLen + std::max<uint32_t>(1, target.minSplitLen) - 1) /
-                                                     std::max<uint32_t>(1, target.minSplitLen));
-    const uint32_t byCores = std::max<uint32_t>(
-        1, static_cast<uint32_t>((4ull * target.aivCores + t.numPairs - 1) / t.numPairs));
-    uint32_t cap = std::min(byLen, byCores);
-    uint32_t firstSplit = 0;  // the split count the work split asked for
-    for (;;) {
-        ApplySplit(t, SplitByFill(t.numPairs, target.aivCores, cap), target.aivCores);
-        if (firstSplit == 0) firstSplit = t.splitNum;
-        if (FitTiles(t, target.ubBytes)) break;
-        if (t.splitNum == 1) {
-            PlanUb(t, 8, 8);
-            std::ostringstream os;
-            os << "does not fit the unified buffer of " << target.name << ": with the smallest tiles (8 K rows, "
-               << "8 V rows) and no split of the KV sequence";
-            if (firstSplit > 1) os << " (the work split asked for " << firstSplit << ")";
-            os << " the kernel needs " << t.ubTotal << " bytes (" << UbBreakdown(t) << ") but a vector core has "
-               << target.ubBytes << " bytes: the buffers of one GQA group (group size " << t.group
-               << " = num_q_heads / num_kv_heads, x head_dim " << s.headDim
-               << ": query, accumulators, score tiles) are too large for one vector core";
-            return refuse(os.str());
-        }
-        cap = t.splitNum - 1;  // fewer splits: less split bookkeeping in the unified buffer
-    }
-    const uint32_t splitNum = t.splitNum;
-
-    // Workspace (GM scratch).
-    const uint64_t G = t.group, PW = t.pairWidth;
-    uint64_t off = 0;
-    t.wsSyncOff = off;
-    if (splitNum > 1) off += Up(uint64_t(t.blockDim) * 32, 32);
-    t.wsScoresOff = off;
-    if (s.placement == TOPTH_POST_SOFTMAX) off += Up(uint64_t(t.numPairs) * G * s.maxSeqLen * 4, 32);
-    t.wsStatsOff = off;
-    if (s.placement == TOPTH_POST_SOFTMAX && splitNum > 1) off += Up(uint64_t(t.numItems) * 2 * PW * 4, 32);
-    t.wsPartOff = off;
-    if (splitNum > 1) off += Up(uint64_t(t.numItems) * t.partFloats * 4, 32);
-    t.wsBytes = std::max<uint64_t>(off, 32);
-    *out = t;
-    return true;
-}
+inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, TopthTilingData* out,
+                          std::string* reason);
 
 }  // namespace topth
+
+#include "topth_tiling_impl.h"
 
 static_assert(sizeof(TopthTilingData) % 8 == 0, "the kernel copies the tiling as 32-bit words");
 

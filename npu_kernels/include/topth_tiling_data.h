@@ -18,35 +18,62 @@
 #define TOPTH_SDC_EXACT 1u
 #define TOPTH_SDC_EXP_THRESHOLD 2u
 #define TOPTH_SDC_OFFLINE 3u
+// selection codes
+#define TOPTH_SELECT_HEAD 0u
+#define TOPTH_SELECT_GROUP 1u
+// all-core synchronisation of the split-KV combine
+#define TOPTH_SYNC_HARD 1u  // SyncAll<true>() of a mix kernel (hardware flags)
+#define TOPTH_SYNC_SOFT 0u  // SyncAll(gm, ub, n): software flags in a zeroed GM area
 
 // Width of a score tile: positions per tile in the selection step (one 256-byte vector
 // repeat of float32 per query head). K tiles (tileK rows) divide it.
 #define TOPTH_TILE_W 64u
 // Pair vectors hold one float per query head at even positions (value, index slot).
 #define TOPTH_NUM_PAIR_VECS 12u
+// The Ascend C API keeps a scratch area in the top 8 KiB of the unified buffer (Select in
+// tensor-scalar / tensor-tensor mode writes 32 bytes at 184 KiB on Atlas A2, whose UB is
+// 192 KiB): the tiling never plans buffers there.
+#define TOPTH_UB_API_RESERVE 8192u
 
 struct TopthTilingData {
     // workspace layout, bytes from the workspace base (all 32-byte aligned)
-    uint64_t wsSyncOff;    // SyncAll soft-sync area: blockDim * 32 bytes, zeroed by the host
-    uint64_t wsScoresOff;  // post_softmax: scores [B, Hkv, G, S] float32
+    uint64_t wsSyncOff;    // soft SyncAll area: blockDim * 32 bytes, zeroed by the host
+    uint64_t wsScoresOff;  // post_softmax: scores [pairs, G, maxSeqLen] float32
     uint64_t wsStatsOff;   // post_softmax with splits: per item (m, Z) pair vectors
     uint64_t wsPartOff;    // splits: per item partial record (partFloats floats)
     uint64_t wsBytes;      // total workspace bytes
-    // KV cache layout, in elements: element (b, h, s, d) of K at b*kStrideB + h*kStrideH +
-    // s*kStrideS + d (rows contiguous); likewise V. kSpan / vSpan: elements from the first
-    // one that the kernel may address (the GM buffer sizes it declares).
-    uint64_t kStrideB, kStrideH, kStrideS, vStrideB, vStrideH, vStrideS, kSpan, vSpan;
+    // KV caches, in elements: row (block blk, kv head h, slot s) of K starts at
+    // blk*kStrideBlk + h*kStrideH + s*kStrideSlot (head_dim contiguous); likewise V.
+    // Contiguous BNSD caches are one block of maxSeqLen slots per sequence (block = batch
+    // index). kSpan / vSpan: elements from the first to one past the last addressable one.
+    uint64_t kStrideBlk, kStrideH, kStrideSlot, vStrideBlk, vStrideH, vStrideSlot, kSpan, vSpan;
     // problem
     uint32_t batch, numQHeads, numKvHeads, group, maxSeqLen, headDim, headDimPad, maxRowId;
-    uint32_t dtype, elemBytes, placement, sdc, vmc, reserved0;
+    uint32_t dtype, elemBytes, placement, sdc, vmc, selection;
+    // paged caches: block_table [batch, maxBlocksPerSeq] int32 (paged == 0: no table, the
+    // block of sequence b is b and blockSize == maxSeqLen)
+    uint32_t paged, blockSize, numBlocks, maxBlocksPerSeq;
+    // thresholds [numSets, thHeads, maxRowId] float32 (thHeads = numQHeads for "head",
+    // numKvHeads for "group"); hasSets: threshold_set [batch] int32 is read (clamped)
+    uint32_t numSets, thHeads, hasSets, syncMode;
     float scale, sdcGamma;
-    // work split
-    uint32_t blockDim, splitNum, splitLen, numItems, numPairs;
+    // work split: splitCap splits at most per (batch, kv head) pair; the kernel picks the
+    // count from the actual lengths (each split >= minSplitLen positions)
+    uint32_t blockDim, splitCap, minSplitLen, numPairs;
     uint32_t tileK, tileV, pairWidth, partFloats;
     // unified-buffer plan: bytes of each buffer (0: not allocated), and their sum
     uint32_t ubKIn, ubKF32, ubProd, ubQ, ubAcc, ubTile, ubMask, ubVIn, ubVF32, ubWc, ubWb;
     uint32_t ubPair, ubPairB, ubStage, ubMu, ubCmb, ubMAll, ubSync, ubStat, ubSIn, ubTotal;
-    uint32_t reserved1;
+    uint32_t ubLimit;  // bytes the plan may use (the unified buffer less the API reserve)
+    // V rows: two runs of kept positions inside one cache block are fetched with one copy
+    // (the rows between them too, zeroed in UB) when the end of the one and the start of
+    // the other lie in the same GM granule of this many bytes (a DRAM access fetches it
+    // whole anyway; 0: never merge)
+    uint32_t mergeGapBytes;
+    // K and V are read once per call: when together they exceed 1.2 x the L2 cache (IFA's
+    // rule), the kernel turns L2 caching off for them (GlobalTensor::SetL2CacheHint) so the
+    // stream does not evict what other data the L2 holds
+    uint32_t l2CacheOff;
 };
 
 #endif  // TOPTH_TILING_DATA_H

@@ -18,11 +18,17 @@
 #include "tiling/platform/platform_ascendc.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 
+#include "topth_launch.h"
 #include "topth_tiling_py.h"
 
 namespace {
 
 namespace py = pybind11;
+
+// Hard SyncAll (KERNEL_TYPE_MIX_AIV_1_0) unless the build asks for the soft one.
+#ifndef TOPTH_NPU_SOFT_SYNC
+#define TOPTH_NPU_SOFT_SYNC 0
+#endif
 
 // Unified-buffer size and vector-core count of the current device (CANN platform API).
 topth::TargetInfo DeviceTarget() {
@@ -34,6 +40,7 @@ topth::TargetInfo DeviceTarget() {
     t.ubBytes = ub;
     t.aivCores = platform->GetCoreNumAiv();
     t.name = "current Ascend device";
+    t.syncMode = TOPTH_NPU_SOFT_SYNC ? TOPTH_SYNC_SOFT : TOPTH_SYNC_HARD;
     return t;
 }
 
@@ -52,17 +59,12 @@ void CheckTensor(const at::Tensor& t, const char* name, at::ScalarType dtype, co
     TORCH_CHECK(t.is_contiguous(), "topth ascendc: ", name, " must be contiguous");
 }
 
-// A KV cache [B, Hkv, S, D] is read in place through its strides (rows contiguous; the
-// tiling refuses overlapping rows): the strides go into the problem shape.
-void CheckCache(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Device& dev,
-                uint64_t* strides) {
+// A KV cache (BNSD, or paged NHD / HND) is read in place through the strides the host glue
+// put into the problem shape; here only its device, dtype and innermost stride are checked.
+void CheckCache(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Device& dev) {
     CheckDeviceDtype(t, name, dtype, dev);
-    TORCH_CHECK(t.dim() == 4, "topth ascendc: ", name, " must be [batch, kv_heads, max_seq_len, head_dim]");
+    TORCH_CHECK(t.dim() == 4, "topth ascendc: ", name, " must be 4-D (BNSD, NHD or HND)");
     TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, "topth ascendc: ", name, " rows (head_dim) must be contiguous");
-    for (int i = 0; i < 3; ++i) {
-        TORCH_CHECK(t.stride(i) >= 0, "topth ascendc: ", name, " has a negative stride");
-        strides[i] = static_cast<uint64_t>(t.stride(i));
-    }
 }
 
 // Device copy of a tiling. Cached by device and tiling bytes: a decode loop calls with one
@@ -97,48 +99,71 @@ at::Tensor DeviceTiling(const TopthTilingData& t, const at::Device& dev) {
 
 void* Ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
-// Launch on the current NPU stream; asynchronous like any torch_npu op.
+// The torch_npu side of topth::GuardedLaunch: the device guard (c10's, which torch_npu
+// implements for PrivateUse1) and the current NPU stream of a device.
+struct TorchNpuRuntime {
+    c10::optional<c10::DeviceGuard> guard;
+    int CurrentDevice() {
+        return static_cast<int>(c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index());
+    }
+    void SetDevice(int d) { guard.emplace(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(d))); }
+    void RestoreDevice(int) { guard.reset(); }
+    // stream(true): submits torch_npu's queued work (the workspace zeroing, the tiling copy,
+    // the host glue's copies and conversions) before this launch; stream(false) would let
+    // the kernel overtake still-queued ops.
+    void* CurrentStream(int d) { return c10_npu::getCurrentNPUStream(static_cast<c10::DeviceIndex>(d)).stream(true); }
+};
+
+// Launch on the current stream of the tensors' device; asynchronous like any torch_npu op.
 void Run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& seqLens,
          const at::Tensor& thresholds, const c10::optional<at::Tensor>& sdcTable,
-         const c10::optional<at::Tensor>& valueMean, at::Tensor& out, at::Tensor& kept, at::Tensor& vRows,
+         const c10::optional<at::Tensor>& valueMean, const c10::optional<at::Tensor>& blockTable,
+         const c10::optional<at::Tensor>& thresholdSet, at::Tensor& out, at::Tensor& kept, at::Tensor& vRows,
          at::Tensor& dropped, const py::dict& shape) {
     const auto dev = query.device();
     const auto dt = query.scalar_type();
     CheckTensor(query, "query", dt, dev);
-    topth::ProblemShape problem = topth::ShapeFromDict(shape);
-    CheckCache(key, "key_cache", dt, dev, problem.kStrides);
-    CheckCache(value, "value_cache", dt, dev, problem.vStrides);
+    const topth::ProblemShape problem = topth::ShapeFromDict(shape);
+    CheckCache(key, "key_cache", dt, dev);
+    CheckCache(value, "value_cache", dt, dev);
     CheckTensor(seqLens, "seq_lens", at::kInt, dev);
     CheckTensor(thresholds, "thresholds", at::kFloat, dev);
     if (sdcTable.has_value()) CheckTensor(*sdcTable, "sdc_table", at::kFloat, dev);
     if (valueMean.has_value()) CheckTensor(*valueMean, "value_mean", at::kFloat, dev);
+    if (blockTable.has_value()) CheckTensor(*blockTable, "block_table", at::kInt, dev);
+    if (thresholdSet.has_value()) CheckTensor(*thresholdSet, "threshold_set", at::kInt, dev);
+    TORCH_CHECK(!problem.paged || blockTable.has_value(), "topth ascendc: paged caches need block_table");
     CheckTensor(out, "out", dt, dev);
     CheckTensor(kept, "kept", at::kInt, dev);
     CheckTensor(vRows, "v_rows", at::kInt, dev);
     CheckTensor(dropped, "dropped_mass", at::kFloat, dev);
 
-    const TopthTilingData t = topth::TilingOrThrow(problem, DeviceTarget());
-    // Workspace: the kernel writes every word it reads (post_softmax scores, split partials)
-    // before reading it, except SyncAll's soft-sync area, which must start at 0 (only used
-    // when the KV sequence is split). The CPU model hands the kernel the same: 0xFF
-    // everywhere else.
-    at::Tensor workspace = at::empty({static_cast<int64_t>(t.wsBytes)}, query.options().dtype(at::kByte));
-    if (t.splitNum > 1) {
-        workspace.narrow(0, static_cast<int64_t>(t.wsSyncOff), static_cast<int64_t>(t.blockDim) * 32).zero_();
-    }
-    at::Tensor tiling = DeviceTiling(t, dev);
-
-    // stream(true), taken after every torch-side op above: it submits torch_npu's task queue
-    // (the workspace zeroing, the tiling copy, and the host glue's copies and conversions)
-    // to the stream before this launch. stream(false) would return the stream without
-    // that, and the kernel could run before them.
-    aclrtStream stream = c10_npu::getCurrentNPUStream().stream(true);
-    ACLRT_LAUNCH_KERNEL(topth_decode_attn)
-    (t.blockDim, stream, query.data_ptr(), key.data_ptr(), value.data_ptr(), seqLens.data_ptr(),
-     thresholds.data_ptr(), Ptr(sdcTable), Ptr(valueMean), out.data_ptr(), kept.data_ptr(), vRows.data_ptr(),
-     dropped.data_ptr(), workspace.data_ptr(), tiling.data_ptr());
-    // workspace (and an uncached tiling) are released to torch_npu's caching allocator, which reuses
-    // their blocks only for later work on this stream.
+    TorchNpuRuntime rt;
+    const int device = static_cast<int>(dev.index());
+    // Everything inside (tiling, workspace, tiling copy, launch) happens with the tensors'
+    // device current; GuardedLaunch restores the previous device afterwards.
+    topth::GuardedLaunch(rt, device, "topth_decode_attn", [&](void* stream) -> uint32_t {
+        const TopthTilingData t = topth::TilingOrThrow(problem, DeviceTarget());
+        // Workspace: the kernel writes every word it reads (post_softmax scores, split
+        // partials) before reading it, except the soft SyncAll area, which must start at 0
+        // (only allocated with the soft sync). The CPU model hands the kernel the same:
+        // 0xFF everywhere else.
+        at::Tensor workspace = at::empty({static_cast<int64_t>(t.wsBytes)}, query.options().dtype(at::kByte));
+        if (t.splitCap > 1 && t.syncMode == TOPTH_SYNC_SOFT) {
+            workspace.narrow(0, static_cast<int64_t>(t.wsSyncOff), static_cast<int64_t>(t.blockDim) * 32).zero_();
+        }
+        at::Tensor tiling = DeviceTiling(t, dev);
+        // The stream again, after the torch-side ops above (stream(true) submits them first).
+        void* launchStream = rt.CurrentStream(device);
+        TORCH_CHECK(launchStream == stream, "topth ascendc: the current stream changed during the launch");
+        return ACLRT_LAUNCH_KERNEL(topth_decode_attn)(
+            t.blockDim, launchStream, query.data_ptr(), key.data_ptr(), value.data_ptr(), seqLens.data_ptr(),
+            thresholds.data_ptr(), Ptr(sdcTable), Ptr(valueMean), Ptr(blockTable), Ptr(thresholdSet),
+            out.data_ptr(), kept.data_ptr(), vRows.data_ptr(), dropped.data_ptr(), workspace.data_ptr(),
+            tiling.data_ptr());
+        // workspace (and an uncached tiling) go back to torch_npu's caching allocator, which
+        // reuses their blocks only for later work on this stream.
+    });
 }
 
 }  // namespace
@@ -149,6 +174,6 @@ PYBIND11_MODULE(_ascendc_npu, m) {
           "Tiling for this device (UB size and vector cores from the CANN platform API); ValueError when "
           "the shape does not fit.");
     m.def("run", &Run,
-          "Launch the kernel (tensors on one NPU; the caches may be strided with contiguous rows, the others "
-          "contiguous; seq_lens int32).");
+          "Launch the kernel on the tensors' device (one NPU; the caches are read through the strides in the "
+          "shape, the other tensors contiguous; seq_lens, block_table and threshold_set int32).");
 }

@@ -1,15 +1,15 @@
 """Backends ``ascendc`` (the Ascend C kernel on an Ascend NPU) and ``ascendc-cpu`` (the same
 kernel source compiled with g++ against the CPU model of the Ascend C API).
 
-The kernel (``npu_kernels/kernel/topth_decode_attn.cpp``) is modelled on Ascend's
-IncrementalFlashAttention: work split over batch x kv-heads across AI vector cores, and
-over the KV sequence (flash-decoding, combined by log-sum-exp) when that is too little
-work; K tiles double-buffered GM -> UB; V rows copied only when some head of the GQA group
-keeps them. The KV caches are read in place through their strides when every row of
-head_dim elements is contiguous (slices of a longer cache, BSND viewed as BNSD, K and V
-interleaved); other layouts are copied on every call, with a warning logged once. docs/ascendc.md describes the design, the build and what was verified where:
-the ``ascendc`` backend has **not** run on Ascend hardware; CI verifies the kernel on the
-CPU model (``ascendc-cpu``).
+The kernel (``npu_kernels/kernel/``) is modelled on Ascend's IncrementalFlashAttention: work
+split over batch x kv-heads across AI vector cores, and over the actual KV length
+(flash-decoding, combined by log-sum-exp) when that is too little work; K tiles
+double-buffered GM -> UB through the block table (contiguous BNSD, paged NHD / HND); V rows
+copied only when the GQA group keeps them; per-head or per-group selection, threshold sets.
+The caches are read in place through their strides; layouts the kernel cannot read are
+refused with the reason (never copied). docs/ascendc.md describes the design, the build and
+what was verified where: the ``ascendc`` backend has **not** run on Ascend hardware; CI
+verifies the kernel on the CPU model (``ascendc-cpu``).
 
 Neither module is imported by ``import topth_ops``: the compiled extensions
 (``topth_ops.npu_kernels._ascendc_cpu`` / ``_ascendc_npu``) and torch_npu load inside
@@ -24,78 +24,71 @@ from typing import Optional
 import torch
 
 from ..contract import DecodeInputs, DecodeStats
-from ..registry import Backend, log_once
+from ..registry import Backend
+from .ascendc_host import (  # noqa: F401 (re-exported for tests and benchmarks)
+    DTYPE_CODES, PLACEMENT_CODES, SDC_CODES, SELECTION_CODES, cache_layout_reason, clamped_lengths,
+    kept_union_masks, kernel_tensors, problem_shape, split_plan, split_workspace_reads, v_fetch_plan, value_mean_of)
 
-DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
-SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
+FEATURES = frozenset({"paged", "group_selection", "threshold_sets"})
 
 # What limits head_dim (input_reasons checks it per call, from the tiling): the unified
-# buffer bounds head_dim x GQA group size; the vector repeat stride bounds head_dim at
-# 2040 (float32) / 2032 (float16, bfloat16). Numbers for Atlas A2 (docs/ascendc.md).
-HEAD_DIMS_NOTE = "UB-bound: <=1104"
-LIMITS = ("head_dim x GQA group size bounded by the unified buffer (Atlas A2: head_dim <= 1104 at group size 1, "
-          "group size <= 45 at head_dim 128; table in docs/ascendc.md)")
+# buffer (less the 8 KiB the Ascend C API reserves) bounds head_dim x GQA group size; the
+# vector repeat stride bounds head_dim at 2040 (float32) / 2032 (float16, bfloat16).
+# Numbers for Atlas A2 (docs/ascendc.md).
+HEAD_DIMS_NOTE = "UB-bound: <=1056"
+LIMITS = ("head_dim x GQA group size bounded by the unified buffer (Atlas A2: head_dim <= 1056 at group size 1, "
+          "group size <= 43 at head_dim 128; table in docs/ascendc.md)")
 
 # Atlas A2 / Ascend 910B1-B2: 24 AI cores with 2 vector cores each, 192 KiB unified buffer
 # per vector core (910B3/B4: 40 vector cores).
-A2_TARGET = {"name": "Ascend910B (Atlas A2)", "ub_bytes": 196608, "cores": 48, "min_split_len": 512}
+A2_TARGET = {"name": "Ascend910B (Atlas A2)", "ub_bytes": 196608, "cores": 48, "min_split_len": 512,
+             "l2_bytes": 192 << 20}
 
 
-def problem_shape(inputs: DecodeInputs, key_cache: Optional[torch.Tensor] = None,
-                  value_cache: Optional[torch.Tensor] = None) -> dict:
-    """The kernel's view of one call (shapes, dtype, option codes and the caches' strides)
-    for the tiling. ``key_cache`` / ``value_cache``: the tensors the kernel will read
-    (default: :func:`kernel_cache` of the inputs' caches, without copying)."""
-    k = key_cache if key_cache is not None else inputs.key_cache
-    v = value_cache if value_cache is not None else inputs.value_cache
-    return {
-        "batch": inputs.batch,
-        "num_q_heads": inputs.num_q_heads,
-        "num_kv_heads": inputs.num_kv_heads,
-        "max_seq_len": inputs.max_seq_len,
-        "head_dim": inputs.head_dim,
-        "max_row_id": inputs.max_row_id,
-        "dtype": DTYPE_CODES[inputs.dtype],
-        "placement": PLACEMENT_CODES[inputs.placement],
-        "sdc": SDC_CODES[inputs.sdc],
-        "vmc": int(inputs.vmc),
-        "scale": float(inputs.scale),
-        "sdc_gamma": float(inputs.sdc_gamma),
-        "k_strides": cache_strides(k),
-        "v_strides": cache_strides(v),
-    }
+def layout_reasons(inputs: DecodeInputs) -> list[str]:
+    """Reasons the kernel cannot read the caches of ``inputs`` in place (empty: it can)."""
+    return [r for r in (cache_layout_reason(inputs, "key"), cache_layout_reason(inputs, "value")) if r]
 
 
-def kernel_reads_layout(cache: torch.Tensor) -> bool:
-    """Whether the kernel reads this ``[B, Hkv, S, D]`` cache in place: every row of
-    head_dim elements contiguous, rows of one (batch, KV head) not overlapping, and the gap
-    between rows under 4 GiB. Batch and head strides are free (slices of a larger cache,
-    BSND caches viewed as BNSD, K and V interleaved in one tensor)."""
-    B, H, S, D = cache.shape
-    row = cache.stride(2) if S > 1 else D
-    return (cache.stride(3) == 1 or D == 1) and row >= D and (row - D) * cache.element_size() < 2**32
+def _outputs_for(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]):
+    """Contiguous buffers for the kernel to write (the caller's own when contiguous)."""
+    dev = inputs.device
+    o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=dev)
+    if stats is not None:
+        s = [x if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype, device=dev) for x in stats]
+    else:
+        s = [torch.empty((inputs.batch, inputs.num_q_heads), dtype=torch.int32, device=dev),
+             torch.empty((inputs.batch, inputs.num_kv_heads), dtype=torch.int32, device=dev),
+             torch.empty((inputs.batch, inputs.num_q_heads), dtype=torch.float32, device=dev)]
+    return o, s
 
 
-def cache_strides(cache: torch.Tensor) -> list[int]:
-    """(batch, KV head, position) strides in elements of the cache as the kernel will read
-    it (contiguous strides when :func:`kernel_reads_layout` is false: it is copied)."""
-    if kernel_reads_layout(cache):
-        return list(cache.stride()[:3])
-    B, H, S, D = cache.shape
-    return [H * S * D, S * D, D]
+def _copy_back(out, stats, o, s):
+    if o is not out:
+        out.copy_(o)
+    if stats is not None:
+        for dst, src in zip(stats, s):
+            if dst is not src:
+                dst.copy_(src)
 
 
-def kernel_cache(cache: torch.Tensor, name: str) -> torch.Tensor:
-    """The cache itself when the kernel can read its layout, else a contiguous copy (a
-    full read and write of the cache on every call: logged once per process)."""
-    if kernel_reads_layout(cache):
-        return cache
-    log_once(f"topth_ops ascendc: {name} with strides {tuple(cache.stride())} (shape {tuple(cache.shape)}) has "
-              f"rows that are not contiguous or overlap; it is copied with .contiguous() on every call, a full "
-              f"read and write of the cache that costs more than the V rows the thresholds save "
-              f"(docs/ascendc.md, 'Cache layouts')")
-    return cache.contiguous()
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of the last element (strided views too)."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    if t is None or t.numel() == 0:
+        return None
+    return (t.data_ptr(), _extent(t))
+
+
+# ---------------------------------------------------------------------------- CPU model
+
+def _cpu_module():
+    from topth_ops.npu_kernels import _ascendc_cpu  # compiled extension
+
+    return _ascendc_cpu
 
 
 # Knobs of ``ascendc-cpu``: environment variable, target key, allowed range, meaning.
@@ -153,132 +146,72 @@ def cpu_target() -> dict:
     return t
 
 
-def value_mean_of(inputs: DecodeInputs) -> torch.Tensor:
-    """mean_{j<n} v_j in float32, [batch, num_kv_heads, head_dim]; 0 where n = 0.
-
-    Used when ``vmc=True`` and no ``value_mean`` is given: it reads every valid V row (the
-    kernel's own V traffic stays the kept rows only); pass ``value_mean`` (a running mean
-    kept with the cache) to avoid it.
-    """
-    n = inputs.seq_lens.to(torch.int64).clamp(0, inputs.max_seq_len)
-    pos = torch.arange(inputs.max_seq_len, device=inputs.device)
-    valid = (pos[None, :] < n[:, None]).view(inputs.batch, 1, -1, 1)
-    v = torch.where(valid, inputs.value_cache.to(torch.float32), 0.0)
-    return (v.sum(2) / n.clamp(min=1).to(torch.float32).view(-1, 1, 1)).contiguous()
-
-
-def kernel_tensors(inputs: DecodeInputs) -> dict:
-    """Tensors in the layouts the kernel reads: the caches as they are when the kernel can
-    read their strides (:func:`kernel_cache`), everything else contiguous, seq_lens int32."""
-    t = {
-        "query": inputs.query.contiguous(),
-        "key_cache": kernel_cache(inputs.key_cache, "key_cache"),
-        "value_cache": kernel_cache(inputs.value_cache, "value_cache"),
-        # the kernel clamps each length into [0, max_seq_len]; int64 lengths that do not fit
-        # int32 are clamped here first so that the conversion cannot wrap
-        "seq_lens": inputs.seq_lens.clamp(0, inputs.max_seq_len).to(torch.int32).contiguous(),
-        "thresholds": inputs.thresholds.contiguous(),
-        "sdc_table": inputs.sdc_table.contiguous() if inputs.sdc_table is not None else None,
-        "value_mean": None,
-    }
-    if inputs.vmc:
-        vm = inputs.value_mean if inputs.value_mean is not None else value_mean_of(inputs)
-        t["value_mean"] = vm.to(torch.float32).contiguous()
-    return t
-
-
-def _outputs_for(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]):
-    """Contiguous buffers for the kernel to write (the caller's own when contiguous)."""
-    dev = inputs.device
-    o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=dev)
-    if stats is not None:
-        s = [x if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype, device=dev) for x in stats]
-    else:
-        s = [torch.empty((inputs.batch, inputs.num_q_heads), dtype=torch.int32, device=dev),
-             torch.empty((inputs.batch, inputs.num_kv_heads), dtype=torch.int32, device=dev),
-             torch.empty((inputs.batch, inputs.num_q_heads), dtype=torch.float32, device=dev)]
-    return o, s
-
-
-def _copy_back(out, stats, o, s):
-    if o is not out:
-        out.copy_(o)
-    if stats is not None:
-        for dst, src in zip(stats, s):
-            if dst is not src:
-                dst.copy_(src)
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Bytes from ``t.data_ptr()`` to the end of the last element (strided views too)."""
-    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def _ptr(t: Optional[torch.Tensor]):
-    if t is None or t.numel() == 0:
-        return None
-    return (t.data_ptr(), _extent(t))
-
-
-# ---------------------------------------------------------------------------- CPU model
-
-def _cpu_module():
-    from topth_ops.npu_kernels import _ascendc_cpu  # compiled extension
-
-    return _ascendc_cpu
-
-
 def run_cpu_model(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats] = None, *,
-                  target: Optional[dict] = None) -> dict:
+                  target: Optional[dict] = None, launch: Optional[dict] = None) -> dict:
     """Run the Ascend C kernel on the CPU model of the Ascend C API.
 
     Parameters
     ----------
     inputs : DecodeInputs
-        Validated inputs on the CPU.
+        Validated inputs on the CPU (BNSD or paged caches the kernel can read in place).
     out : torch.Tensor
         ``[batch, num_q_heads, head_dim]``, input dtype; every element is written.
     stats : DecodeStats, optional
         Written when given.
     target : dict, optional
         ``name``, ``ub_bytes`` (unified-buffer bytes per vector core), ``cores`` (vector
-        cores), ``min_split_len``; default :func:`cpu_target` (Atlas A2).
+        cores), ``min_split_len``; test switches ``reserve_api_scratch`` (False plans
+        buffers over the API's scratch block) and ``sync`` ("hard" / "soft"); default
+        :func:`cpu_target` (Atlas A2).
+    launch : dict, optional
+        Model conditions: ``check_rows`` (default True: every K / V read must be a row the
+        block table names for the work item's sequence), ``resident_blocks`` (blocks that
+        start together when another stream holds cores; 0 = all), ``transcendental_error``
+        (relative error of the model's Exp / Ln, +/- by element).
 
     Returns
     -------
     dict
         The model's report: ``k_bytes`` and ``v_bytes`` (GM -> UB bytes of the key and value
-        caches), ``buffers`` (per-buffer GM <-> UB bytes and copy counts), ``ub_peak`` and
-        ``ub_capacity`` (bytes), ``block_dim``, ``sync_all_calls`` and the ``tiling``.
+        caches), ``buffers`` (per-buffer GM <-> UB bytes and copy counts), ``counters`` and
+        ``per_block`` (pipe counters: MTE2 / MTE3 bytes and requests, vector instructions
+        and repeats, scalar UB / GM accesses, barriers, flags, cube instructions),
+        ``ub_peak`` and ``ub_capacity`` (bytes), ``block_dim``, ``sync_all_calls`` and the
+        ``tiling``.
 
     Raises
     ------
     ValueError
-        The tiling refuses the shape (the message says why), or an invalid target /
-        TOPTH_ASCENDC_CPU_* variable (naming it).
+        The tiling refuses the shape or the cache layout (the message says why), or an
+        invalid target / TOPTH_ASCENDC_CPU_* variable (naming it).
     topth_ops.npu_kernels._ascendc_cpu.ModelError
         The kernel broke a rule of the device (out-of-bounds or misaligned copy, unified
-        buffer overflow, queue misuse, missing pipe synchronisation, race).
+        buffer overflow, queue misuse, missing pipe synchronisation, race, a cache row the
+        block table does not name for the sequence).
     """
     mod = _cpu_module()
     target = check_target(dict(target)) if target is not None else cpu_target()
+    bad = layout_reasons(inputs)
+    if bad:
+        raise ValueError("; ".join(bad))
     t = kernel_tensors(inputs)
-    # The model tells GM buffers apart by address: give aliased inputs (e.g. one tensor
-    # passed as both caches) their own storage.
-    # (The device has no such restriction: K and V interleaved in one tensor run in place.)
+    # The model tells GM buffers apart by address: give aliased inputs (e.g. K and V
+    # interleaved in one tensor) their own storage, keeping their strides. (The device has
+    # no such restriction: they run in place.)
     seen = []
     for name, x in t.items():
         if x is None or x.numel() == 0:
             continue
         lo = x.data_ptr()
         if any(lo < h and l < lo + _extent(x) for l, h in seen):
-            x = t[name] = x.clone(memory_format=torch.contiguous_format)
+            y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+            x = t[name] = y.copy_(x)
             lo = x.data_ptr()
         seen.append((lo, lo + _extent(x)))
     o, s = _outputs_for(inputs, out, stats)
     args = {name: _ptr(x) for name, x in t.items()}
     args.update({"out": _ptr(o), "kept": _ptr(s[0]), "v_rows": _ptr(s[1]), "dropped_mass": _ptr(s[2])})
-    report = mod.run(args, problem_shape(inputs, t["key_cache"], t["value_cache"]), target)
+    report = mod.run(args, problem_shape(inputs), target, dict(launch or {}))
     _copy_back(out, stats, o, s)
     return report
 
@@ -288,11 +221,13 @@ class AscendCCpuBackend(Backend):
     device_type = "cpu"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     head_dims_note = HEAD_DIMS_NOTE
+    features = FEATURES
     description = ("the Ascend C kernel built with g++ against the CPU model of the Ascend C API "
                    "(Atlas A2 rules checked); explicit choice only; " + LIMITS)
 
     def __init__(self):
         self.last_report: Optional[dict] = None
+        self._last_lens: list[int] = []
 
     def unavailable_reasons(self) -> list[str]:
         reasons = []
@@ -312,6 +247,9 @@ class AscendCCpuBackend(Backend):
             target = cpu_target()
         except ValueError as e:
             return [str(e)]
+        reasons = layout_reasons(inputs)
+        if reasons:
+            return reasons
         try:
             _cpu_module().compute_tiling(problem_shape(inputs), target)
         except ValueError as e:
@@ -320,53 +258,52 @@ class AscendCCpuBackend(Backend):
 
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         self.last_report = run_cpu_model(inputs, out, stats)
-        self._last_lens = inputs.seq_lens.clamp(0, inputs.max_seq_len).tolist()
+        self._last_lens = clamped_lengths(inputs).tolist()
+        self._last_inputs = inputs
 
     def bench_counters(self) -> dict:
-        """Byte counts of the last call, for the bench harness (bench/harness.py): GM -> UB
+        """Counters of the last call, for the bench harness (bench/harness.py): GM -> UB
         bytes in all (``gm_to_ub_bytes``), of the K and V caches, of the workspace
-        (post_softmax scores, split bookkeeping), UB -> GM bytes, and the split bookkeeping
-        the tiling's split plan implies (:func:`split_workspace_reads`, declared, not counted)."""
+        (post_softmax scores, split bookkeeping), UB -> GM bytes, the split bookkeeping the
+        kernel's split plan implies (:func:`split_workspace_reads`, declared, not counted),
+        and the model's pipe counters summed over blocks (``pipe_*``)."""
         r = self.last_report
         if r is None:
             return {}
         ws = r["buffers"].get("workspace", {}).get("gm_to_ub_bytes", 0)
-        return {
+        counters = {
             "gm_to_ub_bytes": r["k_bytes"] + r["v_bytes"] + r["other_gm_to_ub_bytes"],
             "k_bytes": r["k_bytes"],
             "v_bytes": r["v_bytes"],
             "workspace_gm_to_ub_bytes": ws,
             "workspace_split_gm_to_ub_bytes": split_workspace_reads(r["tiling"], self._last_lens),
+            **self._plan_counters(),
             "ub_to_gm_bytes": r["ub_to_gm_bytes"],
             "ub_peak": r["ub_peak"],
         }
+        counters.update({f"pipe_{k}": v for k, v in r["counters"].items()})
+        return counters
 
-
-def split_workspace_reads(tiling: dict, seq_lens: list[int]) -> int:
-    """GM -> UB bytes of the kernel's split bookkeeping under a split plan (0 unsplit).
-
-    A (sequence, KV head) pair of length n uses ``u = ceil(n / splitLen)`` splits. Its
-    combine step reads the u running maxima (``pairWidth`` floats each) and the u partial
-    records (``partFloats`` floats each); for post_softmax each of its u pass-B items also
-    reads the u (m, Z) pairs (2 x ``pairWidth`` floats). The post_softmax score round trip
-    is not included (4 bytes per query head and position, computed by the bench harness).
-
-    Parameters
-    ----------
-    tiling : dict
-        The host tiling of the call (``run_cpu_model(...)["tiling"]``).
-    seq_lens : list of int
-        Lengths clamped into [0, max_seq_len].
-    """
-    if tiling["splitNum"] <= 1:
-        return 0
-    pw, rec, split_len = 4 * tiling["pairWidth"], 4 * tiling["partFloats"], tiling["splitLen"]
-    post = tiling["placement"] == PLACEMENT_CODES["post_softmax"]
-    total = 0
-    for n in seq_lens:
-        u = -(-int(n) // split_len)
-        total += tiling["numKvHeads"] * (u * (pw + rec) + (u * u * 2 * pw if post else 0))
-    return total
+    def _plan_counters(self) -> dict:
+        """What the kernel's plan implies for the last call (declared, not counted): V bytes
+        fetched between merged runs of kept rows, copy spans and copy instructions, score
+        tiles and work items (from :func:`split_plan` and :func:`v_fetch_plan` on kept sets
+        selected again in float32); the pipe-counter gates compare the counts with them."""
+        inputs, t = self._last_inputs, self.last_report["tiling"]
+        e = inputs.query.element_size()
+        plan = v_fetch_plan(kept_union_masks(inputs), t, self._last_lens, e, inputs.block_table)
+        _u, pieces = split_plan(t, self._last_lens)
+        post = inputs.placement == "post_softmax"
+        items = sum((p + (p if post else 0) + 1) if p > 1 else 1 for p in pieces) * inputs.num_kv_heads
+        return {
+            "v_merged_gap_bytes": (plan["fetched_rows"] - plan["kept_rows"]) * inputs.head_dim * e,
+            "plan_v_spans": plan["spans"],
+            "plan_v_copies": plan["copies"],
+            "plan_kept_rows": plan["kept_rows"],
+            "plan_score_tiles": plan["score_tiles"],
+            "plan_work_items": items,
+            "plan_group": inputs.group_size,
+        }
 
 
 # ---------------------------------------------------------------------------- NPU
@@ -388,6 +325,7 @@ class AscendCBackend(Backend):
     device_type = "npu"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     head_dims_note = HEAD_DIMS_NOTE
+    features = FEATURES
     description = ("Ascend C kernel on an Ascend NPU (Atlas A2 / 910B), built with CANN, launched via torch_npu; "
                    "not yet run on hardware (docs/ascendc.md); " + LIMITS)
 
@@ -415,6 +353,9 @@ class AscendCBackend(Backend):
         return reasons
 
     def input_reasons(self, inputs: DecodeInputs) -> list[str]:
+        reasons = layout_reasons(inputs)
+        if reasons:
+            return reasons
         try:
             _npu_module().compute_tiling(problem_shape(inputs), inputs.device.index or 0)
         except ValueError as e:
@@ -426,7 +367,7 @@ class AscendCBackend(Backend):
         t = kernel_tensors(inputs)
         o, s = _outputs_for(inputs, out, stats)
         mod.run(t["query"], t["key_cache"], t["value_cache"], t["seq_lens"], t["thresholds"], t["sdc_table"],
-                t["value_mean"], o, s[0], s[1], s[2], problem_shape(inputs, t["key_cache"], t["value_cache"]))
+                t["value_mean"], t["block_table"], t["threshold_set"], o, s[0], s[1], s[2], problem_shape(inputs))
         _copy_back(out, stats, o, s)
 
 

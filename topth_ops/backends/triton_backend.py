@@ -18,7 +18,8 @@ import torch
 from ..contract import DecodeInputs, DecodeStats, _dtype
 from ..registry import Backend
 
-HEAD_DIMS = (64, 80, 96, 128, 256)
+HEAD_DIMS = tuple(range(16, 257, 16))  # every multiple of 16 up to 256 (FlashAttention's set)
+MAX_POSITIONS = 2**31 - 4096  # positions are int32 inside the kernels
 
 
 def interpreter_enabled() -> bool:
@@ -31,11 +32,14 @@ class TritonBackend(Backend):
     name = "triton"
     device_type = "cuda"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    head_dims = HEAD_DIMS
+    head_dims = None  # checked in not_supported_reasons: HEAD_DIMS
+    head_dims_note = "16..256, step 16"
+    features = frozenset({"paged", "group_selection", "threshold_sets"})
 
     @property
     def description(self) -> str:
-        text = "Triton split-KV kernels (GQA group per program, V-row skipping), CUDA"
+        text = ("Triton split-KV kernels (GQA group per program, V-row skipping; BNSD or paged NHD/HND, "
+                "head or group selection, threshold sets), CUDA")
         if interpreter_enabled():
             text += "; TRITON_INTERPRET=1: CPU tensors in Triton's interpreter, float16/float32 only"
         return text
@@ -44,8 +48,8 @@ class TritonBackend(Backend):
         if importlib.util.find_spec("triton") is None:
             return ["triton is not installed (pip install 'topth-ops[triton]')"]
         if interpreter_enabled():
-            mod = sys.modules.get("topth_ops.cuda_kernels.decode_attn")
-            if mod is not None and type(mod._decode_attn_kernel).__name__ != "InterpretedFunction":
+            mod = sys.modules.get("topth_ops.cuda_kernels.attn_pre")
+            if mod is not None and type(mod._pre_kernel).__name__ != "InterpretedFunction":
                 return ["TRITON_INTERPRET=1 was set after topth_ops.cuda_kernels was imported "
                         "(set it before the first Triton call)"]
             return []
@@ -76,30 +80,28 @@ class TritonBackend(Backend):
         elif interp and inputs.dtype == torch.bfloat16:
             reasons.append("dtype bfloat16 not supported under TRITON_INTERPRET=1 "
                            "(the interpreter cannot compute bfloat16 tl.dot)")
-        if inputs.head_dim not in self.head_dims:
-            reasons.append(f"head_dim {inputs.head_dim} not supported (supports {list(self.head_dims)})")
+        if inputs.head_dim not in HEAD_DIMS:
+            reasons.append(f"head_dim {inputs.head_dim} not supported (supports multiples of 16 up to 256)")
+        if inputs.max_seq_len > MAX_POSITIONS:
+            reasons.append(f"max_seq_len {inputs.max_seq_len} beyond the kernels' int32 positions ({MAX_POSITIONS})")
         reasons.extend(self.feature_reasons(inputs))
         if not reasons:
             reasons.extend(self.input_reasons(inputs))
         return reasons
 
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
+        """Launch the kernels; every tensor (small ones included) is read and written through
+        its strides, unchecked values are clamped on the device (contract v0.2)."""
         from ..cuda_kernels import decode_attn_fwd
 
-        st = None
-        if stats is not None:
-            st = tuple(t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-                       for t in stats)
         decode_attn_fwd(
             inputs.query, inputs.key_cache, inputs.value_cache, inputs.seq_lens, inputs.thresholds,
             out, scale=inputs.scale, placement=inputs.placement, sdc=inputs.sdc,
             sdc_gamma=inputs.sdc_gamma, sdc_table=inputs.sdc_table, vmc=inputs.vmc,
-            value_mean=inputs.value_mean, stats=st,
+            value_mean=inputs.value_mean, stats=None if stats is None else tuple(stats),
+            block_table=inputs.block_table, kv_layout=inputs.kv_layout, selection=inputs.selection,
+            threshold_set=inputs.threshold_set,
         )
-        if stats is not None:
-            for dst, src in zip(stats, st):
-                if dst is not src:
-                    dst.copy_(src)
 
 
 BACKENDS = [TritonBackend()]

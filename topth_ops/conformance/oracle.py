@@ -74,9 +74,12 @@ def _keep_values(a: np.ndarray, placement: str) -> np.ndarray:
     if placement == "pre_softmax":
         return a
     m = a.max()
-    e = np.zeros_like(a) if np.isneginf(m) else np.exp(a - m)
+    if np.isneginf(m):
+        return np.full_like(a, -np.inf)
+    # a - m - ln(sum exp(a - m)): finite for every finite score, also where exp(a - m)
+    # underflows (theta <= 0 keeps every finite score)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.log(e) - np.log(e.sum())
+        return (a - m) - np.log(np.exp(a - m).sum())
 
 
 def _keep_mask(x: np.ndarray, theta: float, placement: str) -> tuple[np.ndarray, float]:

@@ -22,13 +22,40 @@
 #include "topth_model/core.h"
 #include "topth_model/types.h"
 
+// ----- toolchain version: CANN force-includes asc_devkit_version.h (asc-devkit >= 8.5);
+// the model emulates the toolchain given by -DTOPTH_MODEL_CANN_VERSION_NUM (default: an
+// older CANN without it, as 8.0 - 8.3) -----
+#ifdef TOPTH_MODEL_CANN_VERSION_NUM
+#define ASC_DEVKIT_VERSION_NUM TOPTH_MODEL_CANN_VERSION_NUM
+#endif
+#if defined(ASC_DEVKIT_VERSION_NUM) && (ASC_DEVKIT_VERSION_NUM >= 90099802)
+#define TOPTH_MODEL_HAS_WHOLE_REDUCE 0  // renamed ReduceRepeat in asc-devkit 9.1.0-beta.2
+#else
+#define TOPTH_MODEL_HAS_WHOLE_REDUCE 1
+#endif
+
 // ----- device qualifiers: nothing on the host -----
 #define __aicore__
 #define __global__
 #define __gm__
 #define GM_ADDR uint8_t*
-#define KERNEL_TASK_TYPE_DEFAULT(x)
-#define KERNEL_TYPE_AIV_ONLY 0
+
+// Kernel types (KERNEL_TASK_TYPE_DEFAULT records the kernel's type for the checks of SyncAll).
+enum KernelMetaType {
+    KERNEL_TYPE_AIV_ONLY, KERNEL_TYPE_AIC_ONLY, KERNEL_TYPE_MIX_AIV_1_0, KERNEL_TYPE_MIX_AIC_1_0,
+    KERNEL_TYPE_MIX_AIC_1_1, KERNEL_TYPE_MIX_AIC_1_2
+};
+#define KERNEL_TASK_TYPE_DEFAULT(x) topth_model::SetKernelType(static_cast<int>(x))
+
+// ----- CPU-model hooks of the kernel source (empty on the device) -----
+// The work item reads the caches of sequence b, KV head h (the model checks each K / V row).
+#define TOPTH_MODEL_OWNER(b, h) topth_model::SetOwner(static_cast<int64_t>(b), static_cast<int64_t>(h))
+// The kernel is launched in batch schedule mode (__schedmode__(1)): its blocks start together.
+// The model emulates a toolchain with the qualifier (its effect is recorded by the hook;
+// Launch::SetSchedModeNormal simulates a toolchain without it).
+#define TOPTH_HAS_SCHEDMODE 1
+#define __schedmode__(mode)
+#define TOPTH_MODEL_SCHED_BATCH() topth_model::DeclareBatchMode()
 
 enum pipe_t : int { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
 enum event_t : int {
@@ -56,6 +83,8 @@ enum class CMPMODE : uint8_t { LT = 0, GT, EQ, LE, GE, NE };
 enum class SELMODE : uint8_t { VSEL_CMPMASK_SPR = 0, VSEL_TENSOR_SCALAR_MODE, VSEL_TENSOR_TENSOR_MODE };
 enum class RoundMode : uint8_t { CAST_NONE = 0, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROUND, CAST_TRUNC, CAST_ODD };
 enum class ReduceOrder : uint8_t { ORDER_VALUE_INDEX = 0, ORDER_INDEX_VALUE, ORDER_ONLY_VALUE, ORDER_ONLY_INDEX };
+enum class ReduceType { NONE = -1, SUM = 0, MAX, MIN };
+enum class CacheMode { CACHE_MODE_DISABLE = 0, CACHE_MODE_NORMAL = 1, CACHE_MODE_LAST = 2, CACHE_MODE_PERSISTENT = 4 };
 
 // ----- copy and repeat parameter structs (field names, types and units as in Ascend C) -----
 struct DataCopyParams {
@@ -97,6 +126,16 @@ struct BinaryRepeatParams {
           src1RepStride(s1R) {}
     uint8_t dstBlkStride = 1, src0BlkStride = 1, src1BlkStride = 1;  // 32-byte units
     uint8_t dstRepStride = 8, src0RepStride = 8, src1RepStride = 8;  // 32-byte units
+};
+
+struct GatherMaskParams {
+    GatherMaskParams() = default;
+    GatherMaskParams(uint8_t s0B, uint16_t rep, uint16_t s0R, uint8_t s1R)
+        : src0BlockStride(s0B), repeatTimes(rep), src0RepeatStride(s0R), src1RepeatStride(s1R) {}
+    uint8_t src0BlockStride = 1;    // 32-byte units
+    uint16_t repeatTimes = 0;
+    uint16_t src0RepeatStride = 0;  // 32-byte units
+    uint8_t src1RepeatStride = 0;   // 32-byte units
 };
 
 struct BrcbRepeatParams {
@@ -171,6 +210,10 @@ public:
         return t;
     }
     uint64_t GetSize() const { return size_; }
+    // L2 cache policy of this tensor's accesses: no effect on the model's memory (it has no
+    // cache), recorded for the tests.
+    void SetL2CacheHint(CacheMode mode) { l2Mode_ = mode; }
+    CacheMode l2Mode_ = CacheMode::CACHE_MODE_NORMAL;
     // Scalar-unit read of one element of GM (pipe S, through the scalar data cache).
     T GetValue(uint64_t index, Loc loc = Loc::current()) const;
 

@@ -7,18 +7,21 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "topth_model/core.h"
+#include "topth_launch.h"
 #include "topth_tiling_py.h"
 
 namespace py = pybind11;
 
 extern "C" void topth_decode_attn(uint8_t* query, uint8_t* key, uint8_t* value, uint8_t* seqLens, uint8_t* thresholds,
-                                  uint8_t* sdcTable, uint8_t* valueMean, uint8_t* out, uint8_t* kept, uint8_t* vRows,
-                                  uint8_t* dropped, uint8_t* workspace, uint8_t* tiling);
+                                  uint8_t* sdcTable, uint8_t* valueMean, uint8_t* blockTable, uint8_t* thresholdSet,
+                                  uint8_t* out, uint8_t* kept, uint8_t* vRows, uint8_t* dropped, uint8_t* workspace,
+                                  uint8_t* tiling);
 
 namespace topth_selftest {
 std::vector<std::string> Cases();
@@ -45,7 +48,69 @@ Arg ArgFrom(const py::dict& args, const char* name) {
     return a;
 }
 
-py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& target) {
+// The rows each (sequence, KV head) may read, from the lengths, the block table and the
+// strides (the expectation the model checks every K / V read against).
+topth_model::RowOwnership Ownership(const TopthTilingData& t, const Arg& lens, const Arg& table,
+                                    int64_t lengthDelta = 0) {
+    topth_model::RowOwnership o;
+    o.enabled = true;
+    o.kRowBytes = o.vRowBytes = uint64_t(t.headDim) * t.elemBytes;
+    o.numKvHeads = t.numKvHeads;
+    o.maxBlocksPerSeq = t.maxBlocksPerSeq;
+    o.kRows.resize(uint64_t(t.batch) * t.numKvHeads);
+    o.vRows.resize(uint64_t(t.batch) * t.numKvHeads);
+    o.usedBlocks.assign(t.batch, 0);
+    const auto* len = reinterpret_cast<const int32_t*>(lens.ptr);
+    const auto* tab = reinterpret_cast<const int32_t*>(table.ptr);
+    for (uint32_t b = 0; b < t.batch; ++b) {
+        const int64_t raw = int64_t(len[b]) + lengthDelta;  // lengthDelta: tests of the check itself
+        const uint32_t n = raw < 0 ? 0u : (raw > int64_t(t.maxSeqLen) ? t.maxSeqLen : uint32_t(raw));
+        o.usedBlocks[b] = (n + t.blockSize - 1) / t.blockSize;
+        for (uint32_t h = 0; h < t.numKvHeads; ++h) {
+            auto& kr = o.kRows[uint64_t(b) * t.numKvHeads + h];
+            auto& vr = o.vRows[uint64_t(b) * t.numKvHeads + h];
+            kr.reserve(n);
+            vr.reserve(n);
+            for (uint32_t j = 0; j < n; ++j) {
+                const uint32_t i = j / t.blockSize, slot = j % t.blockSize;
+                uint64_t blk = b;
+                if (t.paged) {
+                    const int32_t e = tab[uint64_t(b) * t.maxBlocksPerSeq + i];
+                    blk = e < 0 ? 0 : (uint32_t(e) >= t.numBlocks ? t.numBlocks - 1 : uint32_t(e));
+                }
+                kr.push_back((blk * t.kStrideBlk + h * t.kStrideH + slot * t.kStrideSlot) * t.elemBytes);
+                vr.push_back((blk * t.vStrideBlk + h * t.vStrideH + slot * t.vStrideSlot) * t.elemBytes);
+            }
+            std::sort(kr.begin(), kr.end());
+            std::sort(vr.begin(), vr.end());
+        }
+    }
+    return o;
+}
+
+py::dict CountersDict(const topth_model::PipeCounters& c) {
+    py::dict d;
+    d["mte2_bytes"] = c.mte2Bytes;
+    d["mte2_requests"] = c.mte2Requests;
+    d["k_bytes"] = c.kBytes;
+    d["k_requests"] = c.kRequests;
+    d["v_bytes"] = c.vBytes;
+    d["v_requests"] = c.vRequests;
+    d["mte3_bytes"] = c.mte3Bytes;
+    d["mte3_requests"] = c.mte3Requests;
+    d["vec_instr"] = c.vecInstr;
+    d["vec_repeats"] = c.vecRepeats;
+    d["scalar_ub_reads"] = c.scalarUbReads;
+    d["scalar_ub_writes"] = c.scalarUbWrites;
+    d["scalar_gm_reads"] = c.scalarGmReads;
+    d["barriers"] = c.barriers;
+    d["flags"] = c.flags;
+    d["cube_instr"] = c.cubeInstr;
+    d["select_scratch_writes"] = c.selectScratchWrites;
+    return d;
+}
+
+py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& target, const py::dict& launchOpts) {
     const topth::TargetInfo tgt = topth::TargetFromDict(target);
     const TopthTilingData t = topth::TilingOrThrow(topth::ShapeFromDict(shape), tgt);
     struct Named {
@@ -56,29 +121,42 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     static const Named names[] = {
         {"query", false, ""},       {"key_cache", false, "K"}, {"value_cache", false, "V"},
         {"seq_lens", false, ""},    {"thresholds", false, ""}, {"sdc_table", false, ""},
-        {"value_mean", false, ""},  {"out", true, ""},         {"kept", true, ""},
-        {"v_rows", true, ""},       {"dropped_mass", true, ""},
+        {"value_mean", false, ""},  {"block_table", false, ""}, {"threshold_set", false, ""},
+        {"out", true, ""},          {"kept", true, ""},        {"v_rows", true, ""},
+        {"dropped_mass", true, ""},
     };
-    Arg a[11];
-    for (int i = 0; i < 11; ++i) a[i] = ArgFrom(args, names[i].name);
+    constexpr int kArgs = 13;
+    Arg a[kArgs];
+    for (int i = 0; i < kArgs; ++i) a[i] = ArgFrom(args, names[i].name);
+    if (t.paged && !a[7].ptr) throw py::value_error("paged caches need the block_table buffer");
     std::vector<uint8_t> tilingBytes(sizeof(TopthTilingData));
     std::memcpy(tilingBytes.data(), &t, sizeof(TopthTilingData));
     // Workspace as the NPU binding hands it over: uninitialised (0xFF here, NaN as float32,
     // so a read of a never-written word shows) except the SyncAll area, zeroed when used.
     std::vector<uint8_t> workspace(t.wsBytes, 0xFF);
-    if (t.splitNum > 1) std::memset(workspace.data() + t.wsSyncOff, 0, uint64_t(t.blockDim) * 32);
+    if (t.splitCap > 1 && t.syncMode == TOPTH_SYNC_SOFT) {
+        std::memset(workspace.data() + t.wsSyncOff, 0, uint64_t(t.blockDim) * 32);
+    }
 
     topth_model::Launch launch(static_cast<uint32_t>(tgt.ubBytes), tgt.aivCores);
-    for (int i = 0; i < 11; ++i) {
+    for (int i = 0; i < kArgs; ++i) {
         launch.AddGm(names[i].name, a[i].ptr, a[i].bytes, names[i].writable, names[i].tag);
     }
+    if (topth::DictGet<bool>(launchOpts, "check_rows", true)) launch.SetOwnership(Ownership(t, a[3], a[7]));
+    launch.SetResidentBlocks(topth::DictGet<uint32_t>(launchOpts, "resident_blocks", 0));
+    launch.SetSchedModeNormal(topth::DictGet<bool>(launchOpts, "sched_mode_normal", false));
+    if (topth::DictGet<bool>(launchOpts, "check_rows", true)) {
+        const int64_t delta = topth::DictGet<int64_t>(launchOpts, "owned_length_delta", 0);
+        if (delta != 0) launch.SetOwnership(Ownership(t, a[3], a[7], delta));
+    }
+    launch.SetTranscendentalError(topth::DictGet<float>(launchOpts, "transcendental_error", 0.0f));
     launch.AddGm("workspace", workspace.data(), workspace.size(), true, "");
     launch.AddGm("tiling", tilingBytes.data(), tilingBytes.size(), false, "");
     {
         py::gil_scoped_release release;
         launch.Run(t.blockDim, [&] {
             topth_decode_attn(a[0].ptr, a[1].ptr, a[2].ptr, a[3].ptr, a[4].ptr, a[5].ptr, a[6].ptr, a[7].ptr, a[8].ptr,
-                              a[9].ptr, a[10].ptr, workspace.data(), tilingBytes.data());
+                              a[9].ptr, a[10].ptr, a[11].ptr, a[12].ptr, workspace.data(), tilingBytes.data());
         });
     }
     py::dict report;
@@ -104,9 +182,61 @@ py::dict RunPy(const py::dict& args, const py::dict& shape, const py::dict& targ
     report["ub_capacity"] = tgt.ubBytes;
     report["block_dim"] = launch.Report().blockDim;
     report["sync_all_calls"] = launch.Report().syncAllCalls;
+    report["kernel_type"] = launch.Report().kernelType;
+    report["batch_mode"] = launch.BatchMode();
+    py::list perBlock;
+    topth_model::PipeCounters total;
+    for (const auto& c : launch.Report().perBlock) {
+        perBlock.append(CountersDict(c));
+        total.Add(c);
+    }
+    report["per_block"] = perBlock;
+    report["counters"] = CountersDict(total);
     report["tiling"] = topth::TilingToDict(t);
     report["target"] = tgt.name;
     return report;
+}
+
+// topth::GuardedLaunch (the NPU binding's launch path) driven by a fake runtime: device 0
+// current, tensors on `tensorDevice`; `brokenGuard`: SetDevice has no effect; `nullStream`;
+// `rc`: what the launch returns. Returns the runtime's event log and the error, if any.
+py::dict LaunchSelftest(int tensorDevice, bool brokenGuard, bool nullStream, uint32_t rc) {
+    struct FakeRuntime {
+        int current = 0;
+        bool broken = false, nullStream = false;
+        std::vector<std::string> log;
+        int CurrentDevice() { return current; }
+        void SetDevice(int d) {
+            log.push_back("set_device " + std::to_string(d));
+            if (!broken) current = d;
+        }
+        void RestoreDevice(int d) {
+            log.push_back("restore_device " + std::to_string(d));
+            current = d;
+        }
+        void* CurrentStream(int d) {
+            log.push_back("stream " + std::to_string(d) + " (current " + std::to_string(current) + ")");
+            static int token = 0;
+            return nullStream ? nullptr : &token;
+        }
+    } rt;
+    rt.broken = brokenGuard;
+    rt.nullStream = nullStream;
+    std::string error;
+    try {
+        topth::GuardedLaunch(rt, tensorDevice, "topth_decode_attn", [&](void* stream) -> uint32_t {
+            rt.log.push_back(std::string("launch on device ") + std::to_string(rt.current) +
+                             (stream ? " with a stream" : " with a null stream"));
+            return rc;
+        });
+    } catch (const topth::LaunchError& e) {
+        error = e.what();
+    }
+    py::dict d;
+    d["log"] = rt.log;
+    d["error"] = error;
+    d["device_after"] = rt.current;
+    return d;
 }
 
 }  // namespace
@@ -127,10 +257,14 @@ PYBIND11_MODULE(_ascendc_cpu, m) {
     m.attr("TILING_BYTES") = sizeof(TopthTilingData);
     m.def("compute_tiling", &ComputeTilingPy, py::arg("shape"), py::arg("target"),
           "Tiling for a problem shape on a target; raises ValueError with the reason when it does not fit.");
-    m.def("run", &RunPy, py::arg("args"), py::arg("shape"), py::arg("target"),
-          "Run the kernel on the CPU model. args maps buffer names to (data_ptr, nbytes). Returns the report "
-          "(GM->UB bytes per buffer, K and V bytes, UB peak, block count, tiling).");
+    m.def("run", &RunPy, py::arg("args"), py::arg("shape"), py::arg("target"), py::arg("launch") = py::dict(),
+          "Run the kernel on the CPU model. args maps buffer names to (data_ptr, nbytes); launch: check_rows "
+          "(bool, default true), resident_blocks (int, 0 = all), transcendental_error (float). Returns the report "
+          "(GM->UB bytes per buffer, K and V bytes, per-block pipe counters, UB peak, block count, tiling).");
     m.def("selftest_cases", &topth_selftest::Cases, "Names of the model self-test mini-kernels.");
+    m.def("launch_selftest", &LaunchSelftest, py::arg("tensor_device"), py::arg("broken_guard") = false,
+          py::arg("null_stream") = false, py::arg("rc") = 0,
+          "Drive the NPU binding's launch path (topth_launch.h) with a fake runtime; returns log and error.");
     m.def("selftest", &topth_selftest::Run, py::arg("name"),
           "Run one deliberately faulty (or, for 'ok', correct) mini-kernel on the model; faults raise ModelError.");
 }

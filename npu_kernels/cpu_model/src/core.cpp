@@ -150,6 +150,21 @@ BlockCtx& Ctx() {
     return *g_ctx;
 }
 
+void SetKernelType(int type) {
+    auto& ctx = Ctx();
+    const auto t = static_cast<KernelType>(type);
+    if (ctx.kernelType != KernelType::Unset && ctx.kernelType != t) Fail("KERNEL_TASK_TYPE_DEFAULT set twice, differently");
+    ctx.kernelType = t;
+}
+
+void SetOwner(int64_t seq, int64_t head) {
+    auto& ctx = Ctx();
+    ctx.ownerSeq = seq;
+    ctx.ownerHead = head;
+}
+
+void DeclareBatchMode() { Ctx().launch->SetBatchMode(true); }
+
 Launch::Launch(uint32_t ubBytes, uint32_t coreCount) : ubBytes_(ubBytes), coreCount_(coreCount) {
     if (ubBytes % 32 != 0 || ubBytes == 0) throw ModelError("unified buffer size must be a positive multiple of 32");
     if (coreCount == 0) throw ModelError("core count must be >= 1");
@@ -243,6 +258,15 @@ void Launch::CheckSyncWorkspace(const uint8_t* p, uint64_t bytes, const std::sou
 void Launch::Barrier(uint32_t block, const std::source_location& loc) {
     std::unique_lock<std::mutex> lk(mu_);
     if (aborted_) throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": aborted (another block failed)");
+    if (resident_ > 0 && resident_ < running_ && !batchMode_.load()) {
+        aborted_ = true;
+        cv_.notify_all();
+        throw ModelError("[ascendc-cpu model] block " + std::to_string(block) + ": SyncAll at " + Where(loc) +
+                         " would deadlock: another stream holds cores, so only " + std::to_string(resident_) +
+                         " of the " + std::to_string(running_) +
+                         " blocks start, and they wait here for blocks that cannot start (launch the kernel in "
+                         "batch schedule mode, __schedmode__(1), so that all its blocks start together)");
+    }
     const uint32_t gen = generation_;
     if (exited_ > 0) {
         aborted_ = true;
@@ -276,6 +300,7 @@ void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
                          " vector cores: a kernel that uses SyncAll would hang on the device");
     }
     report_.blockDim = blockDim;
+    report_.perBlock.assign(blockDim, PipeCounters());
     running_ = blockDim;
     arrived_ = 0;
     exited_ = 0;
@@ -310,6 +335,9 @@ void Launch::Run(uint32_t blockDim, const std::function<void()>& body) {
                          " SetFlag without a matching WaitFlag");
                 }
                 NoteUb(ctx.pipeCursor);
+                std::lock_guard<std::mutex> lk(mu_);
+                report_.perBlock[b] = ctx.cnt;
+                report_.kernelType = static_cast<int>(ctx.kernelType);
             } catch (...) {
                 errors[b] = std::current_exception();
                 std::lock_guard<std::mutex> lk(mu_);

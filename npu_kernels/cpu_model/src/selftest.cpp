@@ -301,6 +301,88 @@ const std::map<std::string, std::function<void()>>& Table() {
                  SyncAll(g, buf.Get<int32_t>(), 2);
              });
          }},
+        {"select_scratch_overlap",
+         [] {
+             // A plan that uses the whole 192 KiB: Select's scratch block at 184 KiB lies in it.
+             Bufs b;
+             Launch1(b, 1, [&] {
+                 TPipe pipe;
+                 TBuf<> low, high;
+                 pipe.InitBuffer(low, 188416 - 1024);
+                 pipe.InitBuffer(high, 196608 - (188416 - 1024));
+                 LocalTensor<float> x = low.Get<float>();
+                 LocalTensor<uint8_t> m = high.Get<uint8_t>();
+                 Duplicate(x, 1.0f, 64);
+                 Duplicate(m.ReinterpretCast<float>(), 0.0f, 64);
+                 PipeBarrier<PIPE_V>();
+                 Select(x, m, x, 0.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, 64);
+             });
+         }},
+        {"hard_syncall_aiv_only",
+         [] {
+             Bufs b;
+             Launch1(b, 2, [&] {
+                 KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);
+                 SyncAll<true>();
+             });
+         }},
+        {"syncall_concurrent_streams",
+         [] {
+             // Another stream holds cores: 2 of the 4 blocks start, and the kernel was not
+             // launched in batch schedule mode.
+             Bufs b;
+             topth_model::Launch launch(196608, 48);
+             launch.AddGm("out", b.out.data(), b.out.size() * 4, true, "");
+             launch.SetResidentBlocks(2);
+             launch.Run(4, [&] {
+                 KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0);
+                 SyncAll<true>();
+             });
+         }},
+        {"cache_row_not_owned",
+         [] {
+             // Sequence 0 (length 2, head 0) may read rows 0 and 1 of the cache only.
+             Bufs b;
+             topth_model::Launch launch(196608, 48);
+             launch.AddGm("value_cache", b.in.data(), b.in.size() * 4, false, "V");
+             topth_model::RowOwnership own;
+             own.enabled = true;
+             own.kRowBytes = own.vRowBytes = 32;
+             own.kRows = own.vRows = {{0, 32}};
+             own.usedBlocks = {1};
+             launch.SetOwnership(own);
+             launch.Run(1, [&] {
+                 TPipe pipe;
+                 TBuf<> buf;
+                 pipe.InitBuffer(buf, 1024);
+                 GlobalTensor<float> v;
+                 v.SetGlobalBuffer(In(b), 256);
+                 TOPTH_MODEL_OWNER(0, 0);
+                 DataCopy(buf.Get<float>(), v, 24);  // rows 0, 1 and 2
+             });
+         }},
+        {"block_table_past_used",
+         [] {
+             // Sequence 0 uses one block; its table row has 4 entries.
+             Bufs b;
+             std::vector<int32_t> table = {0, -1, -1, -1};
+             topth_model::Launch launch(196608, 48);
+             launch.AddGm("block_table", table.data(), table.size() * 4, false, "");
+             topth_model::RowOwnership own;
+             own.enabled = true;
+             own.kRowBytes = own.vRowBytes = 32;
+             own.kRows = own.vRows = {{0}};
+             own.maxBlocksPerSeq = 4;
+             own.usedBlocks = {1};
+             launch.SetOwnership(own);
+             launch.Run(1, [&] {
+                 GlobalTensor<int32_t> t;
+                 t.SetGlobalBuffer(table.data(), 4);
+                 TOPTH_MODEL_OWNER(0, 0);
+                 (void)t.GetValue(0);
+                 (void)t.GetValue(1);  // an entry past the sequence's blocks
+             });
+         }},
     };
     return table;
 }

@@ -21,6 +21,7 @@
 //     SyncAll is a real barrier.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -154,6 +155,24 @@ struct BufferDesc {
 
 class Launch;
 
+// Per-pipe work one block issued (docs/ascendc.md, "Counters"): what a cycle estimate or a
+// performance gate needs, counted instruction by instruction.
+struct PipeCounters {
+    uint64_t mte2Bytes = 0, mte2Requests = 0;  // GM -> UB copies (all buffers)
+    uint64_t kBytes = 0, kRequests = 0, vBytes = 0, vRequests = 0;  // of them, the K / V caches
+    uint64_t mte3Bytes = 0, mte3Requests = 0;  // UB -> GM copies
+    uint64_t vecInstr = 0, vecRepeats = 0;     // vector instructions and their 256-byte repeats
+    uint64_t scalarUbReads = 0, scalarUbWrites = 0, scalarGmReads = 0;  // scalar unit
+    uint64_t barriers = 0, flags = 0;          // PipeBarrier calls, SetFlag/WaitFlag pairs
+    uint64_t cubeInstr = 0;                    // cube-unit instructions (Mmad, LoadData, Fixpipe)
+    uint64_t selectScratchWrites = 0;          // Select calls that wrote the API scratch block
+    void Add(const PipeCounters& o);
+};
+
+// Kernel types (KERNEL_TASK_TYPE_DEFAULT); the model only distinguishes AIV-only from mix.
+enum class KernelType : int { Unset = -1, AivOnly = 0, AicOnly = 1, MixAiv10 = 2, MixAic10 = 3, MixAic11 = 4,
+                              MixAic12 = 5 };
+
 // Everything one block (one AI vector core) owns while it runs.
 struct BlockCtx {
     Launch* launch = nullptr;
@@ -168,14 +187,39 @@ struct BlockCtx {
     std::vector<std::unique_ptr<QueueState>> queues;
     std::map<std::pair<int, int>, PipeClock> flags;  // (event, id) -> setter's knowledge
     uint32_t syncAllCalls = 0;
+    KernelType kernelType = KernelType::Unset;
+    int64_t ownerSeq = -1, ownerHead = -1;  // TOPTH_MODEL_OWNER: whose cache rows this block reads
+    PipeCounters cnt;
 };
 
 BlockCtx& Ctx();  // the calling block's context; Fail() outside a launch
+
+// Bytes at the top of the unified buffer the Ascend C API keeps for itself (Select's
+// scratch block sits at its start: 184 KiB on Atlas A2).
+constexpr uint32_t kApiScratchReserve = 8192;
+
+// Kernel-source hooks (kernel_operator.h macros).
+void SetKernelType(int type);
+void SetOwner(int64_t seq, int64_t head);
+void DeclareBatchMode();
 
 struct LaunchReport {
     uint32_t blockDim = 0;
     uint32_t ubPeak = 0;  // max over blocks of the UB bytes TPipe handed out
     uint32_t syncAllCalls = 0;
+    std::vector<PipeCounters> perBlock;  // counters of each block
+    int kernelType = -1;
+};
+
+// Which cache rows each (sequence, KV head) may read: byte offsets of row starts inside the
+// key / value buffers, from the block table, the lengths and the strides (host side), and
+// the block-table entries each sequence may read. Empty: not checked.
+struct RowOwnership {
+    uint64_t kRowBytes = 0, vRowBytes = 0;
+    uint32_t numKvHeads = 1, maxBlocksPerSeq = 1;
+    std::vector<std::vector<uint64_t>> kRows, vRows;  // [b * numKvHeads + h] -> sorted row starts
+    std::vector<uint32_t> usedBlocks;                 // [b] -> table entries of b that may be read
+    bool enabled = false;
 };
 
 // One kernel launch on the model: register GM buffers, then run blocks.
@@ -203,6 +247,23 @@ public:
     void AddBytes(GmBuffer& b, bool toUb, uint64_t bytes);
     void NoteUb(uint32_t used);
 
+    // --- launch conditions the tests set ---
+    // Blocks the device starts together when another stream holds the other cores (0: all).
+    void SetResidentBlocks(uint32_t n) { resident_ = n; }
+    // Relative error the model's Exp / Ln apply (+/- eps, by element): hardware rounding.
+    void SetTranscendentalError(float eps) { transErr_ = eps; }
+    float TranscendentalError() const { return transErr_; }
+    void SetOwnership(RowOwnership o) { own_ = std::move(o); }
+    // A K / V read of [lo, hi) bytes (offsets in the buffer) by `block` for its owner.
+    void CheckCacheRead(const GmBuffer& b, uint64_t lo, uint64_t hi, const BlockCtx& ctx, const char* op,
+                        const std::source_location& loc) const;
+    // A scalar read of block_table element `index` by `block`.
+    void CheckTableRead(uint64_t index, const BlockCtx& ctx, const std::source_location& loc) const;
+    void SetBatchMode(bool on) { batchMode_.store(on && !schedNormal_); }
+    // Simulate a toolchain without __schedmode__: the kernel's batch-mode declaration has no effect.
+    void SetSchedModeNormal(bool on) { schedNormal_ = on; }
+    bool BatchMode() const { return batchMode_.load(); }
+
 private:
     uint32_t ubBytes_, coreCount_;
     std::vector<GmBuffer> gm_;
@@ -214,6 +275,11 @@ private:
     uint32_t epoch_ = 0;
     std::vector<GmRecord> epochRecords_;
     bool syncWsChecked_ = false;
+    uint32_t resident_ = 0;
+    std::atomic<bool> batchMode_{false};
+    bool schedNormal_ = false;
+    float transErr_ = 0.0f;
+    RowOwnership own_;
 };
 
 }  // namespace topth_model

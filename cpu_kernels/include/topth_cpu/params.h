@@ -1,0 +1,102 @@
+// One decode-attention call as the CPU kernel sees it: shapes, options, and every tensor as a
+// data pointer plus element strides (the Python side passes torch.Tensor.data_ptr() and
+// .stride(); no torch headers are used). Semantics: docs/semantics.md; design: docs/cpu.md.
+//
+// This header holds plain data only (no inline functions): it is included by translation
+// units compiled with different target flags (generic, AVX2, AVX-512), and an inline
+// function emitted by two of them could be merged by the linker into the wrong one.
+#pragma once
+
+#include <cstdint>
+
+namespace topth_cpu {
+
+enum Dtype : int32_t { kF16 = 0, kBF16 = 1, kF32 = 2 };
+enum Placement : int32_t { kPre = 0, kPost = 1 };
+enum Sdc : int32_t { kSdcNone = 0, kSdcExact = 1, kSdcExpThreshold = 2, kSdcOffline = 3 };
+enum VmcMode : int32_t { kVmcOff = 0, kVmcGiven = 1, kVmcComputed = 2 };
+
+struct Params {
+    // shapes
+    int64_t batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+    int64_t block_size = 0, num_blocks = 0, max_blocks_per_seq = 0;
+    int64_t max_row_id = 0, num_sets = 0;
+    // options
+    int32_t dtype = kF32, placement = kPost, sdc = kSdcNone, vmc = kVmcOff;
+    int32_t group_selection = 0;
+    float scale = 1.0f, sdc_gamma = 0.05f;
+    // tensors: pointer + strides in elements (block, kv_head, slot, dim for the caches)
+    const void* query = nullptr;      int64_t q_s[3] = {0, 0, 0};
+    const void* key = nullptr;        int64_t k_s[4] = {0, 0, 0, 0};
+    const void* value = nullptr;      int64_t v_s[4] = {0, 0, 0, 0};
+    const int32_t* block_table = nullptr; int64_t bt_s[2] = {0, 0};  // null: BNSD, block b = sequence b
+    const void* seq_lens = nullptr;   int32_t seq_lens_i64 = 0; int64_t lens_s = 0;
+    const float* thresholds = nullptr; int64_t th_s[3] = {0, 0, 0};  // [num_sets, H, max_row_id]
+    const void* threshold_set = nullptr; int32_t tset_i64 = 0; int64_t tset_s = 0;  // null: set 0
+    const float* sdc_table = nullptr; int64_t sdc_s[3] = {0, 0, 0};  // [num_sets, Hq, max_row_id]
+    const float* value_mean = nullptr; int64_t vm_s[3] = {0, 0, 0};  // [B, Hkv, D]
+    void* out = nullptr;              int64_t out_s[3] = {0, 0, 0};
+    int32_t* kept = nullptr;          int64_t kept_s[2] = {0, 0};    // null: no stats
+    int32_t* v_rows = nullptr;        int64_t vrows_s[2] = {0, 0};
+    float* dropped_mass = nullptr;    int64_t dm_s[2] = {0, 0};
+    // execution
+    int32_t threads = 1;
+    int64_t split_len = 0;  // positions per KV split; 0: automatic
+    int32_t use_openmp = 1; // run on the loaded OpenMP runtime (torch's) when there is one
+};
+
+// Rows read by the stages of one call (the kernel's debug counters, exact by construction).
+struct Counters {
+    int64_t k_rows = 0;       // K rows scored (once per KV group and valid position)
+    int64_t v_rows = 0;       // V rows read by P.V (kept-union rows only)
+    int64_t v_mean_rows = 0;  // V rows read to compute the VMC mean (value_mean absent)
+    int64_t items = 0;        // work items (sequence x KV head x split)
+    int64_t splits_max = 0;   // largest number of splits of one (sequence, KV head)
+    int64_t threads_used = 0;
+    int32_t runtime = 0;      // 0: caller's thread only, 1: own pool, 2: the loaded OpenMP runtime
+};
+
+// Arguments of the selection stage (thresholding + group union + kept weights) on the
+// scores S[h * ldS + j], j < len, of one work item; x = (S - sub1[h]) - sub2[h] is compared
+// with cut (per head, or one cut for the group maximum with group selection).
+struct SelectArgs {
+    const float* S = nullptr; int64_t ldS = 0; int32_t G = 0; int64_t len = 0;
+    const float* sub1 = nullptr; const float* sub2 = nullptr;  // [G]
+    const float* cut = nullptr;                                  // [G] (head) or [1] (group)
+    int32_t group = 0;
+    const float* mref = nullptr;  // [G]: weights are exp(S - mref) for kept positions
+    int32_t need_dropped = 0;     // also sum exp(S - mref) over valid dropped positions (exact SDC)
+    // outputs
+    int32_t* idx = nullptr;       // kept-union positions (relative to the item start), ascending
+    float* wk = nullptr; int64_t ldw = 0;  // wk[h * ldw + t]: weight of head h on kept row t (0: dropped by h)
+    uint8_t* flags = nullptr;     // [len] scratch
+    float* R = nullptr; float* dropped = nullptr; int64_t* kcount = nullptr;  // [G]
+};
+
+// The stages that have one implementation per SIMD level (generic C++, AVX2, AVX-512).
+// Rows are given as byte pointers to their first element; elements are `sdim` apart.
+struct SimdOps {
+    const char* name;
+    // S[h * ldS + t] = <q_h, row_t> for t < count, q already scaled, [G][dpad] zero padded;
+    // tile: scratch of 16 * dpad floats.
+    void (*scores)(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d,
+                   int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile);
+    // m = max of S ignoring NaN (-inf when empty/all NaN); bad = 1 if any NaN or +inf.
+    void (*max_bad)(const float* S, int64_t len, float* m, int32_t* bad);
+    // sum_j exp(S[j] - m)
+    float (*sum_exp)(const float* S, int64_t len, float m);
+    // returns the kept-union count
+    int64_t (*select)(const SelectArgs& a);
+    // acc[h * dpad + d] += sum_t wk[h * ldw + t] * row_t[d]; tile: scratch of 32 * dpad floats
+    void (*pv)(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+               const float* wk, int64_t ldw, int32_t G, float* acc, float* tile);
+    // sum[d] += sum_t row_t[d]; tile: scratch of 32 * dpad floats
+    void (*vsum)(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d,
+                 int32_t dpad, float* sum, float* tile);
+};
+
+const SimdOps* ops_generic();
+const SimdOps* ops_avx2();    // null when not compiled (non-x86 build)
+const SimdOps* ops_avx512();  // null when not compiled
+
+}  // namespace topth_cpu

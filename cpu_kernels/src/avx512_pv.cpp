@@ -1,0 +1,97 @@
+// AVX-512 level, stage 3: P.V over the kept-union rows only. Rows come as a list of
+// pointers (one per kept position, resolved through the block table by the caller); a tile
+// of 32 rows is converted to float32 in L1 (the next tile is prefetched meanwhile) and every
+// query head of the group accumulates w_h,t * v_t with register blocking (up to 4 heads x
+// 4 chunks of 16 floats per pass). Also the V-row sum for the VMC mean (value_mean absent).
+#include "avx512_common.h"
+
+namespace topth_cpu {
+namespace avx512_level {
+namespace {
+
+constexpr int64_t kTile = 32;
+
+template <int HB, int NCB>
+inline void pv_block(const float* tile, int32_t dpad, int64_t T, const float* w, int64_t ldw, float* acc) {
+    __m512 a[HB][NCB];
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < NCB; ++c) a[h][c] = _mm512_loadu_ps(acc + int64_t(h) * dpad + 16 * c);
+    for (int64_t t = 0; t < T; ++t) {
+        __m512 v[NCB];
+#pragma GCC unroll 4
+        for (int c = 0; c < NCB; ++c) v[c] = _mm512_loadu_ps(tile + t * dpad + 16 * c);
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) {
+            const __m512 wv = _mm512_set1_ps(w[h * ldw + t]);
+#pragma GCC unroll 4
+            for (int c = 0; c < NCB; ++c) a[h][c] = _mm512_fmadd_ps(wv, v[c], a[h][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < NCB; ++c) _mm512_storeu_ps(acc + int64_t(h) * dpad + 16 * c, a[h][c]);
+}
+
+template <int HB>
+inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w, int64_t ldw, float* acc, int ncb) {
+    switch (ncb) {
+        case 1: pv_block<HB, 1>(tile, dpad, T, w, ldw, acc); break;
+        case 2: pv_block<HB, 2>(tile, dpad, T, w, ldw, acc); break;
+        case 3: pv_block<HB, 3>(tile, dpad, T, w, ldw, acc); break;
+        default: pv_block<HB, 4>(tile, dpad, T, w, ldw, acc); break;
+    }
+}
+
+inline void load_tile(const uint8_t* const* rows, int64_t t0, int64_t T, int64_t count, int32_t dtype, int64_t sdim,
+                      int32_t d, int32_t dpad, float* tile) {
+    if (sdim == 1) {
+        const int64_t row_bytes = int64_t(d) * (dtype == kF32 ? 4 : 2);
+        for (int64_t t = t0 + kTile; t < count && t < t0 + 2 * kTile; ++t) prefetch_row(rows[t], row_bytes);
+    }
+    for (int64_t t = 0; t < T; ++t) load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
+}
+
+}  // namespace
+
+void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile) {
+    const int32_t nct = dpad / 16;
+    for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+        const int64_t T = count - t0 < kTile ? count - t0 : kTile;
+        load_tile(rows, t0, T, count, dtype, sdim, d, dpad, tile);
+        for (int32_t h0 = 0; h0 < G; h0 += 4) {
+            const int hb = G - h0 < 4 ? G - h0 : 4;
+            for (int32_t c0 = 0; c0 < nct; c0 += 4) {
+                const int ncb = nct - c0 < 4 ? nct - c0 : 4;
+                const float* tl = tile + 16 * c0;
+                const float* w = wk + h0 * ldw + t0;
+                float* o = acc + int64_t(h0) * dpad + 16 * c0;
+                switch (hb) {
+                    case 1: pv_heads<1>(tl, dpad, T, w, ldw, o, ncb); break;
+                    case 2: pv_heads<2>(tl, dpad, T, w, ldw, o, ncb); break;
+                    case 3: pv_heads<3>(tl, dpad, T, w, ldw, o, ncb); break;
+                    default: pv_heads<4>(tl, dpad, T, w, ldw, o, ncb); break;
+                }
+            }
+        }
+    }
+}
+
+void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+          float* sum, float* tile) {
+    for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+        const int64_t T = count - t0 < kTile ? count - t0 : kTile;
+        load_tile(rows, t0, T, count, dtype, sdim, d, dpad, tile);
+        for (int32_t c = 0; c < dpad; c += 16) {
+            __m512 s = _mm512_loadu_ps(sum + c);
+            for (int64_t t = 0; t < T; ++t) s = _mm512_add_ps(s, _mm512_loadu_ps(tile + t * dpad + c));
+            _mm512_storeu_ps(sum + c, s);
+        }
+    }
+}
+
+}  // namespace avx512_level
+}  // namespace topth_cpu

@@ -1,0 +1,137 @@
+// pybind11 module topth_ops.cpu_kernels._topth_cpu: the CPU decode-attention kernel.
+//
+// No torch headers (torch is not in pip's isolated build environment): tensors travel as
+// (data_ptr, strides in elements) taken on the Python side (topth_ops/backends/cpu.py),
+// which keeps every tensor alive during the call and has validated shapes, dtypes and
+// devices. The GIL is released while the kernel runs.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "kernel.h"
+#include "pool.h"
+
+namespace py = pybind11;
+using namespace topth_cpu;
+
+namespace {
+
+template <size_t N>
+void strides_into(const py::handle& h, int64_t (&dst)[N], const char* name) {
+    auto t = h.cast<py::tuple>();
+    if (t.size() != N) throw py::value_error(std::string(name) + ": expected " + std::to_string(N) + " strides");
+    for (size_t i = 0; i < N; ++i) dst[i] = t[i].cast<int64_t>();
+}
+
+// args[name] = (data_ptr, (strides...)) or None -> pointer (null for None) and strides.
+template <typename T, size_t N>
+void tensor_into(const py::dict& args, const char* name, T*& ptr, int64_t (&s)[N]) {
+    ptr = nullptr;
+    if (!args.contains(name) || args[name].is_none()) return;
+    auto t = args[name].cast<py::tuple>();
+    ptr = reinterpret_cast<T*>(t[0].cast<uintptr_t>());
+    strides_into(t[1], s, name);
+}
+
+// scalar-strided 1-D integer tensors: (data_ptr, stride, is_int64) or None
+void index_into(const py::dict& args, const char* name, const void*& ptr, int64_t& stride, int32_t& is64) {
+    ptr = nullptr;
+    if (!args.contains(name) || args[name].is_none()) return;
+    auto t = args[name].cast<py::tuple>();
+    ptr = reinterpret_cast<const void*>(t[0].cast<uintptr_t>());
+    stride = t[1].cast<int64_t>();
+    is64 = t[2].cast<bool>() ? 1 : 0;
+}
+
+Params params_from(const py::dict& args) {
+    Params P;
+    auto shape = args["shape"].cast<std::vector<int64_t>>();
+    if (shape.size() != 9) throw py::value_error("shape: expected 9 values");
+    P.batch = shape[0]; P.num_q_heads = shape[1]; P.num_kv_heads = shape[2]; P.head_dim = shape[3];
+    P.block_size = shape[4]; P.num_blocks = shape[5]; P.max_blocks_per_seq = shape[6];
+    P.max_row_id = shape[7]; P.num_sets = shape[8];
+    for (int64_t v : shape)
+        if (v < 1) throw py::value_error("shape values must be >= 1");
+    if (P.num_q_heads % P.num_kv_heads) throw py::value_error("num_q_heads must be a multiple of num_kv_heads");
+    auto opt = args["options"].cast<std::vector<int64_t>>();
+    if (opt.size() != 8) throw py::value_error("options: expected 8 values");
+    P.dtype = int32_t(opt[0]); P.placement = int32_t(opt[1]); P.sdc = int32_t(opt[2]); P.vmc = int32_t(opt[3]);
+    P.group_selection = int32_t(opt[4]); P.threads = int32_t(opt[5]); P.split_len = opt[6];
+    P.use_openmp = int32_t(opt[7]);
+    if (P.dtype < kF16 || P.dtype > kF32) throw py::value_error("unknown dtype code");
+    P.scale = args["scale"].cast<float>();
+    P.sdc_gamma = args["sdc_gamma"].cast<float>();
+    tensor_into(args, "query", P.query, P.q_s);
+    tensor_into(args, "key_cache", P.key, P.k_s);
+    tensor_into(args, "value_cache", P.value, P.v_s);
+    tensor_into(args, "block_table", P.block_table, P.bt_s);
+    tensor_into(args, "thresholds", P.thresholds, P.th_s);
+    tensor_into(args, "sdc_table", P.sdc_table, P.sdc_s);
+    tensor_into(args, "value_mean", P.value_mean, P.vm_s);
+    tensor_into(args, "out", P.out, P.out_s);
+    tensor_into(args, "kept", P.kept, P.kept_s);
+    tensor_into(args, "v_rows", P.v_rows, P.vrows_s);
+    tensor_into(args, "dropped_mass", P.dropped_mass, P.dm_s);
+    index_into(args, "seq_lens", P.seq_lens, P.lens_s, P.seq_lens_i64);
+    index_into(args, "threshold_set", P.threshold_set, P.tset_s, P.tset_i64);
+    if (!P.query || !P.key || !P.value || !P.seq_lens || !P.thresholds || !P.out)
+        throw py::value_error("query, key_cache, value_cache, seq_lens, thresholds and out are required");
+    if ((P.kept == nullptr) != (P.v_rows == nullptr) || (P.kept == nullptr) != (P.dropped_mass == nullptr))
+        throw py::value_error("kept, v_rows and dropped_mass go together");
+    if (P.sdc == kSdcOffline && !P.sdc_table) throw py::value_error("sdc='offline' needs sdc_table");
+    if (P.vmc == kVmcGiven && !P.value_mean) throw py::value_error("vmc given needs value_mean");
+    return P;
+}
+
+py::dict decode_py(const py::dict& args, int32_t level) {
+    if (level != kLevelAuto && !simd_level_supported(level))
+        throw py::value_error(std::string("SIMD level ") + simd_level_name(level) + " is not available here");
+    const Params P = params_from(args);
+    Counters c;
+    {
+        py::gil_scoped_release release;
+        c = decode(P, level);
+    }
+    py::dict r;
+    r["k_rows"] = c.k_rows;
+    r["v_rows"] = c.v_rows;
+    r["v_mean_rows"] = c.v_mean_rows;
+    r["items"] = c.items;
+    r["splits_max"] = c.splits_max;
+    r["threads"] = c.threads_used;
+    r["runtime"] = c.runtime == 2 ? "openmp" : (c.runtime == 1 ? "pool" : "inline");
+    r["simd"] = simd_level_name(level == kLevelAuto ? best_simd_level() : level);
+    return r;
+}
+
+py::list simd_levels() {
+    py::list out;
+    for (int32_t l : {kLevelAvx512, kLevelAvx2, kLevelGeneric})
+        if (simd_level_supported(l)) out.append(simd_level_name(l));
+    return out;
+}
+
+// float32 values -> raw bits of the output dtype (test hook for the output conversion).
+std::vector<uint32_t> convert_out(const std::vector<float>& xs, int32_t dtype) {
+    std::vector<uint32_t> r;
+    for (float x : xs) r.push_back(dtype == kBF16 ? float_to_bf16(x) : float_to_half(x));
+    return r;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_topth_cpu, m) {
+    m.doc() = "Top-Theta sparse decode attention on the CPU (docs/cpu.md)";
+    m.def("decode", &decode_py, py::arg("args"), py::arg("simd_level") = 0,
+          "Run one call; args from topth_ops.backends.cpu.kernel_args. Returns the row counters.");
+    m.def("simd_levels", &simd_levels, "SIMD levels compiled in and supported by this CPU, best first");
+    m.def("best_simd_level", [] { return std::string(simd_level_name(best_simd_level())); });
+    m.def("pool_workers", &pool_workers, "worker threads of the own pool started so far");
+    m.def("openmp_runtime", [] { return std::string(openmp_runtime()); },
+          "path of the loaded OpenMP runtime the kernel runs on ('' when none, or after fork)");
+    m.def("_convert_out", &convert_out, "float32 -> float16 (0) / bfloat16 (1) bits, as the kernel writes them");
+    m.attr("LEVELS") = py::dict(py::arg("auto") = kLevelAuto, py::arg("generic") = kLevelGeneric,
+                                py::arg("avx2") = kLevelAvx2, py::arg("avx512") = kLevelAvx512);
+}

@@ -1,0 +1,238 @@
+// Dispatch of one call: SIMD level, clamping of unchecked values, the split-KV plan, and
+// the phases run on the thread pool (docs/cpu.md).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+
+#include "kernel.h"
+#include "pool.h"
+
+namespace topth_cpu {
+
+// Levels whose translation units were not built (non-x86 machine, or a compiler that refused
+// the target flags; see setup.py) are absent.
+#if !defined(TOPTH_HAVE_AVX2)
+const SimdOps* ops_avx2() { return nullptr; }
+#endif
+#if !defined(TOPTH_HAVE_AVX512)
+const SimdOps* ops_avx512() { return nullptr; }
+#endif
+
+namespace {
+
+constexpr int64_t kMinSplit = 256;       // fewest positions per KV split
+constexpr int64_t kItemsPerThread = 8;   // split until there are about this many items per thread
+constexpr int64_t kInlineWork = 1 << 15;  // K elements below which one thread does everything
+
+int64_t read_int(const void* p, int32_t is64, int64_t i) {
+    if (is64) return static_cast<const int64_t*>(p)[i];
+    return static_cast<const int32_t*>(p)[i];
+}
+
+// One element of the query as float32 (exact for half and bfloat16).
+float load_scalar(const uint8_t* p, int32_t dtype) {
+    float f;
+    if (dtype == kF32) {
+        std::memcpy(&f, p, 4);
+        return f;
+    }
+    uint16_t u;
+    std::memcpy(&u, p, 2);
+    if (dtype == kBF16) {
+        const uint32_t w = uint32_t(u) << 16;
+        std::memcpy(&f, &w, 4);
+        return f;
+    }
+    const float sign = (u & 0x8000u) ? -1.0f : 1.0f;
+    const int e = (u >> 10) & 0x1f, m = u & 0x3ff;
+    if (e == 0) return sign * std::ldexp(float(m), -24);
+    if (e == 31) return m ? std::numeric_limits<float>::quiet_NaN() : sign * std::numeric_limits<float>::infinity();
+    return sign * std::ldexp(float(m | 0x400), e - 25);
+}
+
+int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+bool cpu_has(int32_t level) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (level == kLevelAvx2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (level == kLevelAvx512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+    return level == kLevelGeneric;
+}
+
+const SimdOps* ops_of(int32_t level) {
+    if (level == kLevelAvx512) return ops_avx512();
+    if (level == kLevelAvx2) return ops_avx2();
+    return ops_generic();
+}
+
+// Plan and scratch are reused across calls (one call at a time: guarded by g_call).
+std::mutex g_call;
+Plan g_plan;
+std::vector<Scratch> g_scratch;
+std::unique_ptr<std::atomic<int64_t>[]> g_remaining;  // per pair: items not finished yet
+int64_t g_remaining_size = 0;
+
+void build_plan(Plan& pl, const Params& P) {
+    pl.P = &P;
+    const int64_t B = P.batch, Hkv = P.num_kv_heads, Hq = P.num_q_heads;
+    const int64_t max_seq_len = P.max_blocks_per_seq * P.block_size;
+    pl.G = int32_t(Hq / Hkv);
+    pl.D = int32_t(P.head_dim);
+    pl.dpad = int32_t((P.head_dim + 15) / 16 * 16);
+    pl.n.assign(size_t(B), 0);
+    pl.row.assign(size_t(B), 0);
+    pl.set.assign(size_t(B), 0);
+    int64_t total = 0, units = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        // unchecked values are clamped in their full dtype range (no int32 wrap first)
+        const int64_t n = clamp64(read_int(P.seq_lens, P.seq_lens_i64, b * P.lens_s), 0, max_seq_len);
+        pl.n[size_t(b)] = n;
+        pl.row[size_t(b)] = std::min(std::max<int64_t>(n, 1), P.max_row_id) - 1;
+        if (P.threshold_set)
+            pl.set[size_t(b)] = clamp64(read_int(P.threshold_set, P.tset_i64, b * P.tset_s), 0, P.num_sets - 1);
+        total += n * Hkv;
+        units += n > 0 ? Hkv : 0;
+    }
+    int64_t threads = std::max<int32_t>(P.threads, 1);
+    if (total * P.head_dim < kInlineWork) threads = 1;
+    int64_t split = std::numeric_limits<int64_t>::max();
+    if (P.split_len > 0) {
+        split = P.split_len;
+    } else if (threads > 1 && units < 4 * threads) {
+        split = std::max(kMinSplit, (total + kItemsPerThread * threads - 1) / (kItemsPerThread * threads));
+    }
+    pl.items.clear();
+    pl.pair_first.assign(size_t(B * Hkv), 0);
+    pl.pair_count.assign(size_t(B * Hkv), 0);
+    bool split_any = false;
+    int64_t ws = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t n = pl.n[size_t(b)];
+        const int64_t pieces = n == 0 ? 0 : 1 + (n - 1) / split;  // no overflow for split = max
+        const int64_t size = pieces ? (n + pieces - 1) / pieces : 0;
+        split_any |= pieces > 1;
+        for (int64_t g = 0; g < Hkv; ++g) {
+            pl.pair_first[size_t(b * Hkv + g)] = int64_t(pl.items.size());
+            for (int64_t lo = 0; lo < n; lo += size) {
+                Item it;
+                it.b = b; it.g = g; it.lo = lo; it.hi = std::min(n, lo + size);
+                it.ws_off = ws;
+                ws += pl.G * (it.hi - it.lo);
+                pl.items.push_back(it);
+            }
+            pl.pair_count[size_t(b * Hkv + g)] = int64_t(pl.items.size()) - pl.pair_first[size_t(b * Hkv + g)];
+        }
+    }
+    pl.two_phase = P.placement == kPost && split_any;
+    const size_t I = pl.items.size(), G = size_t(pl.G), dpad = size_t(pl.dpad);
+    pl.order.resize(I);
+    for (size_t i = 0; i < I; ++i) pl.order[i] = int64_t(i);
+    std::stable_sort(pl.order.begin(), pl.order.end(), [&](int64_t a, int64_t c) {
+        return pl.items[size_t(a)].hi - pl.items[size_t(a)].lo > pl.items[size_t(c)].hi - pl.items[size_t(c)].lo;
+    });
+    for (auto* v : {&pl.m_loc, &pl.m_ref, &pl.Z, &pl.R, &pl.Dd}) v->assign(I * G, 0.0f);
+    pl.kc.assign(I * G, 0);
+    pl.bad.assign(I * G, 0);
+    pl.uni.assign(I, 0);
+    pl.acc.resize(I * G * dpad);
+    pl.vs.assign(P.vmc == kVmcComputed ? I * dpad : 0, 0.0f);
+    for (auto* v : {&pl.k_rows, &pl.v_rows, &pl.vm_rows}) v->assign(I, 0);
+    if (pl.two_phase) {
+        if (pl.ws.size() < size_t(ws)) pl.ws.resize(size_t(ws));
+        pl.pair_m.assign(size_t(B * Hkv) * G, 0.0f);
+        pl.pair_logz.assign(size_t(B * Hkv) * G, 0.0f);
+    }
+    // scale * query in float32, zero padded (semantics: scores in float32 from the inputs)
+    pl.q.assign(size_t(B * Hq) * dpad, 0.0f);
+    const int64_t es = P.dtype == kF32 ? 4 : 2;
+    const uint8_t* qp = static_cast<const uint8_t*>(P.query);
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < Hq; ++h)
+            for (int64_t d = 0; d < P.head_dim; ++d) {
+                const uint8_t* p = qp + (b * P.q_s[0] + h * P.q_s[1] + d * P.q_s[2]) * es;
+                const float x = load_scalar(p, P.dtype);
+                pl.q[size_t((b * Hq + h) * int64_t(dpad) + d)] = P.scale * x;
+            }
+    g_scratch.resize(size_t(threads));
+    int64_t longest = 1;
+    for (const Item& it : pl.items) longest = std::max(longest, it.hi - it.lo);
+    for (auto& sc : g_scratch) sc.reserve(longest, pl.G, pl.dpad);
+}
+
+}  // namespace
+
+int32_t best_simd_level() {
+    if (cpu_has(kLevelAvx512) && ops_avx512()) return kLevelAvx512;
+    if (cpu_has(kLevelAvx2) && ops_avx2()) return kLevelAvx2;
+    return kLevelGeneric;
+}
+
+bool simd_level_supported(int32_t level) {
+    return level == kLevelGeneric || (ops_of(level) != nullptr && cpu_has(level));
+}
+
+const char* simd_level_name(int32_t level) {
+    switch (level) {
+        case kLevelAvx512: return "avx512";
+        case kLevelAvx2: return "avx2";
+        case kLevelGeneric: return "generic";
+        default: return "auto";
+    }
+}
+
+Counters decode(const Params& P, int32_t level) {
+    std::lock_guard<std::mutex> lock(g_call);
+    Plan& pl = g_plan;
+    if (level == kLevelAuto) level = best_simd_level();
+    pl.ops = ops_of(level);
+    build_plan(pl, P);
+    const int32_t threads = int32_t(g_scratch.size());
+    const int64_t I = int64_t(pl.items.size()), pairs = pl.pairs();
+    // Items run longest first on the pool; the last item of a (sequence, KV head) to finish
+    // runs that pair's combine (acq_rel counter: it sees every split's partial record), so a
+    // call needs one pool round trip (two with split post_softmax: scores, then select + P.V).
+    if (g_remaining_size < pairs) {
+        g_remaining.reset(new std::atomic<int64_t>[size_t(pairs)]);
+        g_remaining_size = pairs;
+    }
+    auto items = [&](Phase phase) {
+        for (int64_t p = 0; p < pairs; ++p) g_remaining[p].store(pl.pair_count[size_t(p)], std::memory_order_relaxed);
+        parallel_for(threads, I, [&](int64_t t, int32_t w) {
+            const int64_t i = pl.order[size_t(t)];
+            run_item(pl, i, phase, g_scratch[size_t(w)]);
+            const int64_t pair = pl.items[size_t(i)].b * P.num_kv_heads + pl.items[size_t(i)].g;
+            if (g_remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                if (phase == kScores) combine_lse(pl, pair);
+                else combine_pair(pl, pair);
+            }
+        }, P.use_openmp != 0);
+    };
+    if (pl.two_phase) items(kScores);
+    items(pl.two_phase ? kSelect : kFull);
+    for (int64_t p = 0; p < pairs; ++p)
+        if (pl.pair_count[size_t(p)] == 0) combine_pair(pl, p);  // n = 0: zeros
+
+    Counters c;
+    for (int64_t i = 0; i < I; ++i) {
+        c.k_rows += pl.k_rows[size_t(i)];
+        c.v_rows += pl.v_rows[size_t(i)];
+        c.v_mean_rows += pl.vm_rows[size_t(i)];
+    }
+    c.items = I;
+    for (int64_t p = 0; p < pairs; ++p) c.splits_max = std::max(c.splits_max, pl.pair_count[size_t(p)]);
+    c.threads_used = threads;
+    c.runtime = (threads <= 1 || I <= 1) ? 0 : (P.use_openmp && openmp_runtime()[0] ? 2 : 1);
+    return c;
+}
+
+}  // namespace topth_cpu

@@ -1,0 +1,165 @@
+// One work item (sequence b, KV head g, positions [lo, hi)): the pipeline of the kernel.
+//
+//   scores   K rows read once for the G query heads of the group (SIMD stage), per-head max
+//            and NaN/+inf flag; post_softmax: sum of exp(a - m); VMC without value_mean: the
+//            V-row sum of the range (the only read of V rows that are not kept);
+//   select   thresholding (pre: a > theta; post: (a - M) - log Z > log theta with the
+//            sequence's global M and Z), the group union, kept-row weights;
+//   P.V      only the kept-union rows, each read once for the whole group.
+//
+// Phases: kFull runs all three (the item covers the whole sequence, or pre_softmax, whose
+// selection needs no global statistic); post_softmax with split-KV runs kScores on every
+// item, then combine_lse, then kSelect (scores kept in Plan::ws between the two).
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernel.h"
+
+namespace topth_cpu {
+namespace {
+
+constexpr int64_t kChunk = 512;  // row pointers resolved per call of a SIMD stage
+
+int64_t elem_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
+
+int64_t block_of(const Params& P, int64_t b, int64_t i) {
+    if (!P.block_table) return b;  // BNSD: one block of max_seq_len positions per sequence
+    int64_t blk = P.block_table[b * P.bt_s[0] + i * P.bt_s[1]];
+    // used entries of unchecked tables are clamped so that nothing is read out of bounds
+    if (blk < 0) blk = 0;
+    if (blk >= P.num_blocks) blk = P.num_blocks - 1;
+    return blk;
+}
+
+// Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive) of (b, g).
+void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
+                      int64_t count, const uint8_t** out) {
+    const int64_t es = elem_size(P.dtype), bs = P.block_size;
+    const uint8_t* p0 = static_cast<const uint8_t*>(base);
+    int64_t bi = lo / bs, slot = lo % bs;
+    const uint8_t* blk_base = p0 + (block_of(P, b, bi) * s[0] + g * s[1]) * es;
+    for (int64_t t = 0; t < count; ++t) {
+        out[t] = blk_base + slot * s[2] * es;
+        if (++slot == bs && t + 1 < count) {
+            slot = 0;
+            blk_base = p0 + (block_of(P, b, ++bi) * s[0] + g * s[1]) * es;
+        }
+    }
+}
+
+// Byte pointers of the rows of positions lo + idx[t] of (b, g).
+void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
+                 const int32_t* idx, int64_t count, const uint8_t** out) {
+    const int64_t es = elem_size(P.dtype), bs = P.block_size;
+    const uint8_t* p0 = static_cast<const uint8_t*>(base);
+    const int64_t head = g * s[1];
+    for (int64_t t = 0; t < count; ++t) {
+        const int64_t j = lo + idx[t];
+        out[t] = p0 + (block_of(P, b, j / bs) * s[0] + head + (j % bs) * s[2]) * es;
+    }
+}
+
+float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
+
+}  // namespace
+
+void Scratch::reserve(int64_t len, int32_t G, int32_t dpad) {
+    if (int64_t(S.size()) < G * len) S.resize(size_t(G * len));
+    if (int64_t(wk.size()) < G * len) wk.resize(size_t(G * len));
+    if (int64_t(idx.size()) < len) idx.resize(size_t(len));
+    if (int64_t(flags.size()) < len + 16) flags.resize(size_t(len + 16));
+    if (int64_t(rows.size()) < kChunk) rows.resize(size_t(kChunk));
+    if (int64_t(tile.size()) < 32 * dpad) tile.resize(size_t(32 * dpad));
+    if (int64_t(small.size()) < 5 * G) small.resize(size_t(5 * G));
+}
+
+float threshold_of(const Plan& plan, int64_t b, int64_t th_head) {
+    const Params& P = *plan.P;
+    return P.thresholds[plan.set[b] * P.th_s[0] + th_head * P.th_s[1] + plan.row[b] * P.th_s[2]];
+}
+
+void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
+    const Params& P = *plan.P;
+    const SimdOps& ops = *plan.ops;
+    const Item& it = plan.items[size_t(i)];
+    const int32_t G = plan.G, D = plan.D, dpad = plan.dpad;
+    const int64_t len = it.hi - it.lo, b = it.b, g = it.g;
+    float* S = plan.two_phase ? plan.ws.data() + it.ws_off : sc.S.data();
+    float* m_loc = &plan.m_loc[size_t(i * G)];
+    const uint8_t** rows = sc.rows.data();
+
+    if (phase != kSelect) {
+        const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
+        for (int64_t c = 0; c < len; c += kChunk) {
+            const int64_t cnt = len - c < kChunk ? len - c : kChunk;
+            consecutive_rows(P, P.key, P.k_s, b, g, it.lo + c, cnt, rows);
+            ops.scores(rows, cnt, P.dtype, P.k_s[3], D, dpad, q, G, S + c, len, sc.tile.data());
+        }
+        plan.k_rows[size_t(i)] = len;
+        for (int32_t h = 0; h < G; ++h) {
+            ops.max_bad(S + h * len, len, &m_loc[h], &plan.bad[size_t(i * G + h)]);
+            if (P.placement == kPost) plan.Z[size_t(i * G + h)] = ops.sum_exp(S + h * len, len, safe_max(m_loc[h]));
+        }
+        if (P.vmc == kVmcComputed) {
+            float* vs = &plan.vs[size_t(i * dpad)];
+            for (int64_t c = 0; c < len; c += kChunk) {
+                const int64_t cnt = len - c < kChunk ? len - c : kChunk;
+                consecutive_rows(P, P.value, P.v_s, b, g, it.lo + c, cnt, rows);
+                ops.vsum(rows, cnt, P.dtype, P.v_s[3], D, dpad, vs, sc.tile.data());
+            }
+            plan.vm_rows[size_t(i)] = len;
+        }
+        if (phase == kScores) return;
+    }
+
+    // selection parameters per query head of the group
+    float* sub1 = sc.small.data();
+    float* sub2 = sub1 + G;
+    float* cut = sub2 + G;
+    float* mref = cut + G;
+    const float inf = std::numeric_limits<float>::infinity();
+    const int64_t pair = b * P.num_kv_heads + g;
+    for (int32_t h = 0; h < G; ++h) {
+        const float theta = threshold_of(plan, b, P.group_selection ? g : g * G + h);
+        if (P.placement == kPre) {
+            sub1[h] = sub2[h] = 0.0f;
+            cut[h] = theta;
+            mref[h] = safe_max(m_loc[h]);
+        } else {
+            float M, logz;
+            if (plan.two_phase) {
+                M = plan.pair_m[size_t(pair * G + h)];
+                logz = plan.pair_logz[size_t(pair * G + h)];
+            } else {
+                M = safe_max(m_loc[h]);
+                logz = std::log(plan.Z[size_t(i * G + h)]);
+            }
+            sub1[h] = M;
+            sub2[h] = logz;
+            // log domain: theta <= 0 keeps every finite score, NaN keeps nothing
+            cut[h] = std::isnan(theta) ? theta : (theta > 0.0f ? std::log(theta) : -inf);
+            mref[h] = M;
+        }
+        plan.m_ref[size_t(i * G + h)] = mref[h];
+    }
+    SelectArgs a;
+    a.S = S; a.ldS = len; a.G = G; a.len = len;
+    a.sub1 = sub1; a.sub2 = sub2; a.cut = cut; a.group = P.group_selection; a.mref = mref;
+    a.need_dropped = P.placement == kPre && P.sdc == kSdcExact;
+    a.idx = sc.idx.data(); a.wk = sc.wk.data(); a.ldw = len; a.flags = sc.flags.data();
+    a.R = &plan.R[size_t(i * G)]; a.dropped = &plan.Dd[size_t(i * G)]; a.kcount = &plan.kc[size_t(i * G)];
+    const int64_t kept = ops.select(a);
+    plan.uni[size_t(i)] = kept;
+
+    float* acc = &plan.acc[size_t(i * G * dpad)];
+    std::memset(acc, 0, sizeof(float) * size_t(G * dpad));
+    for (int64_t c = 0; c < kept; c += kChunk) {
+        const int64_t cnt = kept - c < kChunk ? kept - c : kChunk;
+        listed_rows(P, P.value, P.v_s, b, g, it.lo, sc.idx.data() + c, cnt, rows);
+        ops.pv(rows, cnt, P.dtype, P.v_s[3], D, dpad, sc.wk.data() + c, len, G, acc, sc.tile.data());
+    }
+    plan.v_rows[size_t(i)] = kept;
+}
+
+}  // namespace topth_cpu

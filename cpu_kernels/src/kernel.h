@@ -1,0 +1,69 @@
+// Internal interfaces of the CPU kernel (baseline-flag translation units only): the plan of
+// one call (work items = sequence x KV head x KV split, their partial records), per-worker
+// scratch, and the stages' entry points. docs/cpu.md describes the design.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "topth_cpu/params.h"
+
+namespace topth_cpu {
+
+struct Item {
+    int64_t b = 0, g = 0, lo = 0, hi = 0;  // positions [lo, hi) of sequence b, KV head g
+    int64_t ws_off = 0;                    // offset of its scores in Plan::ws (two-phase only)
+};
+
+// Everything one call computes besides the outputs. Partial records are indexed by item;
+// arrays marked [.][G] hold one value per query head of the group.
+struct Plan {
+    const Params* P = nullptr;
+    const SimdOps* ops = nullptr;
+    int32_t G = 0, D = 0, dpad = 0;
+    bool two_phase = false;  // post_softmax with split-KV: scores, global LSE, then selection
+    std::vector<int64_t> n, row, set;            // per sequence: clamped length, row id column, set
+    std::vector<Item> items;
+    std::vector<int64_t> order;                  // items, longest first (scheduling)
+    std::vector<int64_t> pair_first, pair_count; // per (b, g): its items
+    std::vector<float> q;                        // [B][Hq][dpad]: scale * query, float32, zero padded
+    std::vector<float> m_loc, m_ref, Z, R, Dd;   // [items][G]
+    std::vector<int64_t> kc;                     // [items][G] kept count
+    std::vector<int32_t> bad;                    // [items][G] NaN / +inf score seen
+    std::vector<int64_t> uni;                    // [items] kept-union rows (= V rows read)
+    std::vector<float> acc;                      // [items][G][dpad] sum of w * v
+    std::vector<float> vs;                       // [items][dpad] V-row sum (VMC mean computed)
+    std::vector<float> pair_m, pair_logz;        // [pairs][G] global max / log-sum (two-phase)
+    std::vector<float> ws;                       // two-phase scores workspace
+    std::vector<int64_t> k_rows, v_rows, vm_rows;  // [items] counters
+
+    int64_t pairs() const { return P->batch * P->num_kv_heads; }
+};
+
+struct Scratch {
+    std::vector<float> S, wk, tile, small;
+    std::vector<int32_t> idx;
+    std::vector<uint8_t> flags;
+    std::vector<const uint8_t*> rows;
+    void reserve(int64_t len, int32_t G, int32_t dpad);
+};
+
+enum Phase : int32_t { kFull = 0, kScores = 1, kSelect = 2 };
+
+// item.cpp
+void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc);
+float threshold_of(const Plan& plan, int64_t b, int64_t th_head);
+// combine.cpp
+void combine_lse(Plan& plan, int64_t pair);
+void combine_pair(Plan& plan, int64_t pair);
+uint16_t float_to_half(float f);
+uint16_t float_to_bf16(float f);
+// dispatch.cpp
+Counters decode(const Params& P, int32_t simd_level);
+int32_t best_simd_level();
+bool simd_level_supported(int32_t level);
+const char* simd_level_name(int32_t level);
+
+constexpr int32_t kLevelAuto = 0, kLevelGeneric = 1, kLevelAvx2 = 2, kLevelAvx512 = 3;
+
+}  // namespace topth_cpu

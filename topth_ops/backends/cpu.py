@@ -1,0 +1,230 @@
+"""Backend ``cpu``: the compiled CPU kernel that reads only the kept V rows.
+
+C++ through pybind11 (``topth_ops.cpu_kernels._topth_cpu``, sources in cpu_kernels/, design
+in docs/cpu.md). Per (sequence, KV head, KV split) it reads every valid K row once for the
+whole GQA group, thresholds the scores, and reads only the V rows some head of the group
+keeps (paper section 4.6: the traffic bound 2 / (1 + f)). Whole contract: both placements,
+every SDC variant, VMC, BNSD and paged (NHD / HND) caches through the block table,
+``selection="group"``, threshold sets, statistics, any strides, float16 / bfloat16 /
+float32 inputs with float32 math.
+
+The extension is optional: a machine without a C++ compiler installs the package without
+it, and this backend then reports why it is unavailable (the registry falls back to
+``torch``). Knobs (environment variables, read on every call):
+
+- ``TOPTH_CPU_SIMD``: ``auto`` (default: the best level this CPU runs), ``avx512``,
+  ``avx2`` or ``generic`` (the portable C++ path);
+- ``TOPTH_CPU_SPLIT_LEN``: positions per KV split (default 0: automatic);
+- ``TOPTH_CPU_PARALLEL``: ``auto`` (default: torch's own OpenMP thread team when its runtime
+  is loaded, else the kernel's pool) or ``pool`` (always the kernel's pool).
+
+Threads: ``torch.get_num_threads()`` per call (docs/cpu.md, "Threads").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..contract import DecodeInputs, DecodeStats
+from ..registry import Backend
+
+ENV_SIMD = "TOPTH_CPU_SIMD"
+ENV_SPLIT = "TOPTH_CPU_SPLIT_LEN"
+ENV_PARALLEL = "TOPTH_CPU_PARALLEL"
+SIMD_CHOICES = ("auto", "avx512", "avx2", "generic")
+PARALLEL_CHOICES = ("auto", "pool")
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
+SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
+VMC_OFF, VMC_GIVEN, VMC_COMPUTED = 0, 1, 2
+
+
+def cpu_module():
+    """The compiled kernel module (ImportError when it was not built)."""
+    from topth_ops.cpu_kernels import _topth_cpu
+
+    return _topth_cpu
+
+
+def simd_request() -> str:
+    """The SIMD level asked for by ``TOPTH_CPU_SIMD`` (``auto`` when unset).
+
+    Raises
+    ------
+    ValueError
+        A value outside :data:`SIMD_CHOICES`, naming the variable.
+    """
+    raw = os.environ.get(ENV_SIMD, "").strip().lower() or "auto"
+    if raw not in SIMD_CHOICES:
+        raise ValueError(f"{ENV_SIMD} must be one of {', '.join(SIMD_CHOICES)}, got {raw!r}")
+    return raw
+
+
+def split_len() -> int:
+    """Positions per KV split from ``TOPTH_CPU_SPLIT_LEN`` (0: automatic).
+
+    Raises
+    ------
+    ValueError
+        Not an integer >= 0, naming the variable.
+    """
+    raw = os.environ.get(ENV_SPLIT, "").strip() or "0"
+    try:
+        v = int(raw, 10)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise ValueError(f"{ENV_SPLIT} must be an integer >= 0 (positions per KV split, 0: automatic), got {raw!r}")
+    return v
+
+
+def parallel_request() -> str:
+    """``TOPTH_CPU_PARALLEL`` (``auto`` when unset).
+
+    Raises
+    ------
+    ValueError
+        A value outside :data:`PARALLEL_CHOICES`, naming the variable.
+    """
+    raw = os.environ.get(ENV_PARALLEL, "").strip().lower() or "auto"
+    if raw not in PARALLEL_CHOICES:
+        raise ValueError(f"{ENV_PARALLEL} must be one of {', '.join(PARALLEL_CHOICES)}, got {raw!r}")
+    return raw
+
+
+def threads_line() -> str:
+    """Thread count and where the threads come from, for ``topth-ops info``."""
+    rt = cpu_module().openmp_runtime() if parallel_request() == "auto" else ""
+    where = f"torch's OpenMP team ({os.path.basename(rt)})" if rt else "the kernel's own pool"
+    return f"{torch.get_num_threads()} threads (torch.get_num_threads()) on {where}"
+
+
+def simd_level() -> str:
+    """The SIMD level the kernel runs with here: the request, or the best one this CPU runs.
+
+    Raises
+    ------
+    ImportError
+        The extension is not built.
+    ValueError
+        A bad ``TOPTH_CPU_SIMD``, or a level this build / CPU cannot run.
+    """
+    mod = cpu_module()
+    req = simd_request()
+    if req == "auto":
+        return mod.best_simd_level()
+    if req not in mod.simd_levels():
+        raise ValueError(f"{ENV_SIMD}={req}: not available on this machine (available: "
+                         f"{', '.join(mod.simd_levels())})")
+    return req
+
+
+def _tensor(t: Optional[torch.Tensor], strides=None):
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(strides if strides is not None else t.stride()))
+
+
+def _index(t: Optional[torch.Tensor]):
+    if t is None:
+        return None
+    return (t.data_ptr(), t.stride(0), t.dtype == torch.int64)
+
+
+def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> dict:
+    """The kernel's arguments: data pointers and element strides of every tensor (read in
+    place, no copy), shapes and option codes. BNSD caches travel as one HND block per
+    sequence without a block table (docs/cpu.md, "One code path").
+
+    Parameters
+    ----------
+    inputs : DecodeInputs
+        Validated inputs on the CPU.
+    out : torch.Tensor
+        ``[batch, num_q_heads, head_dim]``, the input dtype, any strides.
+    stats : DecodeStats, optional
+        Written when given (any strides).
+    """
+    vmc = VMC_OFF
+    if inputs.vmc:
+        vmc = VMC_GIVEN if inputs.value_mean is not None else VMC_COMPUTED
+    return {
+        "shape": [inputs.batch, inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim, inputs.block_size,
+                  inputs.num_blocks, inputs.max_blocks_per_seq, inputs.max_row_id, inputs.num_sets],
+        "options": [DTYPE_CODES[inputs.dtype], PLACEMENT_CODES[inputs.placement], SDC_CODES[inputs.sdc], vmc,
+                    int(inputs.selection == "group"), torch.get_num_threads(), split_len(),
+                    int(parallel_request() == "auto")],
+        "scale": float(inputs.scale),
+        "sdc_gamma": float(inputs.sdc_gamma),
+        "query": _tensor(inputs.query),
+        "key_cache": _tensor(inputs.key_cache, inputs.cache_strides("key")),
+        "value_cache": _tensor(inputs.value_cache, inputs.cache_strides("value")),
+        "block_table": _tensor(inputs.block_table),
+        "seq_lens": _index(inputs.seq_lens),
+        "thresholds": _tensor(inputs.thresholds_3d()),
+        "threshold_set": _index(inputs.threshold_set),
+        "sdc_table": _tensor(inputs.sdc_table_3d()),
+        "value_mean": _tensor(inputs.value_mean) if vmc == VMC_GIVEN else None,
+        "out": _tensor(out),
+        "kept": _tensor(stats.kept) if stats is not None else None,
+        "v_rows": _tensor(stats.v_rows) if stats is not None else None,
+        "dropped_mass": _tensor(stats.dropped_mass) if stats is not None else None,
+    }
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    device_type = "cpu"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    features = frozenset({"paged", "group_selection", "threshold_sets"})
+
+    def __init__(self):
+        self.last_counters: Optional[dict] = None
+        self._row_bytes = 0
+
+    @property
+    def description(self) -> str:
+        try:
+            level, threads = simd_level(), threads_line()
+        except (ImportError, ValueError) as e:
+            level, threads = f"? ({e})", f"{torch.get_num_threads()} threads"
+        return (f"compiled C++ kernel (pybind11), SIMD {level}, {threads}; K read once per GQA group, only "
+                f"kept-union V rows read (docs/cpu.md)")
+
+    def unavailable_reasons(self) -> list[str]:
+        try:
+            cpu_module()
+        except ImportError as e:
+            return [f"the CPU kernel extension topth_ops.cpu_kernels._topth_cpu is not built ({e}); reinstall "
+                    f"with `pip install .` (needs a C++17 compiler; pybind11 is a build requirement)"]
+        reasons = []
+        for check in (simd_level, split_len, parallel_request):
+            try:
+                check()
+            except ValueError as e:
+                reasons.append(str(e))
+        return reasons
+
+    def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
+        mod = cpu_module()
+        level = mod.LEVELS[simd_request()]
+        self.last_counters = mod.decode(kernel_args(inputs, out, stats), level)
+        self._row_bytes = inputs.head_dim * inputs.query.element_size()
+
+    def bench_counters(self) -> dict:
+        """Rows the last call read, as bytes (bench/harness.py compares them with the bytes
+        expected from the inputs): ``k_bytes`` (every valid K row once per KV group),
+        ``v_bytes`` (the kept-union V rows of P.V); plus the raw counters."""
+        c = self.last_counters
+        if c is None:
+            return {}
+        r = self._row_bytes
+        return {"k_bytes": c["k_rows"] * r, "v_bytes": c["v_rows"] * r, "v_mean_bytes": c["v_mean_rows"] * r,
+                "items": c["items"], "splits_max": c["splits_max"], "threads": c["threads"], "simd": c["simd"],
+                "runtime": c["runtime"]}
+
+
+BACKENDS = [CpuBackend()]
