@@ -176,11 +176,12 @@ def _run(args) -> int:
     print(table)
     gvh = group_vs_head(records)
     for c in gvh:
-        print(f"{c['family']} k={c['k']}: {pct(c['ppl_rel_change'])} at V rows {num(c['v_rows_frac'])}; per-head at "
-              f"equal perplexity (interpolated) {num(c['head_v_rows_frac_interp'])}"
-              + (f" = {c['ratio_interp']:.2f}x" if c["ratio_interp"] else "")
-              + "".join(f"; per-head k={p['k']} {pct(p['ppl_rel_change'])} at {num(p['v_rows_frac'])} "
-                        f"({p['ratio']:.2f}x)" for p in c["pairs"]))
+        sk = c["same_k"]
+        print(f"{c['family']} k={c['k']}: {pct(c['ppl_rel_change'])} at V rows {num(c['v_rows_frac'])}"
+              + (f"; per head at k={c['k']}: {pct(sk['ppl_rel_change'])} at {num(sk['v_rows_frac'])} "
+                 f"({sk['ratio']:.2f}x)" if sk else "")
+              + "".join(f"; per head k={p['k']} within 0.1 points: {pct(p['ppl_rel_change'])} at "
+                        f"{num(p['v_rows_frac'])} ({p['ratio']:.2f}x)" for p in c["pairs"]))
     result = dict(
         model=lm.name, created=time.strftime("%Y-%m-%d %H:%M:%S"), python=platform.python_version(),
         config=dict(cfg.__dict__, variants=args.variants, k=ks),

@@ -122,40 +122,34 @@ def make_plots(records: Sequence[dict], out_dir: str) -> list[str]:
 
 
 def group_vs_head(records: Sequence[dict], tolerance: float = 0.001) -> list[dict]:
-    """Group selection against per-head selection at equal perplexity (issue 15).
+    """Group selection against per-head selection (issue 15).
 
-    For every group-selection record (family ``X-group``), the per-head family ``X``'s
-    V-row fraction at the same HumanEval perplexity change, interpolated linearly in
-    (Δppl, log V rows) between the two per-head records that bracket it (None when none
-    do), and the per-head records within ``tolerance`` (0.001 = 0.1 percentage points)
-    of it.
+    For every group-selection record (family ``X-group``): the per-head record of family
+    ``X`` at the same k (V-row ratio head / group and both perplexity changes), and every
+    per-head record whose HumanEval perplexity change is within ``tolerance`` (0.001 = 0.1
+    percentage points) of the group's ("equal perplexity"). No interpolation: measured
+    perplexity is not monotone in k on small problem sets.
 
     Returns
     -------
     list of dict
-        ``family``, ``k``, ``ppl_rel_change``, ``v_rows_frac``, ``head_v_rows_frac_interp``,
-        ``ratio_interp`` (head / group), ``pairs`` (``[{k, ppl_rel_change, v_rows_frac,
-        ratio}]`` within tolerance).
+        ``family``, ``k``, ``ppl_rel_change``, ``v_rows_frac``, ``same_k`` (``{ppl_rel_change,
+        v_rows_frac, ratio}`` or None), ``pairs`` (``[{k, ppl_rel_change, v_rows_frac, ratio}]``).
     """
     out = []
     for g in records:
         fam = g["variant"]
         if not fam.endswith("-group"):
             continue
-        heads = sorted((r for r in records if r["variant"] == fam[: -len("-group")]), key=lambda r: r["v_rows_frac"])
+        heads = [r for r in records if r["variant"] == fam[: -len("-group")]]
         y = g["ppl_rel_change"]
-        interp = None
-        for a, b in zip(heads, heads[1:]):
-            ya, yb = a["ppl_rel_change"], b["ppl_rel_change"]
-            if min(ya, yb) <= y <= max(ya, yb) and ya != yb:
-                t = (y - ya) / (yb - ya)
-                interp = math.exp(math.log(a["v_rows_frac"]) + t * (math.log(b["v_rows_frac"]) -
-                                                                     math.log(a["v_rows_frac"])))
-                break
+        same = next((h for h in heads if h["k"] == g["k"]), None)
         pairs = [dict(k=h["k"], ppl_rel_change=h["ppl_rel_change"], v_rows_frac=h["v_rows_frac"],
                       ratio=h["v_rows_frac"] / g["v_rows_frac"])
-                 for h in heads if abs(h["ppl_rel_change"] - y) <= tolerance]
+                 for h in sorted(heads, key=lambda r: r["k"]) if abs(h["ppl_rel_change"] - y) <= tolerance]
         out.append(dict(family=fam, k=g["k"], ppl_rel_change=y, v_rows_frac=g["v_rows_frac"],
-                        head_v_rows_frac_interp=interp,
-                        ratio_interp=(interp / g["v_rows_frac"]) if interp else None, pairs=pairs))
+                        same_k=None if same is None else dict(ppl_rel_change=same["ppl_rel_change"],
+                                                              v_rows_frac=same["v_rows_frac"],
+                                                              ratio=same["v_rows_frac"] / g["v_rows_frac"]),
+                        pairs=pairs))
     return out
