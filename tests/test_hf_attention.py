@@ -39,8 +39,8 @@ def files(model):
     samples = [torch.randint(0, 96, (48,), generator=g) for _ in range(4)]
     targets = [parse_layer_k("0:dense", 4, L)]
     sets = calibrate(model, CalibrationText(samples, "random tokens"), targets, ["pre_softmax", "post_softmax"],
-                     alpha=0.2, model_name="tiny-llama", progress=False)
-    return {p: sets[(0, p)] for p in ("pre_softmax", "post_softmax")}
+                     alpha=0.2, model_name="tiny-llama", progress=False, estimator="mean")
+    return {p: sets[(0, p, "head")] for p in ("pre_softmax", "post_softmax")}
 
 
 def _ids(seed, n):

@@ -139,13 +139,13 @@ def _algorithm_1(oracle, layer_k, placement, alpha):
 def calibrated(model, samples):
     text = CalibrationText(samples=list(samples), description="random token ids")
     return calibrate(model, text, TARGETS, ["pre_softmax", "post_softmax"], alpha=ALPHA, model_name="tiny",
-                     progress=False)
+                     progress=False, estimator="mean")
 
 
 @pytest.mark.parametrize("target", range(len(TARGETS)))
 @pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
 def test_hf_calibration_matches_float64_algorithm_1_in_every_layer(calibrated, oracle, target, placement):
-    ts = calibrated[(target, placement)]
+    ts = calibrated[(target, placement, "head")]
     expected, counts = _algorithm_1(oracle, TARGETS[target], placement, ALPHA)
     got = ts.thresholds.numpy().astype(np.float64)
     assert ts.layer_k == TARGETS[target] and ts.placement == placement and ts.alpha == ALPHA
@@ -176,8 +176,8 @@ def test_hf_offline_sdc_table_is_mean_dropped_mass(calibrated, oracle):
     """Section 3.2.1: sdc_table[layer, h, n-1] = mean over rows with row id n of
     sum_{a_j <= theta} exp(a_j - max a), at the file's own (float32) thresholds."""
     for target, layer_k in enumerate(TARGETS):
-        ts = calibrated[(target, "pre_softmax")]
-        assert calibrated[(target, "post_softmax")].sdc_table is None
+        ts = calibrated[(target, "pre_softmax", "head")]
+        assert calibrated[(target, "post_softmax", "head")].sdc_table is None
         theta = ts.thresholds.numpy().astype(np.float64)
         sums = {}
         for layer, h, n, a in _thresholded_rows(oracle, layer_k):
@@ -196,9 +196,9 @@ def test_calibrated_thresholds_keep_about_k_on_the_calibration_rows(model, sampl
     (dense activations) the kept count k~ = #{a_j > theta} averages about k (k~/k ~ 1)."""
     text = CalibrationText(samples=list(samples), description="random token ids")
     sets = calibrate(model, text, [[4, 4, 4]], ["pre_softmax", "post_softmax"], alpha=0.0, sdc_table=False,
-                     progress=False)
+                     progress=False, estimator="mean")
     for p in ("pre_softmax", "post_softmax"):
-        theta = sets[(0, p)].thresholds.numpy().astype(np.float64)
+        theta = sets[(0, p, "head")].thresholds.numpy().astype(np.float64)
         ratios = []
         for logits in oracle:
             for layer in range(L):
@@ -208,3 +208,82 @@ def test_calibrated_thresholds_keep_about_k_on_the_calibration_rows(model, sampl
                         x = a if p == "pre_softmax" else np.exp(a - a.max()) / np.exp(a - a.max()).sum()
                         ratios.append((x > theta[layer, h, i]).sum() / 4)
         assert 0.8 < np.mean(ratios) < 1.4, (p, np.mean(ratios))
+
+
+@pytest.fixture(scope="module")
+def counted(model, samples):
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    return calibrate(model, text, TARGETS, ["pre_softmax", "post_softmax"], model_name="tiny", progress=False,
+                     estimator="count", selections=("head", "group"), extend_to=320)
+
+
+@pytest.mark.parametrize("selection", ["head", "group"])
+@pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
+def test_hf_kept_count_thresholds_keep_k_per_row_id_on_the_oracle(counted, oracle, placement, selection):
+    """Kept-count estimator (topth_ops.calib_count) through the model integration: at every
+    row id of a bucket that holds one row id, the oracle's rows keep k on average (per
+    query head, or per GQA group against the maximum over the group's heads), in every
+    layer. Wrong layer, head, group or domain wiring misses this by far."""
+    from topth_ops.calib_count import bucket_edges
+
+    G = HQ // HKV
+    for target, layer_k in enumerate(TARGETS):
+        ts = counted[(target, placement, selection)]
+        H = HQ if selection == "head" else HKV
+        assert ts.thresholds.shape == (L, H, 320) and ts.counts.shape == (L, H, max(LENGTHS))
+        assert ts.estimator == "count" and ts.length_model is not None
+        theta = ts.thresholds.numpy().astype(np.float64)
+        ks = sorted({k for t in TARGETS for k in t if k != DENSE})
+        edges = bucket_edges(max(LENGTHS), ks)
+        single = [int(edges[i + 1]) for i in range(len(edges) - 1) if edges[i + 1] - edges[i] == 1]
+        checked = 0
+        for layer, k in enumerate(layer_k):
+            if k == DENSE:
+                assert np.all(np.isneginf(theta[layer]))
+                continue
+            for n in single:
+                if n <= k:
+                    continue
+                for g in range(H):
+                    kept = []
+                    for logits in oracle:
+                        if logits.shape[-1] < n:
+                            continue
+                        a = logits[layer, :, n - 1, :n]  # [HQ, n]
+                        x = a if placement == "pre_softmax" else a - np.log(np.exp(a - a.max(-1, keepdims=True)).sum(-1, keepdims=True)) - a.max(-1, keepdims=True)
+                        x = x[g] if selection == "head" else x[g * G:(g + 1) * G].max(0)
+                        t = theta[layer, g, n - 1]
+                        kept.append((x > (t if placement == "pre_softmax" else np.log(t))).sum())
+                    assert abs(np.sum(kept) - k * len(kept)) <= max(1, 0.1 * k * len(kept)), (layer, g, n, kept)
+                    checked += 1
+        assert checked >= 10
+
+
+def test_hf_group_offline_sdc_table_uses_the_group_kept_set(counted, oracle):
+    """Group selection: E~_h = mean over rows of sum over keys the GROUP drops of
+    exp(a_hj - max a_h), per query head (op contract v0.2)."""
+    G = HQ // HKV
+    layer_k = TARGETS[1]
+    ts = counted[(1, "pre_softmax", "group")]
+    theta = ts.thresholds.numpy().astype(np.float64)
+    Rc = ts.calibrated_row_ids
+    sums = {}
+    for logits in oracle:
+        T = logits.shape[-1]
+        for layer, k in enumerate(layer_k):
+            if k == DENSE:
+                continue
+            for i in range(k, T):
+                n = i + 1
+                a = logits[layer, :, i, :n]
+                for grp in range(HKV):
+                    kept = a[grp * G:(grp + 1) * G].max(0) > theta[layer, grp, n - 1]
+                    for h in range(grp * G, (grp + 1) * G):
+                        sums.setdefault((layer, h, n), []).append(np.exp(a[h] - a[h].max())[~kept].sum())
+    table = ts.sdc_table.numpy()
+    assert table.shape == (L, HQ, 320)
+    assert len(sums) == HQ * (max(LENGTHS) - 6 + max(LENGTHS) - 2)
+    for (layer, h, n), v in sums.items():
+        np.testing.assert_allclose(table[layer, h, n - 1], np.mean(v), rtol=1e-3, atol=1e-5)
+    # beyond the calibrated row ids the table follows its log-linear model (positive, finite)
+    assert ts.sdc_length_model is not None and np.all(np.isfinite(table[1:, :, Rc:])) and np.all(table[1:, :, Rc:] > 0)

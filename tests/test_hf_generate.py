@@ -215,12 +215,19 @@ def test_unsupported_models_and_caches_are_refused_by_enable(model):
     from transformers import MistralConfig, MistralForCausalLM
 
     s = TopthSettings(mode="dense")
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(vocab_size=32, hidden_size=32, intermediate_size=32, head_dim=16,
+                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                            sliding_window=8, attn_logit_softcapping=50.0))
+    with pytest.raises(ValueError, match=r"soft-capping \(attn_logit_softcapping=50.0\)"):
+        enable(gemma2, s)
+    assert gemma2.config._attn_implementation != "topth"
     mistral = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=32,
                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                                sliding_window=8))
-    with pytest.raises(ValueError, match=r"full-attention layers only.*sliding_attention.*layers \[0, 1\]"):
-        enable(mistral, s)
-    assert mistral.config._attn_implementation != "topth"
+    enable(mistral, s)  # sliding-window layers are supported (row id = keys the row attends)
+    disable(mistral)
     from transformers import LlamaForCausalLM
 
     with pytest.raises(ValueError, match="is_causal=False"):

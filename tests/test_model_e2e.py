@@ -23,6 +23,7 @@ RECORD_FIELDS = ("variant", "k", "placement", "sdc", "vmc", "ppl", "ppl_dense", 
 def evaluated(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     code = main(["evaluate", "--k", "16", "--variants", "topth-post-vmc", "topth-pre-offline-vmc", "topk",
+                 "topth-post-vmc-group",
                  "--problems", "3", "--agreement-problems", "1", "--agreement-tokens", "4", "--long-docs", "0",
                  "--calib-samples", "2", "--calib-max-tokens", "160", "--layer-k", "0:dense,1:dense",
                  "--json", str(out / "eval.json"),
@@ -38,7 +39,7 @@ def test_evaluate_writes_records_table_and_plots(evaluated, capsys):
     assert res["calibration"]["samples"] == 2 and "pydoc_data.topics" in res["calibration"]["text"]
     recs = res["records"]
     assert [(r["variant"], r["k"]) for r in recs] == [("topth-post-vmc", 16), ("topth-pre-offline-vmc", 16),
-                                                       ("topk", 16)]
+                                                       ("topk", 16), ("topth-post-vmc-group", 16)]
     for r in recs:
         for f in RECORD_FIELDS:
             assert f in r, f
@@ -49,15 +50,20 @@ def test_evaluate_writes_records_table_and_plots(evaluated, capsys):
         assert r["k_tilde_over_k_by_bucket"]
     topk = recs[2]
     assert topk["k_tilde_over_k"] == pytest.approx(1.0, abs=1e-3)  # exact top-k keeps k (ties aside)
+    group, head = recs[3], recs[0]
+    assert group["selection"] == "group" and group["estimator"] == "count"
+    assert group["v_rows_frac"] < head["v_rows_frac"]  # a group reads k rows, the per-head union more
     for name in ("quality_vs_vrows.png", "ktk_by_row_length.png"):
         assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     files = sorted((out / "thresholds").glob("*.safetensors"))
-    assert [f.name.split("_k16_")[1] for f in files] == ["post_softmax.safetensors", "pre_softmax.safetensors"]
+    assert [f.name.split("Q4_1_")[1] for f in files] == ["post_softmax_group.safetensors",
+                                                          "post_softmax_head.safetensors",
+                                                          "pre_softmax_head.safetensors"]
 
 
 def test_generate_prints_text_and_vrow_stats(evaluated, capsys):
     _, out = evaluated
-    post = next((out / "thresholds").glob("*post_softmax.safetensors"))
+    post = next((out / "thresholds").glob("*post_softmax_head.safetensors"))
     capsys.readouterr()
     assert main(["generate", "--thresholds", str(post), "--prompt", "def add(a, b):", "--max-new-tokens", "5"]) == 0
     text = capsys.readouterr().out
@@ -67,7 +73,7 @@ def test_generate_prints_text_and_vrow_stats(evaluated, capsys):
 
 def test_generation_past_the_context_is_an_error(evaluated, capsys):
     _, out = evaluated
-    post = next((out / "thresholds").glob("*post_softmax.safetensors"))
+    post = next((out / "thresholds").glob("*post_softmax_head.safetensors"))
     assert main(["generate", "--thresholds", str(post), "--prompt", "x", "--max-new-tokens", "9000"]) == 2
     assert "exceeds the model's context of 8192 tokens" in capsys.readouterr().err
 
@@ -168,8 +174,8 @@ def test_reference_import_needs_no_k(tmp_path, capsys):
 def test_repeated_flags_extend_and_files_are_checked_before_the_model_loads(evaluated, tmp_path, capsys,
                                                                             monkeypatch):
     _, out = evaluated
-    post = str(next((out / "thresholds").glob("*post_softmax.safetensors")))
-    pre = str(next((out / "thresholds").glob("*pre_softmax.safetensors")))
+    post = str(next((out / "thresholds").glob("*post_softmax_head.safetensors")))
+    pre = str(next((out / "thresholds").glob("*pre_softmax_head.safetensors")))
     import topth_ops.hf.model as model_mod
 
     monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
@@ -194,3 +200,28 @@ def test_repeated_flags_extend_and_files_are_checked_before_the_model_loads(eval
     assert flat_k(a.k) == [16, 32, 8]
     vs = _file_variants([load_thresholds(post), load_thresholds(pre)], ["topth-post-vmc", "topth-pre-offline-vmc"])
     assert sorted(v.thresholds.placement for v in vs) == ["post_softmax", "pre_softmax"]
+
+
+def test_calibrate_writes_threshold_sets_per_placement_and_selection(tmp_path, capsys):
+    """Several k from one pass go into one file per (placement, selection) as threshold
+    sets; --threshold-set picks one in generate; a bad index names the file."""
+    from topth_ops.threshold_file import load_threshold_sets
+
+    assert main(["calibrate", "--k", "16,32", "--placement", "both", "--selection", "both", "--samples", "1",
+                 "--max-tokens", "96", "--layer-k", "0:dense,1:dense", "--no-sdc-table",
+                 "--out", str(tmp_path / "th_{placement}_{selection}.safetensors"), "--quiet"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert names == ["th_post_softmax_group.safetensors", "th_post_softmax_head.safetensors",
+                     "th_pre_softmax_group.safetensors", "th_pre_softmax_head.safetensors"]
+    sets = load_threshold_sets(tmp_path / "th_post_softmax_group.safetensors")
+    assert [ts.k for ts in sets] == [16, 32] and all(ts.selection == "group" and ts.num_heads == 3 for ts in sets)
+    assert sets[0].max_row_id == 8 * 96 and sets[0].calibrated_row_ids == 96  # length model beyond
+    capsys.readouterr()
+    assert main(["generate", "--thresholds", str(tmp_path / "th_post_softmax_group.safetensors"), "--prompt", "x",
+                 "--threshold-set", "5", "--max-new-tokens", "2"]) == 2
+    assert "index 5 is out of range for thresholds file" in capsys.readouterr().err
+    assert main(["generate", "--thresholds", str(tmp_path / "th_post_softmax_group.safetensors"), "--prompt",
+                 "def f(x):", "--threshold-set", "1", "--max-new-tokens", "3"]) == 0
+    assert main(["calibrate", "--k", "16", "--selection", "group", "--estimator", "mean", "--out",
+                 str(tmp_path / "x.safetensors")]) == 2
+    assert "--selection group needs --estimator count" in capsys.readouterr().err

@@ -120,3 +120,53 @@ def test_rule_validation():
         RowRule("topk", k=0)
     with pytest.raises(ValueError, match="needs thresholds"):
         RowRule("table")
+
+
+@pytest.mark.parametrize("placement,sdc,vmc", [RULES[i] for i in (0, 2, 3, 4, 7)])
+@pytest.mark.parametrize("selection,sets", [("group", False), ("head", True), ("group", True)])
+def test_group_selection_and_threshold_sets_equal_decode_op_steps(placement, sdc, vmc, selection, sets):
+    """selection='group' (one threshold per KV head against the group maximum) and 3-D
+    threshold sets with a per-sequence threshold_set: each prefill row equals the decode
+    op (op contract v0.2) at that row id, outputs and statistics."""
+    q, k, v, pre, post, table = _inputs(3)
+    th = pre if placement == "pre_softmax" else post
+    H = HQ if selection == "head" else HKV
+    th = th[:H] if selection == "head" else th[::3].contiguous()  # per KV head
+    if sets:  # 3 sets; sequence 0 reads set 2, sequence 1 set 0
+        th = torch.stack([th, th * 0.5 if placement == "post_softmax" else th - 1.0, th.flip(-1).clamp(min=-1e30)])
+        th[..., :3] = -torch.inf
+        table = torch.stack([table, table * 2, table * 0.5])
+    ts = torch.tensor([2, 0]) if sets else None
+    rule = RowRule("table", placement=placement, sdc=sdc, thresholds=th,
+                   sdc_table=table if sdc == "offline" else None, vmc=vmc, selection=selection)
+    rows = torch.arange(1, S + 1).view(1, S).expand(B, S)
+    out, st = prefill_attention(q, k, v, rows, rule, scale=D ** -0.5, return_stats=True,
+                                max_chunk_elems=HQ * S * 5, threshold_set=ts)
+    for i in range(S):
+        n = i + 1
+        kc, vc = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
+        o, s = decode_attention(q[:, :, i], kc, vc, torch.full((B,), n), th, placement=placement, sdc=sdc,
+                                sdc_table=rule.sdc_table, vmc=vmc, return_stats=True, selection=selection,
+                                threshold_set=ts)
+        torch.testing.assert_close(out[:, :, i], o, rtol=1e-5, atol=1e-5)
+        assert torch.equal(st.kept[:, :, i], s.kept), i
+        assert torch.equal(st.v_rows[:, :, i], s.v_rows)
+        torch.testing.assert_close(st.dropped_mass[:, :, i], s.dropped_mass, rtol=1e-6, atol=1e-6)
+    if selection == "group":  # every head of a group keeps the group's set; V rows = that count
+        kept = st.kept.view(B, HKV, HQ // HKV, S)
+        assert torch.equal(kept.amin(2), kept.amax(2)) and torch.equal(kept[:, :, 0], st.v_rows)
+    assert 0 < int(st.kept[:, :, 10:].sum()) < int(rows[:, 10:].sum()) * HQ
+
+
+def test_threshold_set_errors():
+    q, k, v, pre, post, table = _inputs()
+    rows = torch.arange(1, S + 1).view(1, S).expand(B, S)
+    rule3 = RowRule("table", placement="post_softmax", thresholds=torch.stack([post, post]))
+    with pytest.raises(ValueError, match="threshold_set .* is required with 3-D"):
+        prefill_attention(q, k, v, rows, rule3, scale=1.0)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 2\)"):
+        prefill_attention(q, k, v, rows, rule3, scale=1.0, threshold_set=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="not allowed with 2-D"):
+        prefill_attention(q, k, v, rows, RowRule("table", thresholds=post), scale=1.0, threshold_set=torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="selection='group' needs kind='table'"):
+        RowRule("topk", k=3, selection="group")

@@ -77,13 +77,13 @@ def test_inconsistent_contents_are_rejected(tmp_path):
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    bad = dict(tensors, thresholds=tensors["thresholds"].clone())
-    bad["thresholds"][1, 0, 4] = float("nan")
+    bad = dict(tensors, **{"set0.thresholds": tensors["set0.thresholds"].clone()})
+    bad["set0.thresholds"][1, 0, 4] = float("nan")
     _resave(tmp_path / "nan.safetensors", bad, meta)
     with pytest.raises(ThresholdFileError, match="NaN"):
         load_thresholds(tmp_path / "nan.safetensors")
-    bad = dict(tensors, thresholds=tensors["thresholds"].clone())
-    bad["thresholds"][2, 1, 0] = 1.0  # row n=1 <= k=3 must stay dense
+    bad = dict(tensors, **{"set0.thresholds": tensors["set0.thresholds"].clone()})
+    bad["set0.thresholds"][2, 1, 0] = 1.0  # row n=1 <= k=3 must stay dense
     _resave(tmp_path / "dense.safetensors", bad, meta)
     with pytest.raises(ThresholdFileError, match="layer 2: rows with n <= k=3 must hold -inf"):
         load_thresholds(tmp_path / "dense.safetensors")
@@ -96,7 +96,7 @@ def test_inconsistent_contents_are_rejected(tmp_path):
     _resave(tmp_path / "fp.safetensors", tensors, dict(meta, attention_config=json.dumps(dict(CFG, num_layers=4))))
     with pytest.raises(ThresholdFileError, match="fingerprint"):
         load_thresholds(tmp_path / "fp.safetensors")
-    _resave(tmp_path / "shape.safetensors", dict(tensors, sample_counts=tensors["sample_counts"][:, :, :3].contiguous()), meta)
+    _resave(tmp_path / "shape.safetensors", dict(tensors, **{"set0.sample_counts": tensors["set0.sample_counts"][:, :1].contiguous()}), meta)
     with pytest.raises(ThresholdFileError, match="sample_counts"):
         load_thresholds(tmp_path / "shape.safetensors")
     post = _set("post_softmax", sdc=False)

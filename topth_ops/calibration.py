@@ -232,14 +232,24 @@ class CalibrationResult:
     alpha : float
     sdc_table : torch.Tensor or None
         ``[num_layers, num_q_heads, max_row_id]`` float32 (pre_softmax only, second pass).
+    selection : {"head", "group"}
+        With "group", thresholds are ``[num_layers, num_kv_heads, max_row_id]``.
+    estimator : {"mean", "count"}
+        Algorithm 1 (this module) or kept-count (:mod:`topth_ops.calib_count`).
+    length_model, sdc_length_model : topth_ops.calib_count.LengthModel or None
+        Where the table continues beyond the calibrated row ids (``counts.shape[-1]``).
     """
 
     thresholds: torch.Tensor
     counts: torch.Tensor
     layer_k: LayerK
     placement: str
-    alpha: float
+    alpha: Optional[float]
     sdc_table: Optional[torch.Tensor] = None
+    selection: str = "head"
+    estimator: str = "mean"
+    length_model: Optional[object] = None
+    sdc_length_model: Optional[object] = None
 
 
 class ThresholdAccumulator:
@@ -409,23 +419,39 @@ class SdcAccumulator:
     Parameters
     ----------
     results : sequence of CalibrationResult
-        pre_softmax results whose offline SDC table is wanted.
+        pre_softmax results whose offline SDC table is wanted (per-head or group
+        selection).
+    num_q_heads : int, optional
+        Query heads of the model (default: the heads of the first per-head result; needed
+        when every result has group selection).
 
     Notes
     -----
-    For each row with n > k: E = sum over valid j with a_j <= theta of exp(a_j - m),
-    m = max over valid j (the E~ of the ``offline`` sdc mode, paper section 3.2.1). The
-    table holds the mean of E per (layer, head, row id); rows n <= k hold 0 (nothing is
-    dropped there); unsampled row ids take the nearest sampled one.
+    For each row with n > k and each query head h: E = sum over valid j that are not kept
+    of exp(a_hj - m_h), m_h = max over valid j (the E~ of the ``offline`` sdc mode, paper
+    section 3.2.1). Kept is ``a_hj > theta_h`` (per head) or ``max_{h' in g} a_h'j >
+    theta_g`` (group g of h, op contract v0.2); the table stays per query head. It holds
+    the mean of E per (layer, head, row id) over the calibrated row ids
+    (``counts.shape[-1]``); rows n <= k hold 0; unsampled row ids take the nearest
+    sampled one. When a result has a length model (its table extends beyond the
+    calibrated row ids), the SDC table gets one too (:func:`topth_ops.calib_count.
+    fit_table_model`, log domain) and is extended the same way.
     """
 
-    def __init__(self, results: Sequence[CalibrationResult]):
+    def __init__(self, results: Sequence[CalibrationResult], num_q_heads: Optional[int] = None):
         for r in results:
             if r.placement != "pre_softmax":
                 raise ValueError("the offline SDC table applies to pre_softmax thresholds only")
+        if num_q_heads is None:
+            heads = [r.thresholds.shape[1] for r in results if r.selection == "head"]
+            if not heads:
+                raise ValueError("num_q_heads is needed when every result has group selection")
+            num_q_heads = heads[0]
+        self.Hq = num_q_heads
         self.results = list(results)
-        self.sums = [torch.zeros(r.thresholds.shape, dtype=torch.float64) for r in results]
-        self.counts = [torch.zeros(r.thresholds.shape, dtype=torch.int64) for r in results]
+        shapes = [(r.thresholds.shape[0], num_q_heads, r.counts.shape[-1]) for r in results]
+        self.sums = [torch.zeros(sh, dtype=torch.float64) for sh in shapes]
+        self.counts = [torch.zeros(sh, dtype=torch.int64) for sh in shapes]
 
     def record(self, layer: int, scores: torch.Tensor, row_ids: torch.Tensor) -> None:
         """Record one chunk of rows: add each row's dropped exponent mass E at its layer's
@@ -440,14 +466,8 @@ class SdcAccumulator:
             -inf at positions that are not valid keys of the row.
         row_ids : torch.Tensor
             ``[B, C]`` int64: n, the number of valid keys of each row (0 = padding row).
-            Rows with n <= k add nothing; rows longer than a result's ``max_row_id`` are
+            Rows with n <= k add nothing; rows beyond a result's calibrated row ids are
             skipped for that result.
-
-        Notes
-        -----
-        E = sum over valid j with a_j <= theta[layer, h, n - 1] of exp(a_j - m), m the
-        row max; sums and counts are float64 / int64 per (layer, head, row id) and become
-        the table in :meth:`finalize`.
         """
         B, H, C, S = scores.shape
         n = row_ids.to(torch.int64)
@@ -456,33 +476,48 @@ class SdcAccumulator:
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         e = torch.where(valid, torch.exp(scores - m), 0.0)
         heads = torch.arange(H).view(1, H, 1)
+        gmax = None
         for r, sums, counts in zip(self.results, self.sums, self.counts):
             k = r.layer_k[layer]
             if k == DENSE:
                 continue
-            R = r.thresholds.shape[-1]
+            R, Rc = r.thresholds.shape[-1], counts.shape[-1]
             sel = n > k
             if not bool(sel.any()):
                 continue
             col = (n.clamp(min=1, max=R) - 1)  # [B, C]
-            theta = r.thresholds[layer][:, col].permute(1, 0, 2).unsqueeze(-1)  # [B, H, C, 1]
-            dropped = valid & ~(scores > theta)
+            theta = r.thresholds[layer][:, col].permute(1, 0, 2).unsqueeze(-1)  # [B, H', C, 1]
+            if r.selection == "group":
+                Hkv = theta.shape[1]
+                if gmax is None:
+                    gmax = scores.view(B, Hkv, H // Hkv, C, S).amax(2)
+                kept = (gmax > theta).unsqueeze(2).expand(B, Hkv, H // Hkv, C, S).reshape(B, H, C, S)
+            else:
+                kept = scores > theta
+            dropped = valid & ~kept
             E = (e * dropped).sum(-1)  # [B, H, C]
             sel3 = sel.unsqueeze(1).expand(B, H, C)
-            # Rows beyond the table's last row id are recorded into the last column only
-            # if that is their own row id; longer rows are skipped (they have no column).
-            own = (n <= R).unsqueeze(1).expand(B, H, C)
+            own = (n <= Rc).unsqueeze(1).expand(B, H, C)
             keep = sel3 & own
-            slots = (heads * R + col.unsqueeze(1)).expand(B, H, C)[keep]
+            slots = (heads * Rc + col.clamp(max=Rc - 1).unsqueeze(1)).expand(B, H, C)[keep]
             sums[layer].view(-1).index_add_(0, slots, E[keep].to(torch.float64))
             counts[layer].view(-1).index_add_(0, slots, torch.ones_like(slots))
 
     def finalize(self) -> list[CalibrationResult]:
-        """Attach ``sdc_table`` to each result and return them."""
+        """Attach ``sdc_table`` (and, with a length model, ``sdc_length_model``) to each
+        result and return them."""
+        from .calib_count import fit_table_model
+
         for r, sums, counts in zip(self.results, self.sums, self.counts):
             cnt = counts.numpy()
             mean = sums.numpy() / np.maximum(cnt, 1)
             table = fill_unsampled(mean, cnt)
-            table = _dense_rows(table, r.layer_k, 0.0)
-            r.sdc_table = torch.from_numpy(table.astype(np.float32))
+            table = _dense_rows(table, r.layer_k, 0.0).astype(np.float32)
+            R, Rc = r.thresholds.shape[-1], table.shape[-1]
+            if R > Rc:
+                model = fit_table_model(table.astype(np.float64), cnt, r.layer_k, "log")
+                ext = model.theta(np.arange(Rc + 1, R + 1, dtype=np.float64)).astype(np.float32)
+                table = np.concatenate([table, np.where(np.isinf(ext), 0.0, ext).astype(np.float32)], axis=-1)
+                r.sdc_length_model = model
+            r.sdc_table = torch.from_numpy(table)
         return self.results

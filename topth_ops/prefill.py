@@ -47,13 +47,21 @@ class RowRule:
         Softmax-denominator compensation, pre_softmax only ("offline": table only).
     sdc_gamma : float
     thresholds : torch.Tensor, optional
-        ``[num_q_heads, max_row_id]`` float32 (kind "table").
+        ``[H, max_row_id]`` float32 (kind "table"), or ``[num_sets, H, max_row_id]``
+        threshold sets picked per sequence by ``threshold_set`` of
+        :func:`prefill_attention`; H = num_q_heads (selection "head") or num_kv_heads
+        ("group").
     sdc_table : torch.Tensor, optional
-        ``[num_q_heads, max_row_id]`` float32 (sdc "offline").
+        ``[num_q_heads, max_row_id]`` (or ``[num_sets, num_q_heads, max_row_id]``)
+        float32 (sdc "offline"); per query head also with group selection.
     k : int
         Top-k size (kind "topk"), >= 1.
     vmc : bool
         V-mean compensation.
+    selection : {"head", "group"}
+        "group" (kind "table"): one threshold per KV head, compared with the maximum over
+        the group's query heads of the logits (pre_softmax) or log-probabilities
+        (post_softmax); every head of the group keeps that set (op contract v0.2).
     """
 
     kind: str
@@ -64,6 +72,7 @@ class RowRule:
     sdc_table: Optional[torch.Tensor] = None
     k: int = 0
     vmc: bool = False
+    selection: str = "head"
 
     def __post_init__(self):
         if self.kind not in RULE_KINDS:
@@ -80,6 +89,16 @@ class RowRule:
             raise ValueError("sdc='offline' needs kind='table' and an sdc_table")
         if self.kind == "topk" and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
             raise ValueError(f"kind='topk' needs k >= 1, got {self.k!r}")
+        if self.selection not in ("head", "group"):
+            raise ValueError(f"selection must be 'head' or 'group', got {self.selection!r}")
+        if self.selection == "group" and self.kind != "table":
+            raise ValueError("selection='group' needs kind='table' (calibrated group thresholds)")
+        if self.thresholds is not None and self.thresholds.dim() not in (2, 3):
+            raise ValueError(f"thresholds must be 2-D [H, max_row_id] or 3-D [num_sets, H, max_row_id], "
+                             f"got {list(self.thresholds.shape)}")
+        if self.sdc_table is not None and self.thresholds is not None and \
+                self.sdc_table.dim() != self.thresholds.dim():
+            raise ValueError("sdc_table must have as many dimensions as thresholds (3-D with threshold sets)")
 
 
 class RowStats(NamedTuple):
@@ -109,6 +128,7 @@ def prefill_attention(
     return_stats: bool = False,
     score_hook: Optional[ScoreHook] = None,
     max_chunk_elems: int = 1 << 22,
+    threshold_set: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[RowStats]]:
     """Thresholded attention for T query rows against S keys (BNSD layout).
 
@@ -136,6 +156,9 @@ def prefill_attention(
         row max / log-sum-exp ``[B, num_q_heads, C, 1]`` (calibration uses it).
     max_chunk_elems : int
         Upper bound on the elements of one chunk's score tensor.
+    threshold_set : torch.Tensor, optional
+        ``[B]`` int: the threshold set of each sequence; required iff ``rule.thresholds``
+        is 3-D (values in [0, num_sets), ValueError otherwise).
 
     Returns
     -------
@@ -151,6 +174,7 @@ def prefill_attention(
     n_all = row_ids.to(device=dev, dtype=torch.int64)
     if n_all.shape != (B, T):
         raise ValueError(f"row_ids must have shape [{B}, {T}], got {list(n_all.shape)}")
+    tables = _per_sequence_tables(rule, threshold_set, B, dev)
     if T == 0:
         out = query.new_zeros((B, Hq, 0, D))
         return out, (RowStats(*(torch.zeros((B, h, 0), dtype=dt, device=dev) for h, dt in
@@ -173,9 +197,15 @@ def prefill_attention(
             pos = torch.arange(Sc, device=dev)
             valid = pos.view(1, 1, 1, Sc) < n.view(B, 1, C, 1)  # [B, 1, C, Sc]
         else:
-            Sc = S
-            valid = key_valid[:, r0:r1].unsqueeze(1)
-        kc, vc = k32[:, :, :Sc], v32[:, :, :Sc]
+            # only the key columns some row of the chunk may attend (a sliding window's band)
+            any_valid = key_valid[:, r0:r1].any(1).any(0)
+            cols = torch.nonzero(any_valid)
+            k0, Sc = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 1)
+            valid = key_valid[:, r0:r1, k0:Sc].unsqueeze(1)
+            Sc -= k0
+        if key_valid is None:
+            k0 = 0
+        kc, vc = k32[:, :, k0:k0 + Sc], v32[:, :, k0:k0 + Sc]
         q = query[:, :, r0:r1].to(f32).reshape(B, Hkv, G * C, D)
         # Same operation order as the reference decode backend (bit-compatible results):
         # a = (q . k) * scale, -inf at invalid keys, m = row max, e = exp(a - m).
@@ -195,21 +225,25 @@ def prefill_attention(
             w = e.div_(Z)
         else:
             if rule.kind == "table":
-                R = rule.thresholds.shape[1]
-                col = n.clamp(min=1, max=R) - 1  # [B, C]
-                theta = rule.thresholds[:, col].permute(1, 0, 2).unsqueeze(-1)  # [B, Hq, C, 1]
+                theta = _lookup(tables[0], n)  # [B, H', C, 1]; H' = Hkv with group selection
             else:
                 kk = min(rule.k + 1, Sc)
                 kth = torch.topk(a, kk, dim=-1).values[..., kk - 1:kk]
                 theta = torch.where(n4 > rule.k, kth, float("-inf"))
             # -inf at invalid keys is never > theta, so 'kept' needs no validity mask.
             if rule.placement == "pre_softmax" or rule.kind == "topk":
-                kept = a > theta
+                x, x_theta = a, theta
             else:
-                log_s = t.sub_(torch.log(Z))  # log of s_j, compared in the log domain
-                log_theta = torch.where(theta > 0, torch.log(theta), float("-inf"))
-                log_theta = torch.where(torch.isnan(theta), theta, log_theta)
-                kept = log_s > log_theta
+                x = t.sub_(torch.log(Z))  # log of s_j, compared in the log domain
+                x_theta = torch.where(theta > 0, torch.log(theta), float("-inf"))
+                x_theta = torch.where(torch.isnan(theta), theta, x_theta)
+            if rule.selection == "group":
+                # the group's maximum against the group's threshold; every head keeps that set
+                kept_g = x.view(B, Hkv, G, C, Sc).amax(2) > x_theta  # [B, Hkv, C, Sc]
+                kept = kept_g.unsqueeze(2).expand(B, Hkv, G, C, Sc).reshape(B, Hq, C, Sc)
+                theta = theta.repeat_interleave(G, dim=1)  # theta_g for every head h of g
+            else:
+                kept = x > x_theta
             if rule.placement == "pre_softmax":
                 if rule.sdc == "exact":
                     E = torch.where(kept, 0.0, e).sum(-1, keepdim=True)
@@ -222,9 +256,7 @@ def prefill_attention(
                     E = rule.sdc_gamma * dropped * torch.exp(theta - m_safe)
                     E = torch.where(dropped > 0, E, torch.zeros_like(E))
                 elif rule.sdc == "offline":
-                    R = rule.sdc_table.shape[1]
-                    col = n.clamp(min=1, max=R) - 1
-                    E = rule.sdc_table[:, col].permute(1, 0, 2).unsqueeze(-1)
+                    E = _lookup(tables[1], n)
                 denom = Rk + E
                 # nothing kept and no compensation: w is all zero (never 0 / 0 = NaN)
                 w.div_(torch.where(denom == 0, torch.ones_like(denom), denom))
@@ -252,6 +284,40 @@ def prefill_attention(
             st_beta[:, :, r0:r1] = torch.where(empty, 0.0, beta)
     stats = RowStats(st_kept, st_vrows, st_beta) if return_stats else None
     return out, stats
+
+
+def _per_sequence_tables(rule: RowRule, threshold_set: Optional[torch.Tensor], B: int, dev):
+    """(thresholds, sdc_table) as ``[B, H, max_row_id]`` per sequence (None when absent),
+    picking each sequence's threshold set from 3-D tables."""
+    if rule.kind != "table":
+        if threshold_set is not None:
+            raise ValueError("threshold_set needs kind='table' with 3-D thresholds")
+        return None, None
+    three = rule.thresholds.dim() == 3
+    if three != (threshold_set is not None):
+        raise ValueError("threshold_set [batch] is required with 3-D thresholds [num_sets, H, max_row_id] "
+                         "and not allowed with 2-D thresholds")
+    out = []
+    for t in (rule.thresholds, rule.sdc_table):
+        if t is None:
+            out.append(None)
+        elif three:
+            idx = threshold_set.to(device=t.device, dtype=torch.int64).reshape(-1)
+            if idx.numel() != B:
+                raise ValueError(f"threshold_set must have {B} entries (one per sequence), got {idx.numel()}")
+            if bool(((idx < 0) | (idx >= t.shape[0])).any()):
+                raise ValueError(f"threshold_set values must lie in [0, {t.shape[0]}), got {idx.tolist()}")
+            out.append(t.index_select(0, idx).to(dev))
+        else:
+            out.append(t.to(dev).unsqueeze(0).expand(B, *t.shape))
+    return tuple(out)
+
+
+def _lookup(table: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``table[b, h, min(n, R) - 1]`` for row ids ``n`` ``[B, C]``: ``[B, H, C, 1]``."""
+    B, H, R = table.shape
+    col = (n.clamp(min=1, max=R) - 1).view(B, 1, -1).expand(B, H, n.shape[1])
+    return torch.gather(table, 2, col).unsqueeze(-1)
 
 
 def kept_count_dense(row_ids: torch.Tensor, num_heads: int) -> torch.Tensor:

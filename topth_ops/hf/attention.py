@@ -18,7 +18,12 @@ model, and switches the model to it. Per call (one layer, one forward):
 Row ids and valid keys come from the attention mask, which transformers builds from the
 cache's positions (:mod:`topth_ops.hf.cache_view`): dynamic, static, offloaded and quantized
 caches work (the key/value passed in are the whole cache after the update, BNSD), with GQA.
-Sliding-window and other non-full attention layers are refused by :func:`enable`. Padding:
+Sliding-window layers (Gemma 3: 5 of every 6 layers, window 512) are thresholded with row
+id = the number of keys the row attends, min(n, window), which is what their mask gives
+and what calibration records for them; VMC averages the window's V rows there. Chunked and
+other attention types are refused by :func:`enable`. Threshold sets: several sets give the
+op 3-D thresholds and a per-request ``threshold_set``; group selection is passed through
+as ``selection="group"``. Padding:
 prefill accepts any padding mask (each row's valid keys are counted); decode needs each
 sequence's valid keys to be a prefix of the cache, and raises a ValueError for left-padded
 batches.
@@ -63,10 +68,20 @@ class TopthSettings:
     ----------
     mode : {"topth", "topk", "dense"}
         Top-Theta with calibrated thresholds, exact top-k per row, or dense attention.
-    thresholds : ThresholdSet or path, optional
-        Required by mode "topth"; its placement is used. A ``str`` / ``os.PathLike`` is
-        loaded with :func:`topth_ops.threshold_file.load_thresholds` (TypeError for other
-        types).
+    thresholds : ThresholdSet, sequence of ThresholdSet, or path, optional
+        Required by mode "topth"; its placement and selection mode are used. Several
+        sets (of one file: same model, placement and selection) make one batch mix
+        requests at different k: the op gets 3-D thresholds and a per-sequence
+        ``threshold_set`` (op contract v0.2). A ``str`` / ``os.PathLike`` loads every set
+        of the file (:func:`topth_ops.threshold_file.load_threshold_sets`; TypeError for
+        other types).
+    threshold_set : int or sequence of int, optional
+        With several sets: the set of each request (one int for the whole batch, or one
+        per batch row; a batch that ``generate`` expanded for beams or several return
+        sequences repeats each entry). Default 0 with one set; required with several.
+        Out of range: :class:`~topth_ops.threshold_file.ThresholdFileError` naming the file.
+    selection : {"head", "group"}, optional
+        The selection mode the caller expects; must equal the file's (checked).
     placement : str, optional
         Required by mode "topk" (weights of the kept keys); must match the file in "topth".
     sdc : {"none", "exact", "exp_threshold", "offline"}
@@ -82,7 +97,7 @@ class TopthSettings:
     """
 
     mode: str = "topth"
-    thresholds: Optional[ThresholdSet] = None
+    thresholds: Optional[object] = None
     placement: Optional[str] = None
     sdc: str = "none"
     sdc_gamma: float = DEFAULT_SDC_GAMMA
@@ -90,15 +105,29 @@ class TopthSettings:
     layer_k: Optional[list] = None
     prefill: str = "thresholded"
     backend: Optional[str] = None
+    threshold_set: Optional[object] = None
+    selection: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.thresholds, (str, os.PathLike)):
-            from ..threshold_file import load_thresholds
+            from ..threshold_file import load_threshold_sets
 
-            self.thresholds = load_thresholds(self.thresholds)
+            sets = load_threshold_sets(self.thresholds)
+            self.thresholds = sets[0] if len(sets) == 1 else sets
+        elif isinstance(self.thresholds, (list, tuple)):
+            if not self.thresholds or not all(isinstance(t, ThresholdSet) for t in self.thresholds):
+                raise TypeError("thresholds must be a ThresholdSet, a non-empty sequence of ThresholdSet, or a "
+                                "path to a threshold file")
+            self.thresholds = self.thresholds[0] if len(self.thresholds) == 1 else list(self.thresholds)
         elif self.thresholds is not None and not isinstance(self.thresholds, ThresholdSet):
-            raise TypeError("thresholds must be a ThresholdSet (topth_ops.threshold_file.load_thresholds) "
-                            f"or a path to a threshold file, got {type(self.thresholds).__name__}")
+            raise TypeError("thresholds must be a ThresholdSet (topth_ops.threshold_file.load_thresholds), a "
+                            f"sequence of them, or a path to a threshold file, got {type(self.thresholds).__name__}")
+
+    @property
+    def sets(self) -> list:
+        """The threshold sets (one or several), [] without thresholds."""
+        t = self.thresholds
+        return [] if t is None else (list(t) if isinstance(t, list) else [t])
 
     def resolved(self, num_layers: int) -> "TopthSettings":
         """Validated copy with placement and layer_k filled in.
@@ -120,13 +149,27 @@ class TopthSettings:
         if s.mode == "topth":
             if s.thresholds is None:
                 raise ValueError("mode 'topth' needs a thresholds file (ThresholdSet)")
-            if s.placement is not None and s.placement != s.thresholds.placement:
-                s.thresholds.check_model(s.thresholds.attention_config, placement=s.placement)  # raises
-            s.placement = s.thresholds.placement
-            s.layer_k = list(s.thresholds.layer_k)
-            if s.sdc == "offline" and s.thresholds.sdc_table is None:
-                raise ValueError(f"sdc='offline' needs an sdc_table; {s.thresholds.name()} has none "
+            sets = s.sets
+            first = sets[0]
+            for ts in sets:
+                if ts.placement != first.placement or ts.selection != first.selection or \
+                        ts.fingerprint != first.fingerprint:
+                    raise ValueError(f"threshold sets used together must share model, placement and selection; "
+                                     f"{first.name()} and {ts.name()} differ")
+                ts.check_model(first.attention_config, placement=s.placement, selection=s.selection)  # raises
+            s.placement, s.selection = first.placement, first.selection
+            # a layer is dense only when it is dense in every set (a dense set's -inf rows keep all)
+            s.layer_k = [next((ts.layer_k[i] for ts in sets if ts.layer_k[i] != DENSE), DENSE)
+                         for i in range(len(first.layer_k))]
+            if s.sdc == "offline" and any(ts.sdc_table is None for ts in sets):
+                bad = next(ts for ts in sets if ts.sdc_table is None)
+                raise ValueError(f"sdc='offline' needs an sdc_table; {bad.name()} has none "
                                  "(calibrate with pre_softmax placement and the SDC pass)")
+            if len(sets) > 1 and s.threshold_set is None:
+                ks = ", ".join(f"{i}: k={ts.k}" for i, ts in enumerate(sets))
+                raise ValueError(f"{first.name()} holds {len(sets)} threshold sets ({ks}): give threshold_set "
+                                 "(one index for the batch, or one per request)")
+            _check_set_indices(s.threshold_set, sets)
         elif s.mode == "topk":
             if s.layer_k is None:
                 raise ValueError("mode 'topk' needs layer_k (k per layer)")
@@ -134,6 +177,8 @@ class TopthSettings:
                 raise ValueError("sdc='offline' is for mode 'topth' (it needs a calibrated table)")
         else:
             s.layer_k = [DENSE] * num_layers
+            if s.selection == "group":
+                raise ValueError("selection='group' needs mode 'topth' with group thresholds")
         if s.placement is None:
             s.placement = "post_softmax"
         if s.placement not in PLACEMENTS:
@@ -143,6 +188,20 @@ class TopthSettings:
         if len(s.layer_k) != num_layers:
             raise ValueError(f"layer_k must have {num_layers} entries, got {len(s.layer_k)}")
         return s
+
+
+def _check_set_indices(choice, sets) -> None:
+    """Raise ThresholdFileError (naming the file) for a threshold-set index out of range."""
+    if choice is None:
+        return
+    from ..threshold_file import pick_set
+
+    vals = choice.tolist() if isinstance(choice, torch.Tensor) else (
+        [choice] if isinstance(choice, int) else list(choice))
+    if not vals:
+        raise ValueError("threshold_set must not be empty")
+    for v in vals:
+        pick_set(sets, v, sets[0].path or "(unsaved)")
 
 
 ScoreHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -169,8 +228,9 @@ class TopthAttention:
         self.num_layers = int(cfg.num_hidden_layers)
         if settings.mode == "topth" and settings.thresholds is not None:
             name = _model_name(model)
-            settings.thresholds.check_model(cfg, name or type(model).__name__, placement=settings.placement,
-                                            compare_name=name is not None)
+            for ts in settings.sets:
+                ts.check_model(cfg, name or type(model).__name__, placement=settings.placement,
+                               selection=settings.selection, compare_name=name is not None)
         self.settings = settings.resolved(self.num_layers)
         self.prefill_stats = prefill_stats
         self.decode_stats = decode_stats
@@ -192,11 +252,52 @@ class TopthAttention:
         return self.settings.layer_k[layer]
 
     def _table(self, name: str, layer: int, device) -> Optional[torch.Tensor]:
+        """One layer's table: ``[H, max_row_id]``, or ``[num_sets, H, max_row_id]`` with
+        several threshold sets."""
         key = (name, layer, device)
         if key not in self._tables:
-            src = getattr(self.settings.thresholds, name)
-            self._tables[key] = None if src is None else src[layer].to(device, torch.float32).contiguous()
+            sets = self.settings.sets
+            if len(sets) == 1:
+                src = getattr(sets[0], name)
+                t = None if src is None else src[layer]
+            else:
+                from ..threshold_file import stack_sets
+
+                t = stack_sets(sets, layer, name)
+            self._tables[key] = None if t is None else t.to(device, torch.float32).contiguous()
         return self._tables[key]
+
+    @property
+    def multi_set(self) -> bool:
+        return len(self.settings.sets) > 1
+
+    def set_threshold_set(self, choice) -> None:
+        """Change the per-request threshold-set choice (see ``TopthSettings.threshold_set``)
+        between calls, e.g. for the next batch of requests.
+
+        Raises
+        ------
+        ThresholdFileError
+            An index out of range (the message names the file).
+        """
+        _check_set_indices(choice, self.settings.sets)
+        self.settings.threshold_set = choice
+
+    def _threshold_set(self, B: int, device) -> Optional[torch.Tensor]:
+        """``[B]`` int64 set index per batch row (None with one set)."""
+        if not self.multi_set:
+            return None
+        c = self.settings.threshold_set
+        idx = torch.as_tensor([c] if isinstance(c, int) else (c.tolist() if isinstance(c, torch.Tensor) else list(c)),
+                              dtype=torch.int64)
+        if idx.numel() == 1:
+            idx = idx.expand(B)
+        elif idx.numel() != B:
+            if B % idx.numel():
+                raise ValueError(f"threshold_set has {idx.numel()} entries but the batch has {B} rows (give one "
+                                 "per request, or one for all)")
+            idx = idx.repeat_interleave(B // idx.numel())  # generate() expanded each request (beams, samples)
+        return idx.to(device)
 
     def _rule(self, layer: int, device, calibrating: bool) -> Optional[RowRule]:
         """RowRule of a layer, None for the dense (SDPA) path."""
@@ -212,7 +313,7 @@ class TopthAttention:
                 "table", placement=s.placement, sdc=s.sdc, sdc_gamma=s.sdc_gamma,
                 thresholds=self._table("thresholds", layer, device),
                 sdc_table=self._table("sdc_table", layer, device) if s.sdc == "offline" else None,
-                vmc=s.vmc,
+                vmc=s.vmc, selection=s.selection or "head",
             )
         return self._rules[key]
 
@@ -222,8 +323,6 @@ class TopthAttention:
         """One layer's attention; returns ``[B, T, num_q_heads, head_dim]``."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if kwargs.get("sliding_window") is not None:  # enable() refuses such models; a model made otherwise
-            raise NotImplementedError("topth attention does not support sliding-window layers")
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
             raise NotImplementedError("topth attention is causal decode attention; got a non-causal call")
         layer = module.layer_idx
@@ -244,8 +343,9 @@ class TopthAttention:
                 stats.add_dense(layer, row_ids)
             return out
 
+        sliding = kwargs.get("sliding_window") is not None
         if T == 1 and rule.kind == "table" and not calibrating:
-            return self._decode_op(layer, query, key, value, row_ids, key_valid, rule, scale)
+            return self._decode_op(layer, query, key, value, row_ids, key_valid, rule, scale, sliding)
 
         hook = None
         if calibrating:
@@ -253,12 +353,13 @@ class TopthAttention:
         stats = self.decode_stats if T == 1 else self.prefill_stats
         out, st = prefill_attention(query, key, value, row_ids, rule, scale=scale, key_valid=key_valid,
                                     return_stats=stats is not None, score_hook=hook,
-                                    max_chunk_elems=self.max_chunk_elems)
+                                    max_chunk_elems=self.max_chunk_elems,
+                                    threshold_set=self._threshold_set(B, dev) if rule.kind == "table" else None)
         if stats is not None:
             stats.add(layer, row_ids, *st)
         return out.transpose(1, 2)
 
-    def _decode_op(self, layer, query, key, value, row_ids, key_valid, rule, scale) -> torch.Tensor:
+    def _decode_op(self, layer, query, key, value, row_ids, key_valid, rule, scale, sliding=False) -> torch.Tensor:
         from .. import decode_attention
 
         if key_valid is not None:
@@ -272,13 +373,16 @@ class TopthAttention:
         s = self.settings
         value_mean = None
         if s.vmc:
-            sums = value_sums_for(self._cache)
+            # a sliding window drops a row as it adds one, which the running sums (rows are
+            # only ever appended) cannot follow: its mean is taken over the <= window rows
+            sums = None if sliding else value_sums_for(self._cache)
             value_mean = sums.mean(layer, value, n) if sums is not None else valid_value_mean(value, n)
         collect = self.decode_stats is not None
         res = decode_attention(
             query[:, :, 0], key, value, n, rule.thresholds, scale=scale, placement=s.placement,
             sdc=s.sdc, sdc_gamma=s.sdc_gamma, sdc_table=rule.sdc_table, vmc=s.vmc,
             value_mean=value_mean, return_stats=collect, backend=s.backend,
+            selection=rule.selection, threshold_set=self._threshold_set(query.shape[0], query.device),
         )
         if collect:
             out, st = res

@@ -138,15 +138,18 @@ def sdpa_can_skip_mask(row_ids: torch.Tensor, key_valid: Optional[torch.Tensor],
 def check_supported(model) -> None:
     """Refuse, before anything runs, a model whose attention the integration would get wrong.
 
-    Supported: causal decoders whose every attention layer is full attention (transformers'
-    layer type "full_attention"), with any cache class that hands the attention function
-    the keys and values in position order (dynamic, static, offloaded, quantized).
+    Supported: causal decoders whose attention layers are full attention or sliding-window
+    attention (transformers' layer types "full_attention" / "sliding_attention"; a sliding
+    layer's row id is the number of keys its row attends, min(n, window), read from the
+    mask like every row id), without attention-logit soft-capping, with any cache class
+    that hands the attention function the keys and values of the attended positions
+    (dynamic, static, offloaded, quantized; sliding layers: their window).
 
     Raises
     ------
     ValueError
-        Sliding-window, chunked or other non-full attention layers (Top-Theta row ids
-        count the keys of a causal prefix; a window's row ids are not calibrated), a
+        Chunked or other attention layers besides full and sliding-window ones, logit
+        soft-capping (``attn_logit_softcapping``: the op thresholds the plain logits), a
         bidirectional (``is_causal=False``) config, or a generation config that asks for
         the paged cache of continuous batching (which runs its own attention functions).
     """
@@ -161,13 +164,17 @@ def check_supported(model) -> None:
         layer_types = list(getattr(cfg, "layer_types", None) or [])
         if getattr(cfg, "sliding_window", None) is not None and not layer_types:
             layer_types = ["sliding_attention"]
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    ok = ("full_attention", "sliding_attention")
+    other = sorted({t for t in layer_types if t not in ok})
     if other:
-        idx = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+        idx = [i for i, t in enumerate(layer_types) if t not in ok]
         raise ValueError(
-            f"topth attention supports full-attention layers only; {type(model).__name__} has layer types "
-            f"{other} at layers {idx[:8]}{' ...' if len(idx) > 8 else ''} (sliding-window / chunked attention "
-            "changes which keys a row sees, and the thresholds are calibrated per causal row length)")
+            f"topth attention supports full-attention and sliding-window layers only; {type(model).__name__} has "
+            f"layer types {other} at layers {idx[:8]}{' ...' if len(idx) > 8 else ''} (chunked attention changes "
+            "which keys a row sees in a way the row id does not describe)")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError(f"topth attention does not support attention-logit soft-capping "
+                         f"(attn_logit_softcapping={cfg.attn_logit_softcapping}): the op thresholds plain logits")
     gen = getattr(model, "generation_config", None)
     if getattr(gen, "cache_implementation", None) == "paged":
         raise ValueError(

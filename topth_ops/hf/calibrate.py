@@ -1,8 +1,9 @@
-"""Calibrate Top-Theta thresholds of a transformers model on real text (algorithm 1).
+"""Calibrate Top-Theta thresholds of a transformers model on real text (paper section 3.1).
 
-One forward pass per calibration sample records, for every target k and placement at
-once, the per-row samples of :class:`topth_ops.calibration.ThresholdAccumulator`
-through the "topth" attention function's score hook (the chunked prefill path, so no
+One forward pass per calibration sample records, for every target k, placement and
+selection mode at once, the bounded-memory statistics of the estimator: kept-count
+histograms (:class:`topth_ops.calib_count.CountAccumulator`, the default) or algorithm 1's
+per-row-id means (:class:`topth_ops.calibration.ThresholdAccumulator`), through the "topth" attention function's score hook (the chunked prefill path, so no
 attention matrix is ever stored). With top-k at calibration (TAC) the activations depend
 on k, so each target gets its own pass. The offline SDC table is a second pass at the
 final thresholds (:class:`topth_ops.calibration.SdcAccumulator`).
@@ -16,6 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..calib_count import SELECTIONS, CountAccumulator
 from ..calibration import DENSE, CalibrationResult, SdcAccumulator, ThresholdAccumulator, base_k
 from ..threshold_file import ThresholdSet, attention_config_of
 from .attention import TopthSettings, disable, enable, model_display_name
@@ -46,11 +48,15 @@ def _run(model, samples, settings: TopthSettings, hook, desc: str, progress: boo
         disable(model)
 
 
+ESTIMATORS = ("count", "mean")
+
+
 def calibrate(model, text: CalibrationText, targets: Sequence[list], placements: Sequence[str],
               *, alpha: float = 0.0, topk_at_calibration: bool = False, tac_vmc: bool = False,
-              sdc_table: bool = True, model_name: Optional[str] = None, progress: bool = True
-              ) -> dict[tuple[int, str], ThresholdSet]:
-    """Calibrate thresholds for several layer-k maps and placements.
+              sdc_table: bool = True, model_name: Optional[str] = None, progress: bool = True,
+              estimator: str = "count", selections: Sequence[str] = ("head",),
+              extend_to: Optional[int] = None) -> dict[tuple[int, str, str], ThresholdSet]:
+    """Calibrate thresholds for several layer-k maps, placements and selection modes.
 
     Parameters
     ----------
@@ -58,11 +64,12 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     text : CalibrationText
         Samples (token id tensors); each sample is one forward pass.
     targets : sequence of list of int
-        Layer-k maps (see :func:`topth_ops.calibration.parse_layer_k`).
+        Layer-k maps (see :func:`topth_ops.calibration.parse_layer_k`); with group
+        selection, k is the number of V rows a GQA group keeps.
     placements : sequence of str
         "pre_softmax" and/or "post_softmax".
     alpha : float
-        theta = mean + alpha * std.
+        theta = mean + alpha * std (estimator "mean" only; must be 0 with "count").
     topk_at_calibration : bool
         Keep each row's exact top-k during calibration so later layers see sparsified
         activations (one pass per target). The kept weights follow the placement;
@@ -73,23 +80,45 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         Recorded in the files; default :func:`topth_ops.hf.attention.model_display_name`.
     progress : bool
         Show tqdm progress bars.
+    estimator : {"count", "mean"}
+        "count" (default): theta whose mean kept count is k per row-length bucket, with
+        the log-linear length model beyond (:mod:`topth_ops.calib_count`); "mean": the
+        paper's algorithm 1 (per-row-id mean + alpha * std), no length model.
+    selections : sequence of {"head", "group"}
+        "head": one threshold per query head; "group": one per KV head, calibrated on the
+        group maximum (estimator "count" only).
+    extend_to : int, optional
+        Estimator "count": table length in row ids (default: 8 x the longest sample,
+        capped at the model's context, at least the longest sample).
 
     Returns
     -------
     dict
-        ``{(target index, placement): ThresholdSet}``.
+        ``{(target index, placement, selection): ThresholdSet}``.
 
     Raises
     ------
     ValueError
         No samples, a target with k < 1 in a thresholded layer, no calibration row
-        longer than some layer's k, a non-finite alpha, or a negative alpha that makes
-        post_softmax thresholds negative.
+        longer than some layer's k, a non-finite alpha, alpha != 0 with "count", group
+        selection with "mean", or a negative alpha that makes post_softmax thresholds
+        negative.
     """
     if not text.samples:
         raise ValueError("calibration needs at least one text sample (the calibration text is empty)")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    for sel in selections:
+        if sel not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {sel!r}")
+    if estimator == "mean" and list(selections) != ["head"]:
+        raise ValueError("group selection needs the kept-count estimator (estimator='count')")
+    if estimator == "count" and alpha != 0:
+        raise ValueError(f"alpha (--alpha {alpha}) applies to the 'mean' estimator (algorithm 1); the "
+                         "'count' estimator targets the mean kept count directly")
     cfg = model.config
     L, Hq = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+    Hkv = int(getattr(cfg, "num_key_value_heads", None) or Hq)
     for t in targets:
         if len(t) != L:
             raise ValueError(f"layer-k map must have {L} entries, got {len(t)}")
@@ -109,10 +138,18 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
                     f"tokens, so no row is longer than k: use {fix}")
     if not math.isfinite(alpha):
         raise ValueError(f"alpha must be finite, got {alpha!r}")
-    results: dict[tuple[int, str], CalibrationResult] = {}
+    context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    if extend_to is None:
+        extend_to = 8 * max_len if not context else min(8 * max_len, context)
+    extend_to = max(int(extend_to), max_len)
+    results: dict[tuple[int, str, str], CalibrationResult] = {}
     passes = [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
     for idx in passes:
-        acc = ThresholdAccumulator(L, Hq, max_len, [targets[i] for i in idx], placements)
+        if estimator == "count":
+            ks = sorted({k for i in idx for k in targets[i] if k != DENSE})
+            acc = CountAccumulator(L, Hq, Hkv, max_len, ks, placements, selections)
+        else:
+            acc = ThresholdAccumulator(L, Hq, max_len, [targets[i] for i in idx], placements)
         if topk_at_calibration:
             t = targets[idx[0]]
             settings = TopthSettings(mode="topk", layer_k=list(t), placement=placements[0], vmc=tac_vmc)
@@ -127,19 +164,26 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         _run(model, text.samples, settings, hook, desc, progress)
         for j, i in enumerate(idx):
             for p in placements:
-                results[(i, p)] = acc.result(j, p, alpha)
+                if estimator == "mean":
+                    results[(i, p, "head")] = acc.result(j, p, alpha)
+                    continue
+                for sel in selections:
+                    th, counts, lm = acc.result(p, sel, targets[i], extend_to=extend_to)
+                    results[(i, p, sel)] = CalibrationResult(
+                        thresholds=torch.from_numpy(th.astype("float32")), counts=torch.from_numpy(counts),
+                        layer_k=list(targets[i]), placement=p, alpha=None, selection=sel,
+                        estimator="count", length_model=lm)
 
     if sdc_table and "pre_softmax" in placements:
-        pre = [results[(i, "pre_softmax")] for i in range(len(targets))]
-        if topk_at_calibration:
-            groups = [[r] for r in pre]
-        else:
-            groups = [pre]
+        pre = [key for key in results if key[1] == "pre_softmax"]
+        groups = [[key for key in pre if key[0] == i] for i in range(len(targets))] if topk_at_calibration else [pre]
         for grp in groups:
-            sdc = SdcAccumulator(grp)
+            if not grp:
+                continue
+            sdc = SdcAccumulator([results[key] for key in grp], num_q_heads=Hq)
             if topk_at_calibration:
-                settings = TopthSettings(mode="topk", layer_k=list(grp[0].layer_k), placement="pre_softmax",
-                                         vmc=tac_vmc)
+                settings = TopthSettings(mode="topk", layer_k=list(results[grp[0]].layer_k),
+                                         placement="pre_softmax", vmc=tac_vmc)
             else:
                 settings = TopthSettings(mode="dense")
 
@@ -150,12 +194,13 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             sdc.finalize()
 
     out = {}
-    for (i, p), r in results.items():
-        out[(i, p)] = ThresholdSet(
-            thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=p,
-            model_name=model_name or model_display_name(model), attention_config=attention_config_of(cfg), alpha=r.alpha,
-            sdc_table=r.sdc_table, calibration_text=text.description,
+    for key, r in results.items():
+        out[key] = ThresholdSet(
+            thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=key[1],
+            model_name=model_name or model_display_name(model), attention_config=attention_config_of(cfg),
+            alpha=r.alpha, sdc_table=r.sdc_table, calibration_text=text.description,
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
-            topk_at_calibration=topk_at_calibration,
+            topk_at_calibration=topk_at_calibration, selection=r.selection, estimator=r.estimator,
+            length_model=r.length_model, sdc_length_model=r.sdc_length_model,
         )
     return out

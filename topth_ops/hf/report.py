@@ -103,7 +103,7 @@ def make_plots(records: Sequence[dict], out_dir: str) -> list[str]:
         ax.plot([b["hi"] for b in bs], [b["k_tilde_over_k"] for b in bs], marker="o",
                 label=f"{r['variant']} k={r['k']}")
         calib = r.get("calibration_max_row_id") or calib
-    ax.axhspan(TARGET_KTK[0], TARGET_KTK[1], color="green", alpha=0.08, label="target [0.8, 1.25]")
+    ax.axhspan(TARGET_KTK[0], TARGET_KTK[1], color="green", alpha=0.08, label=f"target [{TARGET_KTK[0]}, {TARGET_KTK[1]}]")
     ax.axhline(1.0, color="grey", lw=0.8)
     if calib:
         ax.axvline(calib, color="red", ls="--", lw=0.8, label=f"longest calibration row ({calib})")
@@ -119,3 +119,37 @@ def make_plots(records: Sequence[dict], out_dir: str) -> list[str]:
     plt.close(fig)
     paths.append(p)
     return paths
+
+
+def group_vs_head(records: Sequence[dict], tolerance: float = 0.001) -> list[dict]:
+    """Group selection against per-head selection (issue 15).
+
+    For every group-selection record (family ``X-group``): the per-head record of family
+    ``X`` at the same k (V-row ratio head / group and both perplexity changes), and every
+    per-head record whose HumanEval perplexity change is within ``tolerance`` (0.001 = 0.1
+    percentage points) of the group's ("equal perplexity"). No interpolation: measured
+    perplexity is not monotone in k on small problem sets.
+
+    Returns
+    -------
+    list of dict
+        ``family``, ``k``, ``ppl_rel_change``, ``v_rows_frac``, ``same_k`` (``{ppl_rel_change,
+        v_rows_frac, ratio}`` or None), ``pairs`` (``[{k, ppl_rel_change, v_rows_frac, ratio}]``).
+    """
+    out = []
+    for g in records:
+        fam = g["variant"]
+        if not fam.endswith("-group"):
+            continue
+        heads = [r for r in records if r["variant"] == fam[: -len("-group")]]
+        y = g["ppl_rel_change"]
+        same = next((h for h in heads if h["k"] == g["k"]), None)
+        pairs = [dict(k=h["k"], ppl_rel_change=h["ppl_rel_change"], v_rows_frac=h["v_rows_frac"],
+                      ratio=h["v_rows_frac"] / g["v_rows_frac"])
+                 for h in sorted(heads, key=lambda r: r["k"]) if abs(h["ppl_rel_change"] - y) <= tolerance]
+        out.append(dict(family=fam, k=g["k"], ppl_rel_change=y, v_rows_frac=g["v_rows_frac"],
+                        same_k=None if same is None else dict(ppl_rel_change=same["ppl_rel_change"],
+                                                              v_rows_frac=same["v_rows_frac"],
+                                                              ratio=same["v_rows_frac"] / g["v_rows_frac"]),
+                        pairs=pairs))
+    return out

@@ -119,6 +119,15 @@ def _jsonl_text(obj, f: Path) -> str:
     raise ValueError(f"{f}: a .jsonl line must be a JSON string or an object with a 'text' field")
 
 
+def bos_ids(tokenizer) -> list:
+    """``[bos_token_id]`` when the tokenizer adds a BOS token by default (Gemma: the model
+    expects it, its first key is the attention sink), else ``[]`` (SmolLM2). Samples and
+    evaluation texts are tokenized without special tokens and then get this prefix."""
+    if getattr(tokenizer, "add_bos_token", False) and getattr(tokenizer, "bos_token_id", None) is not None:
+        return [int(tokenizer.bos_token_id)]
+    return []
+
+
 def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int) -> list[torch.Tensor]:
     """Cut the documents (joined by blank lines) into ``samples`` windows of ``max_tokens``.
 
@@ -148,11 +157,13 @@ def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int)
     if not ids:
         raise ValueError("calibration text produced no tokens")
     out = []
+    bos = bos_ids(tokenizer)
+    per = max_tokens - len(bos)
     for s in range(samples):
-        chunk = ids[s * max_tokens:(s + 1) * max_tokens]
+        chunk = ids[s * per:(s + 1) * per]
         if not chunk or (s > 0 and len(chunk) < 16):
             break
-        out.append(torch.tensor(chunk, dtype=torch.int64))
+        out.append(torch.tensor(bos + chunk, dtype=torch.int64))
     return out
 
 
@@ -171,7 +182,9 @@ def stdlib_documents(tokenizer, n: int, min_tokens: int, max_tokens: int) -> lis
         if f.name.startswith("_") or f.stat().st_size < 2 * min_tokens:
             continue
         text = f.read_text(encoding="utf-8", errors="replace")[: 8 * max_tokens]
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(text) < 2 * min_tokens:
+            continue
+        ids = bos_ids(tokenizer) + tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) < min_tokens:
             continue
         out.append((f.name, torch.tensor(ids[:max_tokens], dtype=torch.int64)))

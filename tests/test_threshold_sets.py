@@ -1,0 +1,154 @@
+"""Threshold file format 2: several threshold sets per file, group selection, the length
+model beyond the calibrated row ids, and format 1 files (written here byte by byte with
+safetensors, independently of the code under test) still loading."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from topth_ops.calib_count import LengthModel
+from topth_ops.calibration import DENSE
+from topth_ops.threshold_file import (ThresholdFileError, ThresholdSet, extend_table, fingerprint,
+                                      load_threshold_sets, load_thresholds, pick_set, save_threshold_sets,
+                                      stack_sets)
+
+CFG = dict(model_type="llama", num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8)
+LAYER_K = [DENSE, 2, 3]
+
+
+def _table(H, R, placement, seed=0, layer_k=LAYER_K):
+    g = torch.Generator().manual_seed(seed)
+    th = torch.rand(3, H, R, generator=g) * (0.1 if placement == "post_softmax" else 3.0)
+    for layer, k in enumerate(layer_k):
+        th[layer, :, : (R if k == DENSE else k)] = -torch.inf
+    return th
+
+
+def _set(placement="post_softmax", selection="head", R=6, seed=0, layer_k=LAYER_K, **kw):
+    H = CFG["num_q_heads"] if selection == "head" else CFG["num_kv_heads"]
+    return ThresholdSet(thresholds=_table(H, R, placement, seed, layer_k), counts=torch.full((3, H, R), 2),
+                        layer_k=list(layer_k), placement=placement, model_name="tiny", attention_config=dict(CFG),
+                        alpha=0.0, selection=selection, estimator="count", calibration_text="unit", **kw)
+
+
+def _write_v1(path, th, counts, layer_k, placement, sdc=None, alpha=0.5):
+    """A format-1 file exactly as topth-ops 0.1 wrote it (one set, top-level metadata)."""
+    from safetensors.torch import save_file
+
+    meta = {"format": "topth-thresholds", "format_version": "1", "model_name": "tiny",
+            "attention_config": json.dumps(CFG, sort_keys=True), "attention_fingerprint": fingerprint(CFG),
+            "placement": placement, "layer_k": json.dumps(layer_k), "alpha": json.dumps(alpha),
+            "topk_at_calibration": "false", "calibration_text": "old", "calibration_samples": "3",
+            "calibration_tokens": "300", "source": "calibrate", "created_by": "topth-ops 0.1.0"}
+    tensors = {"thresholds": th, "sample_counts": counts}
+    if sdc is not None:
+        tensors["sdc_table"] = sdc
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_format_1_files_still_load(tmp_path):
+    th = _table(4, 7, "pre_softmax")
+    counts = torch.arange(3 * 4 * 7, dtype=torch.int64).view(3, 4, 7)
+    sdc = torch.rand(3, 4, 7)
+    _write_v1(tmp_path / "v1.safetensors", th, counts, LAYER_K, "pre_softmax", sdc)
+    ts = load_thresholds(tmp_path / "v1.safetensors")
+    assert torch.equal(ts.thresholds, th) and torch.equal(ts.counts, counts) and torch.equal(ts.sdc_table, sdc)
+    assert (ts.selection, ts.estimator, ts.length_model, ts.alpha) == ("head", "mean", None, 0.5)
+    assert ts.layer_k == LAYER_K and ts.calibration_samples == 3 and ts.max_row_id == 7
+    # a re-save writes format 2 and reads back the same
+    back = load_thresholds(ts.save(tmp_path / "v2.safetensors"))
+    assert torch.equal(back.thresholds, th) and torch.equal(back.sdc_table, sdc)
+    bad = tmp_path / "v1bad.safetensors"
+    _write_v1(bad, th, counts[:, :, :3].contiguous(), LAYER_K, "pre_softmax")
+    with pytest.raises(ThresholdFileError, match="v1bad.safetensors.*sample_counts"):
+        load_thresholds(bad)
+
+
+def test_several_sets_round_trip_and_stack(tmp_path):
+    sets = [_set(R=6, seed=1), _set(R=9, seed=2, layer_k=[DENSE, 4, 4]), _set(R=5, seed=3)]
+    path = save_threshold_sets(tmp_path / "multi.safetensors", sets)
+    back = load_threshold_sets(path)
+    assert [b.set_index for b in back] == [0, 1, 2] and all(b.path == str(path) for b in back)
+    for a, b in zip(sets, back):
+        assert torch.equal(a.thresholds, b.thresholds) and a.layer_k == b.layer_k
+    assert load_thresholds(path, 1).layer_k == [DENSE, 4, 4]
+    st = stack_sets(back, 1)
+    assert st.shape == (3, 4, 9)
+    assert torch.equal(st[1], back[1].thresholds[1])
+    assert torch.equal(st[0, :, :6], back[0].thresholds[1])
+    assert torch.equal(st[0, :, 6:], back[0].thresholds[1, :, 5:6].expand(4, 3))  # last column repeated
+    assert stack_sets(back, 1, "sdc_table") is None
+
+
+def test_set_index_errors_name_the_file(tmp_path):
+    path = save_threshold_sets(tmp_path / "m.safetensors", [_set(seed=1), _set(seed=2, layer_k=[DENSE, 4, 4])])
+    with pytest.raises(ThresholdFileError, match=r"m.safetensors' holds 2 threshold sets \(0: k=2, 1: k=4\)"):
+        load_thresholds(path)
+    with pytest.raises(ThresholdFileError, match=r"index 2 is out of range for thresholds file .*m.safetensors"):
+        load_thresholds(path, 2)
+    with pytest.raises(ThresholdFileError, match="out of range"):
+        pick_set(load_threshold_sets(path), -1, str(path))
+
+
+def test_sets_of_one_file_must_agree():
+    with pytest.raises(ThresholdFileError, match="share the placement"):
+        save_threshold_sets("/nonexistent/x.safetensors", [_set(), _set("pre_softmax")])
+    with pytest.raises(ThresholdFileError, match="share the selection"):
+        save_threshold_sets("/nonexistent/x.safetensors", [_set(), _set(selection="group")])
+
+
+def test_group_sets_are_per_kv_head_and_selection_is_checked(tmp_path):
+    g = _set(selection="group")
+    assert g.num_heads == 2 and g.num_q_heads == 4
+    back = load_thresholds(g.save(tmp_path / "g.safetensors"))
+    assert back.selection == "group" and back.thresholds.shape == (3, 2, 6)
+    with pytest.raises(ThresholdFileError, match=r"g.safetensors\).*selection='group'.*selection='head'"):
+        back.check_model(dict(CFG), "tiny", "post_softmax", selection="head")
+    back.check_model(dict(CFG), "tiny", "post_softmax", selection="group")
+    wrong = _set(selection="group")
+    wrong.thresholds = _table(4, 6, "post_softmax")  # per query head, but selection group
+    with pytest.raises(ThresholdFileError, match="num_kv_heads"):
+        wrong.save(tmp_path / "w.safetensors")
+
+
+def test_other_model_file_is_a_clear_error(tmp_path):
+    path = _set().save(tmp_path / "smol.safetensors")
+    gemma = dict(model_type="gemma3_text", num_layers=18, num_q_heads=4, num_kv_heads=1, head_dim=256)
+    with pytest.raises(ThresholdFileError, match=r"smol.safetensors.*'tiny'.*gemma3_text.*num_layers: file 3 vs model 18"):
+        load_thresholds(path).check_model(gemma, "gemma-3-270m")
+
+
+def _model(L, H, domain, anchor=4.0, value=-3.0, slope=-0.5):
+    an = np.full((L, H), anchor)
+    av = np.full((L, H), value)
+    an[0], av[0] = np.nan, np.nan  # dense layer
+    return LengthModel(domain, an, av, np.full((L, H), slope))
+
+
+def test_length_model_extends_the_table_and_is_stored_compactly(tmp_path):
+    Rc, R = 5, 40
+    stored = _table(4, Rc, "post_softmax")
+    m = _model(3, 4, "log_prob")
+    th = extend_table(stored, m, R)
+    # independent: beyond Rc, theta = exp(value + slope * (log n - log anchor)), dense layer -inf
+    n = np.arange(Rc + 1, R + 1)
+    expect = np.exp(-3.0 - 0.5 * (np.log(n) - np.log(4.0)))
+    np.testing.assert_allclose(th[1, 2, Rc:].numpy(), expect, rtol=1e-6)
+    assert torch.all(torch.isneginf(th[0]))
+    ts = ThresholdSet(thresholds=th, counts=torch.ones(3, 4, Rc, dtype=torch.int64), layer_k=list(LAYER_K),
+                      placement="post_softmax", model_name="tiny", attention_config=dict(CFG), alpha=None,
+                      estimator="count", length_model=m)
+    path = ts.save(tmp_path / "lm.safetensors")
+    back = load_thresholds(path)
+    assert torch.equal(back.thresholds, th) and back.calibrated_row_ids == Rc and back.max_row_id == R
+    np.testing.assert_array_equal(back.length_model.slope, m.slope)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        assert f.get_slice("set0.thresholds").get_shape() == [3, 4, Rc]  # only calibrated columns stored
+    ts.thresholds = th.clone()
+    ts.thresholds[1, 0, 30] = 0.5  # beyond the calibrated row ids, not the model's value
+    with pytest.raises(ThresholdFileError, match="must follow the length model"):
+        ts.save(tmp_path / "bad.safetensors")

@@ -1,0 +1,518 @@
+"""Kept-count calibration: thresholds whose mean kept count is k, per row-length bucket.
+
+Algorithm 1 of the paper (section 3.1; :class:`topth_ops.calibration.ThresholdAccumulator`)
+takes theta = mean + alpha * std of the per-row (k+1)-th largest values. That theta is not
+the one whose *expected kept count* is k: a row's count of values above theta, c(theta),
+is a convex-ish step function of theta (it rises faster as theta moves down into the bulk
+of the row than it falls as theta moves up into the tail), and rows differ in level (a
+whole row of logits shifted up or down), so E[c(mean theta_row)] > k in general (Jensen);
+measured on SmolLM2-135M: 1.1-1.4 x k before the softmax, ~1.0 after it (docs/model.md).
+And a fixed theta reused beyond the longest calibrated row keeps ~n (1 - F(theta)) rows,
+which grows linearly with n when the logits' distribution F does not change with n.
+
+This module estimates, per (layer, head, row-length bucket), the theta whose mean kept
+count over the calibration rows of that bucket is exactly k:
+
+    find theta_b with  (1 / R_b) * sum_{rows r in b} #{ j : x_rj > theta_b } = k
+
+from a bounded-memory histogram of every value x_rj of the bucket's rows (``bins`` bins on
+a per-(layer, head) range set by the first chunk a layer sees, with margins; values outside
+are clamped into the end bins). The count above a bin edge is exact; inside a bin the
+values are taken as uniform (linear interpolation). x is the logit a (pre_softmax) or the
+log-probability a - LSE (post_softmax, compared in the log domain as the op does). With
+``selection="group"`` x is the maximum over the GQA group's query heads, and k is the
+number of V rows the group keeps (op contract v0.2, docs/semantics.md).
+
+Buckets are geometric in the row id n (ratio ``2 ** (1 / buckets_per_octave)``) and every
+target k is an edge, so a bucket above k holds only rows with n > k. Between bucket
+centres (the mean log n of their rows) theta is interpolated linearly in log n, in the
+domain above (logit, or log-probability); below the first centre the first value is used.
+Beyond the last centre theta follows a per-(layer, head) length model,
+
+    domain(theta)(n) = anchor_value + slope * (log log(n / k) - log log(anchor_n / k)),
+
+with the slope fitted by weighted least squares (weights: rows per bucket) on the bucket
+centres of the last ``fit_octaves`` octaves of the calibrated range (at least
+``MIN_FIT_POINTS`` centres above 2k, else all above k) and anchored at the last bucket, so
+the calibrated values are used inside the calibrated range and the model only beyond it.
+Why log log(n / k): theta must rise with n (pre_softmax: more keys compete for the same k
+places) but ever more slowly; measured on SmolLM2-135M (docs/model.md), a fixed theta beyond
+the calibration keeps 1.1-1.5 x k at 2-4 x the calibrated length, a slope in log n (or
+kept counts scaling like n^gamma) over-corrects to 0.2-0.9 x k, and log log(n / k), whose
+slope in log n decays like 1 / log(n / k), stays closest (0.87-1.0 on the calibration
+text itself at 2-4 x).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .calibration import DENSE, LayerK, PLACEMENTS
+
+SELECTIONS = ("head", "group")
+DEFAULT_BINS = 512
+DEFAULT_BUCKETS_PER_OCTAVE = 4
+DEFAULT_FIT_OCTAVES = 3.0
+DEFAULT_ROWS_PER_OCTAVE = 128
+MIN_FIT_POINTS = 3
+LOG_PROB_FLOOR = -60.0  # log-probabilities below this are clamped (never near a threshold)
+DOMAINS = {"pre_softmax": "logit", "post_softmax": "log_prob"}
+
+
+def bucket_edges(max_row_id: int, ks: Sequence[int], per_octave: int = DEFAULT_BUCKETS_PER_OCTAVE) -> np.ndarray:
+    """Row-id bucket edges: geometric (ratio 2 ** (1 / per_octave), rounded to integers)
+    from 1 to ``max_row_id``, with every k of ``ks`` added as an edge.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64, strictly increasing, first 0, last >= max_row_id; bucket i is
+        ``(edges[i], edges[i + 1]]``.
+    """
+    e = {0, int(max_row_id)}
+    x = 1.0
+    while x < max_row_id:
+        e.add(int(round(x)))
+        x *= 2.0 ** (1.0 / per_octave)
+    e.update(int(k) for k in ks if 0 < k < max_row_id)
+    return np.array(sorted(e), dtype=np.int64)
+
+
+FEATURES = ("log_n", "log_log_n_over_k")
+
+
+@dataclass
+class LengthModel:
+    """theta as a function of the row id beyond the calibrated buckets.
+
+    ``domain(theta)(n) = anchor_value + slope * (x(n) - x(anchor_n))`` with the feature
+    x(n) = log log(n / k) (thresholds: the growth of theta slows down as rows get longer,
+    measured in docs/model.md) or x(n) = log n (the offline SDC table).
+
+    Attributes
+    ----------
+    domain : {"logit", "log_prob", "log"}
+        The domain where the model is linear: theta itself (pre_softmax), log theta
+        (post_softmax; capped at probability 1), or the log of a positive quantity without
+        a cap (the offline SDC table).
+    anchor_n : numpy.ndarray
+        ``[num_layers, H]`` float64: row id (mean log n of the last bucket, as a real
+        number) where the model starts; NaN for dense layers.
+    anchor_value : numpy.ndarray
+        ``[num_layers, H]``: the domain value there (the calibrated bucket value).
+    slope : numpy.ndarray
+        ``[num_layers, H]``: d domain(theta) / d x.
+    feature : {"log_n", "log_log_n_over_k"}
+    k : numpy.ndarray or None
+        ``[num_layers]`` k per layer (0 = dense), needed by "log_log_n_over_k".
+    """
+
+    domain: str
+    anchor_n: np.ndarray
+    anchor_value: np.ndarray
+    slope: np.ndarray
+    feature: str = "log_n"
+    k: Optional[np.ndarray] = None
+
+    def x(self, n: np.ndarray) -> np.ndarray:
+        """Feature ``[L, 1, len(n)]`` (or ``[1, 1, len(n)]``) of row ids ``n``."""
+        n = np.asarray(n, dtype=np.float64).reshape(1, 1, -1)
+        if self.feature == "log_n":
+            return np.log(n)
+        k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1, 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.log(np.log(n / np.where(k > 0, k, np.nan)))
+
+    def value(self, n: np.ndarray) -> np.ndarray:
+        """Domain value ``[L, H, len(n)]`` at row ids ``n`` (any n >= anchor_n)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if self.feature == "log_n":
+                x0 = np.log(self.anchor_n)
+            else:
+                k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1)
+                x0 = np.log(np.log(self.anchor_n / np.where(k > 0, k, np.nan)))
+            return self.anchor_value[..., None] + self.slope[..., None] * (self.x(n) - x0[..., None])
+
+    def theta(self, n: np.ndarray) -> np.ndarray:
+        """theta ``[L, H, len(n)]`` at row ids ``n``; log_prob domain is capped at 0
+        (probability 1), "log" is not; NaN entries (dense layers) become -inf."""
+        v = self.value(n)
+        if self.domain == "log_prob":
+            v = np.exp(np.minimum(v, 0.0))
+        elif self.domain == "log":
+            v = np.exp(v)
+        return np.where(np.isnan(v), -np.inf, v)
+
+
+def to_domain(theta: np.ndarray, domain: str) -> np.ndarray:
+    if domain == "logit":
+        return np.asarray(theta, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return np.log(np.maximum(np.asarray(theta, dtype=np.float64), 0.0))
+
+
+def from_domain(v: np.ndarray, domain: str) -> np.ndarray:
+    return v if domain == "logit" else np.exp(np.minimum(v, 0.0))
+
+
+def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, k: int, domain: str,
+                     fit_octaves: float = DEFAULT_FIT_OCTAVES, feature: str = "log_log_n_over_k"
+                     ) -> tuple[float, float, float]:
+    """Fit the log-linear length model of one (layer, head).
+
+    Parameters
+    ----------
+    centres, values, rows : numpy.ndarray
+        Per usable bucket (all rows n > k), in increasing order: mean log n ... as row id
+        ``exp(mean log n)``, domain value of theta, and rows behind it.
+    k : int
+    domain : str
+    fit_octaves : float
+        Fit on the centres within this many octaves of the last one.
+    feature : {"log_log_n_over_k", "log_n"}
+        x of the model (see :class:`LengthModel`).
+
+    Returns
+    -------
+    (anchor_n, anchor_value, slope) : tuple of float
+        Anchor at the last bucket; slope 0 when fewer than 2 points are usable.
+    """
+    ok = np.isfinite(values) & (rows > 0)
+    c, v, w = centres[ok], values[ok], rows[ok].astype(np.float64)
+    if c.size == 0:
+        return float("nan"), float("nan"), 0.0
+    last = c[-1]
+    sel = (c >= last / 2.0 ** fit_octaves) & (c > 2 * k)
+    if sel.sum() < MIN_FIT_POINTS:
+        sel = c > k
+    slope = 0.0
+    if sel.sum() >= 2:
+        x = np.log(c[sel]) if feature == "log_n" else np.log(np.log(c[sel] / k))
+        y, ww = v[sel], w[sel]
+        xm, ym = np.average(x, weights=ww), np.average(y, weights=ww)
+        den = np.sum(ww * (x - xm) ** 2)
+        if den > 0:
+            slope = float(np.sum(ww * (x - xm) * (y - ym)) / den)
+    return float(last), float(v[-1]), slope
+
+
+class CountAccumulator:
+    """Bounded-memory histograms for kept-count calibration, several k at once.
+
+    Parameters
+    ----------
+    num_layers, num_q_heads, num_kv_heads : int
+        Model shape (GQA: query head h belongs to group h // (num_q_heads / num_kv_heads)).
+    max_row_id : int
+        Longest calibration row.
+    ks : sequence of int
+        Every k (of any layer of any target) that will be calibrated: each is a bucket
+        edge, so a bucket above k holds only rows with n > k.
+    placements : sequence of str
+        "pre_softmax" (histograms of logits) and/or "post_softmax" (log-probabilities).
+    selections : sequence of str
+        "head" (per query head) and/or "group" (group maximum, per KV head).
+    bins : int
+        Histogram bins per (layer, head, bucket).
+    buckets_per_octave : int
+    rows_per_octave : int
+        Rows recorded per octave of row ids and sequence (a power of two; 0 = every row);
+        see :meth:`record`.
+
+    Notes
+    -----
+    Memory: int64 ``num_layers x H x buckets x bins`` per (placement, selection), e.g.
+    SmolLM2-135M at 1024 row ids: 30 x 9 x ~40 x 512 x 8 B = 44 MB per placement with
+    per-head selection, a third of that per group.
+    """
+
+    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, max_row_id: int,
+                 ks: Sequence[int], placements: Sequence[str] = PLACEMENTS,
+                 selections: Sequence[str] = ("head",), bins: int = DEFAULT_BINS,
+                 buckets_per_octave: int = DEFAULT_BUCKETS_PER_OCTAVE,
+                 rows_per_octave: int = DEFAULT_ROWS_PER_OCTAVE):
+        if max_row_id < 1:
+            raise ValueError(f"max_row_id must be >= 1, got {max_row_id}")
+        if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        for p in placements:
+            if p not in PLACEMENTS:
+                raise ValueError(f"placement must be one of {PLACEMENTS}, got {p!r}")
+        for s in selections:
+            if s not in SELECTIONS:
+                raise ValueError(f"selection must be one of {SELECTIONS}, got {s!r}")
+        if bins < 8:
+            raise ValueError(f"bins must be >= 8, got {bins}")
+        self.L, self.Hq, self.Hkv, self.max_row_id = num_layers, num_q_heads, num_kv_heads, max_row_id
+        self.placements, self.selections = tuple(placements), tuple(selections)
+        self.bins = bins
+        if rows_per_octave > 0 and rows_per_octave & (rows_per_octave - 1):
+            raise ValueError(f"rows_per_octave must be 0 or a power of two, got {rows_per_octave}")
+        self.rows_per_octave = int(rows_per_octave)
+        self._log2_rpo = int(rows_per_octave).bit_length() - 1 if rows_per_octave > 0 else 0
+        self.min_k = max(1, min(ks)) if len(ks) else 1
+        self.edges = bucket_edges(max_row_id, ks, buckets_per_octave)
+        self.NB = len(self.edges) - 1
+        self._edges_t = torch.from_numpy(self.edges)
+        self.hist: dict = {}
+        self.range: dict = {}  # (placement, selection) -> [L, H, 2] float64 (lo, width), NaN until set
+        for p in self.placements:
+            for s in self.selections:
+                H = self.heads(s)
+                self.hist[(p, s)] = torch.zeros((num_layers, H, self.NB, bins), dtype=torch.int64)
+                self.range[(p, s)] = torch.full((num_layers, H, 2), float("nan"), dtype=torch.float64)
+        self.rows = torch.zeros((num_layers, self.NB), dtype=torch.int64)
+        self.log_n = torch.zeros((num_layers, self.NB), dtype=torch.float64)  # sum of log n per bucket
+        self.rows_per_id = torch.zeros((num_layers, max_row_id + 1), dtype=torch.int64)
+
+    def heads(self, selection: str) -> int:
+        return self.Hq if selection == "head" else self.Hkv
+
+    def record(self, layer: int, scores: torch.Tensor, row_ids: torch.Tensor,
+               m: Optional[torch.Tensor] = None, log_z: Optional[torch.Tensor] = None) -> None:
+        """Add the rows of one chunk of one layer.
+
+        Parameters
+        ----------
+        layer : int
+        scores : torch.Tensor
+            ``[B, num_q_heads, C, S]`` float32 logits a (scale applied), -inf at keys that
+            are not valid for the row.
+        row_ids : torch.Tensor
+            ``[B, C]`` int64 n per row (0 = padding).
+        m, log_z : torch.Tensor, optional
+            ``[B, num_q_heads, C, 1]`` row max and log sum exp(a - m) (post_softmax),
+            computed here when omitted.
+
+        Notes
+        -----
+        Rows are thinned deterministically above ``rows_per_octave`` row ids: a row is
+        recorded when n is a multiple of ``2 ** max(0, floor(log2 n) - log2(rows_per_octave))``,
+        so each octave of row ids contributes ``rows_per_octave`` rows per sequence (all
+        rows below). The cost of a row grows with n, so this bounds the cost per sequence
+        at ~``rows_per_octave * max n`` values per head instead of ``max n ** 2 / 2``.
+
+        Raises
+        ------
+        ValueError
+            A row id exceeds ``max_row_id``.
+        """
+        B, H, C, S = scores.shape
+        n = row_ids.to(torch.int64)
+        if int(n.max()) > self.max_row_id:
+            raise ValueError(f"calibration row id {int(n.max())} exceeds the accumulator's max_row_id "
+                             f"{self.max_row_id}")
+        keep = (n > self.min_k) & (n % self.row_stride(n) == 0)  # rows n <= every k are dense
+        if not bool(keep.any()):
+            return
+        bi, ci = keep.nonzero(as_tuple=True)
+        nl = n[bi, ci]
+        b_idx = (torch.bucketize(nl, self._edges_t, right=False) - 1).clamp(0, self.NB - 1)
+        self.rows[layer].index_add_(0, b_idx, torch.ones_like(nl))
+        self.log_n[layer].index_add_(0, b_idx, torch.log(nl.to(torch.float64)))
+        self.rows_per_id[layer].index_add_(0, nl, torch.ones_like(nl))
+        x_all = scores[bi, :, ci, :]  # [R, H, S]
+        if "post_softmax" in self.placements:
+            if m is None or log_z is None:
+                mm = x_all.amax(-1, keepdim=True)
+                mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
+                lse = mm + torch.log(torch.exp(x_all - mm).sum(-1, keepdim=True))
+            else:
+                lse = (m + log_z)[bi, :, ci, :]
+        G = self.Hq // self.Hkv
+        R = x_all.shape[0]
+        for p in self.placements:
+            x = x_all if p == "pre_softmax" else x_all - lse
+            for s in self.selections:
+                xs = x if s == "head" else x.view(R, self.Hkv, G, S).amax(2)
+                self._add(p, s, layer, xs, b_idx)
+
+    def row_stride(self, n: torch.Tensor) -> torch.Tensor:
+        """Recording stride of rows with row id n (see :meth:`record`)."""
+        if self.rows_per_octave <= 0:
+            return torch.ones_like(n)
+        e = torch.floor(torch.log2(n.clamp(min=1).to(torch.float64))).to(torch.int64) - self._log2_rpo
+        return torch.pow(2, e.clamp(min=0))
+
+    def _add(self, p: str, s: str, layer: int, x: torch.Tensor, b_idx: torch.Tensor) -> None:
+        R, H, S = x.shape
+        rng = self.range[(p, s)][layer]
+        if bool(torch.isnan(rng[:, 0]).any()):
+            self._set_range(p, rng, x)
+        lo = rng[:, 0].to(torch.float32).view(1, H, 1)
+        inv_w = (1.0 / rng[:, 1]).to(torch.float32).view(1, H, 1)
+        size = H * self.NB * self.bins
+        idx = (x - lo).mul_(inv_w).floor_().clamp_(0, self.bins - 1).to(torch.int64)
+        slot = (torch.arange(H).view(1, H, 1) * self.NB + b_idx.view(R, 1, 1)) * self.bins
+        flat = torch.where(torch.isfinite(x), idx.add_(slot), size)  # invalid keys -> a dump slot
+        self.hist[(p, s)][layer].view(-1).add_(torch.bincount(flat.view(-1), minlength=size + 1)[:size])
+
+    def _set_range(self, p: str, rng: torch.Tensor, x: torch.Tensor) -> None:
+        """Per-head histogram range from the first rows a layer sees: their finite values'
+        span with half a span of margin each side (log-probabilities: at most 0, at
+        least LOG_PROB_FLOOR)."""
+        fin = torch.isfinite(x)
+        big = torch.finfo(torch.float32).max
+        lo = torch.where(fin, x, big).amin(dim=(0, 2)).to(torch.float64)
+        hi = torch.where(fin, x, -big).amax(dim=(0, 2)).to(torch.float64)
+        none = lo > hi
+        lo, hi = torch.where(none, -1.0, lo), torch.where(none, 1.0, hi)
+        span = (hi - lo).clamp(min=1e-3)
+        lo, hi = lo - 0.5 * span, hi + 0.5 * span
+        if p == "post_softmax":
+            lo, hi = lo.clamp(min=LOG_PROB_FLOOR), hi.clamp(max=0.0)
+            hi = torch.maximum(hi, lo + 1e-3)
+        rng[:, 0] = lo
+        rng[:, 1] = (hi - lo) / self.bins
+
+    # ------------------------------------------------------------------ finalize
+
+    def bucket_thetas(self, placement: str, selection: str, layer: int, k: int) -> tuple:
+        """Per-bucket solutions of one layer for target k.
+
+        Returns
+        -------
+        (centres, values, rows, usable) : numpy arrays over buckets
+            Centre row id exp(mean log n), domain value of theta (NaN where unusable),
+            rows per bucket, and whether the bucket holds only rows n > k with rows > 0.
+        """
+        hist = self.hist[(placement, selection)][layer].numpy()  # [H, NB, bins]
+        rng = self.range[(placement, selection)][layer].numpy()
+        rows = self.rows[layer].numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            centres = np.exp(self.log_n[layer].numpy() / rows)
+        usable = (self.edges[:-1] >= k) & (rows > 0)
+        H = hist.shape[0]
+        vals = np.full((H, self.NB), np.nan)
+        # above[h, b, i] = values >= edge i (edge i = lo + i * width), i = 0..bins
+        above = np.concatenate([np.cumsum(hist[..., ::-1], axis=-1)[..., ::-1],
+                                np.zeros(hist.shape[:-1] + (1,), dtype=hist.dtype)], axis=-1)
+        for b in np.flatnonzero(usable):
+            target = k * rows[b]
+            for h in range(H):
+                a = above[h, b]
+                # largest edge index i with above[i] >= target (above is non-increasing)
+                i = int(np.searchsorted(-a, -target, side="right")) - 1
+                lo, w = rng[h, 0], rng[h, 1]
+                if i < 0:  # fewer than k values per row even at the lowest edge
+                    vals[h, b] = lo
+                    continue
+                if i >= self.bins:
+                    vals[h, b] = lo + self.bins * w
+                    continue
+                inside = hist[h, b, i]
+                frac = (target - a[i + 1]) / inside if inside > 0 else 0.0
+                vals[h, b] = lo + (i + 1 - frac) * w
+        return centres, vals, rows, usable
+
+    def result(self, placement: str, selection: str, layer_k: LayerK, extend_to: Optional[int] = None,
+               fit_octaves: float = DEFAULT_FIT_OCTAVES) -> tuple[np.ndarray, np.ndarray, LengthModel]:
+        """Thresholds of one target.
+
+        Parameters
+        ----------
+        placement, selection : str
+        layer_k : list of int
+            k per layer (:data:`~topth_ops.calibration.DENSE` = dense layer).
+        extend_to : int, optional
+            Table length (row ids); default the longest calibration row. Row ids beyond
+            the last bucket centre follow the length model.
+        fit_octaves : float
+
+        Returns
+        -------
+        thresholds : numpy.ndarray
+            ``[num_layers, H, extend_to]`` float64; -inf for n <= k and dense layers.
+        counts : numpy.ndarray
+            ``[num_layers, H, max_row_id]`` int64: calibration rows behind each row id
+            (rows of that row id, the same for every head; 0 for n <= k).
+        model : LengthModel
+
+        Raises
+        ------
+        ValueError
+            A thresholded layer has no calibration row longer than its k.
+        """
+        R = int(extend_to or self.max_row_id)
+        domain = DOMAINS[placement]
+        H = self.heads(selection)
+        theta = np.full((self.L, H, R), -np.inf)
+        counts = np.zeros((self.L, H, self.max_row_id), dtype=np.int64)
+        anc_n = np.full((self.L, H), np.nan)
+        anc_v = np.full((self.L, H), np.nan)
+        slope = np.zeros((self.L, H))
+        n_all = np.arange(1, R + 1, dtype=np.float64)
+        for layer, k in enumerate(layer_k):
+            if k == DENSE:
+                continue
+            centres, vals, rows, usable = self.bucket_thetas(placement, selection, layer, k)
+            if not usable.any():
+                raise ValueError(
+                    f"no calibration row longer than k={k} in layer {layer} (k per layer comes from k "
+                    f"and the --layer-k overrides): use longer calibration samples, a smaller k, or "
+                    f"another --layer-k (e.g. {layer}:dense)")
+            c = centres[usable]
+            per_id = self.rows_per_id[layer].numpy()[1:]
+            counts[layer, :, k:] = per_id[k:]
+            for h in range(H):
+                v = vals[h, usable]
+                an, av, sl = fit_length_model(c, v, rows[usable], k, domain, fit_octaves)
+                anc_n[layer, h], anc_v[layer, h], slope[layer, h] = an, av, sl
+                ok = np.isfinite(v)
+                xs, ys = np.log(c[ok]), v[ok]
+                nn = n_all[k:]
+                inside = np.interp(np.log(nn), xs, ys)  # clamps below the first centre
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    beyond = av + sl * (np.log(np.log(nn / k)) - math.log(math.log(an / k)))
+                dv = np.where(nn > an, beyond, inside)
+                theta[layer, h, k:] = from_domain(dv, domain)
+        model = LengthModel(domain, anc_n, anc_v, slope, "log_log_n_over_k", np.array(layer_k, dtype=np.int64))
+        # beyond the anchors the table is exactly the model (what loading re-creates)
+        n_beyond = np.arange(1, R + 1, dtype=np.float64)
+        m = model.theta(n_beyond)
+        beyond_mask = n_beyond[None, None, :] > np.nan_to_num(anc_n, nan=np.inf)[..., None]
+        theta = np.where(beyond_mask, m, theta)
+        return theta, counts, model
+
+
+def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str = "log",
+                    fit_octaves: float = DEFAULT_FIT_OCTAVES) -> LengthModel:
+    """Log-linear model of a per-row-id table (e.g. the offline SDC table) for row ids
+    beyond it: per (layer, head), weighted least squares (weights: ``counts``) of
+    domain(value) on log n over the row ids of the last ``fit_octaves`` octaves with
+    samples and value > 0; the model is the regression line (anchored at its weighted
+    mean point). Dense layers get NaN (extended as 0 by the SDC extension).
+
+    Parameters
+    ----------
+    table, counts : numpy.ndarray
+        ``[L, H, R]`` values and samples per row id (column c = row id c + 1).
+    layer_k : sequence of int
+    domain : {"log", "logit"}
+    """
+    L, H, R = table.shape
+    an, av, sl = np.full((L, H), np.nan), np.full((L, H), np.nan), np.zeros((L, H))
+    n = np.arange(1, R + 1, dtype=np.float64)
+    for layer, k in enumerate(layer_k):
+        if k == DENSE:
+            continue
+        for h in range(H):
+            v, w = table[layer, h], counts[layer, h].astype(np.float64)
+            ok = (w > 0) & (n > k) & (v > 0 if domain == "log" else np.isfinite(v))
+            if not ok.any():
+                an[layer, h], av[layer, h] = float(R), (0.0 if domain == "logit" else -np.inf)
+                continue
+            last = n[ok][-1]
+            sel = ok & (n >= last / 2.0 ** fit_octaves)
+            x, ww = np.log(n[sel]), w[sel]
+            y = np.log(v[sel]) if domain == "log" else v[sel]
+            xm, ym = np.average(x, weights=ww), np.average(y, weights=ww)
+            den = np.sum(ww * (x - xm) ** 2)
+            sl[layer, h] = float(np.sum(ww * (x - xm) * (y - ym)) / den) if den > 0 else 0.0
+            an[layer, h], av[layer, h] = math.exp(xm), ym
+    return LengthModel(domain, an, av, sl)
