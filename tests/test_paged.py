@@ -1,12 +1,13 @@
-"""Paged-cache helpers (topth_ops.paged): token writes, the maintained per-block V sum and
-its mean, against means recomputed independently in float64 from the written rows."""
+"""Paged-cache helpers (topth_ops.paged): token writes, the maintained per-block V sum
+(PagedValueSum: chunked writes, block reuse, rewritten slots, shared prefixes) and its
+mean, against means recomputed independently in float64 from the written rows."""
 
 import pytest
 import torch
 
 import topth_ops
 from topth_ops.conformance.oracle import oracle_decode
-from topth_ops.paged import new_value_sum, paged_value_mean, to_paged, update_value_sum, write_kv
+from topth_ops.paged import PagedValueSum, to_paged, write_kv
 
 BS, H, D = 16, 2, 8
 
@@ -19,42 +20,59 @@ def _mean64(rows):
     return torch.stack(rows).double().mean(0)
 
 
-def test_value_sum_tracks_token_by_token_and_chunked_writes():
-    g = torch.Generator().manual_seed(0)
+class _Written:
+    """A paged cache written through write_kv with a PagedValueSum updated before each write."""
+
+    def __init__(self, layout, num_blocks=10, seed=0):
+        self.g = torch.Generator().manual_seed(seed)
+        shape = (num_blocks, BS, H, D) if layout == "NHD" else (num_blocks, H, BS, D)
+        self.layout = layout
+        self.k, self.v = torch.full(shape, 50.0), torch.full(shape, 50.0)  # stale rows everywhere
+        self.vs = PagedValueSum(num_blocks, BS, H, D, kv_layout=layout)
+
+    def write(self, rows, slots):
+        self.vs.update(self.v, rows, slots)
+        write_kv(self.k, self.v, torch.randn(rows.shape, generator=self.g), rows, slots, self.layout)
+
+    def rand(self, T):
+        return torch.randn(T, H, D, generator=self.g)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_value_sum_tracks_token_by_token_and_chunked_writes(layout):
+    w = _Written(layout)
     lens = [37, 16, 1]
     table = torch.tensor([[5, 2, 9], [0, 7, 7], [3, 1, 1]], dtype=torch.int32)
-    vs = new_value_sum(10, H, D)
     written = {b: [] for b in range(3)}
-    # sequence 0: a prefill chunk of 20 rows, then decode one row at a time
-    rows = torch.randn(20, H, D, generator=g)
-    update_value_sum(vs, rows, _slots(table, 0, range(20)), BS)
+    rows = w.rand(20)  # sequence 0: a prefill chunk of 20 rows, then one row at a time
+    w.write(rows, _slots(table, 0, range(20)))
     written[0] += list(rows)
     for j in range(20, 37):
-        r = torch.randn(1, H, D, generator=g)
-        update_value_sum(vs, r, _slots(table, 0, [j]), BS)
+        r = w.rand(1)
+        w.write(r, _slots(table, 0, [j]))
         written[0] += list(r)
     for b in (1, 2):  # one chunk each, with vLLM's padding slot -1 in between
-        r = torch.randn(lens[b] + 1, H, D, generator=g)
-        slots = torch.cat([_slots(table, b, range(lens[b])), torch.tensor([-1])])
-        update_value_sum(vs, r, slots, BS)
+        r = w.rand(lens[b] + 1)
+        w.write(r, torch.cat([_slots(table, b, range(lens[b])), torch.tensor([-1])]))
         written[b] += list(r[:-1])
-    mu = paged_value_mean(vs, table, torch.tensor(lens), BS)
+    mu = w.vs.mean(table, torch.tensor(lens))
     for b in range(3):
         torch.testing.assert_close(mu[b].double(), _mean64(written[b]), atol=1e-6, rtol=1e-6)
 
 
-def test_reused_block_forgets_old_rows_and_shared_prefix_blocks_count_for_both():
-    g = torch.Generator().manual_seed(1)
-    vs = new_value_sum(4, H, D)
-    old = torch.randn(BS, H, D, generator=g)
-    update_value_sum(vs, old, torch.arange(BS) + 2 * BS, BS)  # block 2 filled by a finished request
-    prefix = torch.randn(BS, H, D, generator=g)
-    update_value_sum(vs, prefix, torch.arange(BS), BS)  # block 0: a shared prefix
-    tails = [torch.randn(3, H, D, generator=g), torch.randn(5, H, D, generator=g)]
-    update_value_sum(vs, tails[0], torch.arange(3) + 2 * BS, BS)  # block 2 reused from offset 0
-    update_value_sum(vs, tails[1], torch.arange(5) + 3 * BS, BS)
+def test_reused_block_rewritten_slot_and_shared_prefix_blocks():
+    w = _Written("NHD", num_blocks=4, seed=1)
+    w.write(w.rand(BS), torch.arange(BS) + 2 * BS)  # block 2 filled by a finished request
+    prefix = w.rand(BS)
+    w.write(prefix, torch.arange(BS))  # block 0: a shared prefix
+    tails = [w.rand(3), w.rand(5)]
+    w.write(tails[0], torch.arange(3) + 2 * BS)  # block 2 reused from offset 0: old rows forgotten
+    w.write(tails[1], torch.arange(5) + 3 * BS)
+    again = w.rand(1)  # a counted slot rewritten (vLLM recomputes a prompt's last token)
+    w.write(again, torch.tensor([BS - 1]))
+    prefix[BS - 1] = again[0]
     table = torch.tensor([[0, 2], [0, 3]], dtype=torch.int32)
-    mu = paged_value_mean(vs, table, torch.tensor([BS + 3, BS + 5]), BS)
+    mu = w.vs.mean(table, torch.tensor([BS + 3, BS + 5]))
     for b in range(2):
         torch.testing.assert_close(mu[b].double(), _mean64(list(prefix) + list(tails[b])),
                                    atol=1e-6, rtol=1e-6)
@@ -81,11 +99,12 @@ def test_paged_value_mean_as_value_mean_equals_the_cache_mean():
     k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
     lens = torch.tensor([70, 17, 0])
     kc, vc, table = to_paged(k, v, lens, BS, generator=g)
-    vs = new_value_sum(kc.shape[0], H, D)
+    vs = PagedValueSum(kc.shape[0], BS, H, D)
+    empty = torch.zeros_like(vc)
     for b in range(B):
         n = int(lens[b])
-        update_value_sum(vs, v[b, :, :n].transpose(0, 1), _slots(table, b, range(n)), BS)
-    mu = paged_value_mean(vs, table, lens, BS)
+        vs.update(empty, v[b, :, :n].transpose(0, 1), _slots(table, b, range(n)))
+    mu = vs.mean(table, lens)
     q, th = torch.randn(B, Hq, D, generator=g), torch.full((Hq, S), 0.05)
     out = topth_ops.decode_attention(q, kc, vc, lens, th, vmc=True, value_mean=mu, block_table=table)
     want = oracle_decode(q, kc, vc, lens, th, vmc=True, block_table=table)  # mean from the cache
@@ -93,13 +112,15 @@ def test_paged_value_mean_as_value_mean_equals_the_cache_mean():
 
 
 def test_bad_arguments_are_named():
-    vs = new_value_sum(2, H, D)
+    vs, cache = PagedValueSum(2, BS, H, D), torch.zeros(2, BS, H, D)
     with pytest.raises(TypeError, match="slot_mapping"):
-        update_value_sum(vs, torch.zeros(2, H, D), torch.zeros(2), BS)
+        vs.update(cache, torch.zeros(2, H, D), torch.zeros(2))
     with pytest.raises(ValueError, match="slot_mapping"):
-        update_value_sum(vs, torch.zeros(2, H, D), torch.zeros(3, dtype=torch.int64), BS)
-    with pytest.raises(ValueError, match="value_sum"):
-        update_value_sum(vs.double(), torch.zeros(2, H, D), torch.zeros(2, dtype=torch.int64), BS)
+        vs.update(cache, torch.zeros(2, H, D), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="value must have shape"):
+        vs.update(cache, torch.zeros(2, H + 1, D), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kv_layout"):
+        PagedValueSum(2, BS, H, D, kv_layout="BNSD")
     with pytest.raises(ValueError, match="kv_layout"):
         write_kv(torch.zeros(2, BS, H, D), torch.zeros(2, BS, H, D), torch.zeros(1, H, D),
                  torch.zeros(1, H, D), torch.zeros(1, dtype=torch.int64), "BNSD")

@@ -10,7 +10,7 @@ V-mean compensation (paper section 3.2.2) needs mean_{j<n} v_j per (sequence, KV
 Recomputing it from the cache reads every V row, O(n x head_dim) per step, which erases
 the saving of reading only the kept rows. Instead a per-block V sum
 ``[num_blocks, num_kv_heads, head_dim]`` float32 is updated when tokens are written
-(:func:`update_value_sum`) and the mean is assembled from it in O(blocks x head_dim)
+(:class:`PagedValueSum`) and the mean is assembled from it in O(blocks x head_dim)
 (:func:`paged_value_mean`).
 """
 
@@ -66,45 +66,87 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
             cache[blk, :, off] = new.to(cache.dtype)
 
 
-def new_value_sum(num_blocks: int, num_kv_heads: int, head_dim: int,
-                  device: Optional[torch.device] = None) -> torch.Tensor:
-    """A zeroed per-block V sum, ``[num_blocks, num_kv_heads, head_dim]`` float32."""
-    return torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
+class PagedValueSum:
+    """Per-block V sums ``[num_blocks, num_kv_heads, head_dim]`` float32, kept equal to the
+    sum of each block's written V rows while tokens are written, so that VMC's mean costs
+    O(blocks x head_dim) instead of reading every V row (paper section 3.2.2).
 
-
-def update_value_sum(value_sum: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                     block_size: int) -> None:
-    """Add new tokens' V rows to the per-block V sum, in place.
-
-    A block written at offset 0 is reset before the rows of this call are added: blocks
-    fill from offset 0 in order, so a write there starts a block's (re)use, and a freed,
-    reallocated block forgets its old rows. Blocks that are only read (shared prefix
-    blocks) keep their sums. Rows must not be rewritten at other offsets.
+    Blocks fill from offset 0 in order, and a serving engine may rewrite a slot it has
+    already written (vLLM recomputes a prompt's last token into its shared, already counted
+    block after a full prefix-cache hit). So each block also records how many of its
+    leading slots the sum holds (``fill``): a write at offset 0 starts the block afresh
+    (a freed and reallocated block forgets its old rows), a write at an offset below
+    ``fill`` replaces that slot's old row (subtracted, read from the cache before the
+    write), other writes add. Blocks only read (shared prefix blocks) keep their sums.
+    Each update costs O(new tokens x num_kv_heads x head_dim).
 
     Parameters
     ----------
-    value_sum : torch.Tensor
-        ``[num_blocks, num_kv_heads, head_dim]`` float32.
-    value : torch.Tensor
-        ``[num_tokens, num_kv_heads, head_dim]``, any float dtype (summed in float32 as
-        it was written: pass the cache-dtype value so the sum matches the cache).
-    slot_mapping : torch.Tensor
-        ``[num_tokens]`` int32/int64 flat slots; negative slots are skipped.
-    block_size : int
+    num_blocks, block_size, num_kv_heads, head_dim : int
+        The paged cache's shape.
+    kv_layout : {"NHD", "HND"}
+        Layout of the value cache passed to :meth:`update`.
+    device : torch.device, optional
 
-    Raises
-    ------
-    TypeError, ValueError
-        value_sum not float32 or of the wrong shape; bad slot_mapping.
+    Attributes
+    ----------
+    sum : torch.Tensor
+        ``[num_blocks, num_kv_heads, head_dim]`` float32.
+    fill : torch.Tensor
+        ``[num_blocks]`` int64: leading slots of each block counted in ``sum``.
     """
-    if value_sum.dtype != torch.float32 or value_sum.dim() != 3 or value_sum.shape[1:] != value.shape[1:]:
-        raise ValueError(f"value_sum must be float32 [num_blocks, {value.shape[1]}, {value.shape[2]}], "
-                         f"got {value_sum.dtype} {list(value_sum.shape)}")
-    slots = _check_slots(slot_mapping, value.shape[0])
-    ok = slots >= 0
-    blk, off = slots[ok] // block_size, slots[ok] % block_size
-    value_sum[blk[off == 0]] = 0.0
-    value_sum.index_add_(0, blk, value[ok].to(torch.float32))
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                 kv_layout: str = "NHD", device: Optional[torch.device] = None):
+        require_choice("kv_layout", kv_layout, PAGED_LAYOUTS)
+        self.block_size = int(block_size)
+        self.kv_layout = kv_layout
+        self.sum = torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
+        self.fill = torch.zeros(num_blocks, dtype=torch.int64, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.sum.shape[0]
+
+    def update(self, value_cache: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Account for new V rows about to be written; call it BEFORE writing the cache.
+
+        Parameters
+        ----------
+        value_cache : torch.Tensor
+            The paged value cache in ``kv_layout``, still holding the old rows of the
+            slots about to be written.
+        value : torch.Tensor
+            ``[num_tokens, num_kv_heads, head_dim]``: the new rows, summed as the cache's
+            dtype stores them.
+        slot_mapping : torch.Tensor
+            ``[num_tokens]`` int32/int64 flat slots ``block * block_size + offset``;
+            negative slots (vLLM's padding, -1) are skipped; no slot twice in one call.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad slot_mapping, or rows whose heads / head_dim differ from the sums'.
+        """
+        slots = _check_slots(slot_mapping, value.shape[0])
+        if value.dim() != 3 or tuple(value.shape[1:]) != tuple(self.sum.shape[1:]):
+            raise ValueError(f"value must have shape [num_tokens, {self.sum.shape[1]}, {self.sum.shape[2]}], "
+                             f"got {list(value.shape)}")
+        ok = slots >= 0
+        blk, off = slots[ok] // self.block_size, slots[ok] % self.block_size
+        new = value[ok].to(value_cache.dtype).to(torch.float32)
+        starts = blk[off == 0]
+        self.sum[starts] = 0.0
+        self.fill[starts] = 0
+        counted = (off < self.fill[blk]).to(torch.float32)[:, None, None]
+        rows = value_cache[blk, off] if self.kv_layout == "NHD" else value_cache[blk, :, off]
+        self.sum.index_add_(0, blk, new - rows.to(torch.float32) * counted)
+        self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
+
+    def mean(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """``value_mean`` for :func:`topth_ops.decode_attention`: ``[batch, num_kv_heads,
+        head_dim]`` float32 (see :func:`paged_value_mean`)."""
+        return paged_value_mean(self.sum, block_table, seq_lens, self.block_size)
 
 
 def paged_value_mean(value_sum: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -115,7 +157,7 @@ def paged_value_mean(value_sum: torch.Tensor, block_table: torch.Tensor, seq_len
     Parameters
     ----------
     value_sum : torch.Tensor
-        ``[num_blocks, num_kv_heads, head_dim]`` float32 (see :func:`update_value_sum`).
+        ``[num_blocks, num_kv_heads, head_dim]`` float32 (:attr:`PagedValueSum.sum`).
     block_table : torch.Tensor
         ``[batch, max_blocks_per_seq]`` int32.
     seq_lens : torch.Tensor

@@ -247,7 +247,7 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         nb, bs = value_cache.shape[0], value_cache.shape[1]
         vs = self._vsum
         if vs is None or vs.num_blocks != nb or vs.block_size != bs or vs.sum.device != value_cache.device:
-            vs = self._vsum = PagedValueSum(nb, bs, self.num_kv_heads, self.head_size, value_cache.device)
+            vs = self._vsum = PagedValueSum(nb, bs, self.num_kv_heads, self.head_size, device=value_cache.device)
         return vs
 
     # ---------------------------------------------------------------- vLLM hooks

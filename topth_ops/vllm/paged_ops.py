@@ -1,6 +1,6 @@
 """Paged-cache pieces of the vLLM backend that need no vLLM: the NHD views of vLLM's
-per-layer cache, the per-block V sum kept correct under vLLM's slot rewrites, and the
-dense causal prefill over a paged cache.
+per-layer cache and the dense causal prefill over a paged cache (the per-block V sum,
+kept correct under vLLM's slot rewrites, is :class:`topth_ops.paged.PagedValueSum`).
 
 vLLM 0.32 gives each attention layer one cache tensor, logically ``[num_blocks,
 num_kv_heads, block_size, 2 * head_dim]`` (K then V in the last dim). The backend asks
@@ -12,11 +12,10 @@ views, read in place by :func:`topth_ops.decode_attention`).
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
-from ..paged import paged_value_mean
+from ..paged import PagedValueSum  # noqa: F401 (re-exported for the backend)
 
 
 def nhd_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,69 +43,6 @@ def nhd_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, tor
                          f"got {list(kv_cache.shape)}")
     kv = kv_cache.transpose(1, 2)
     return kv[..., :head_size], kv[..., head_size:]
-
-
-class PagedValueSum:
-    """Per-block V sums ``[num_blocks, num_kv_heads, head_dim]`` float32 of one layer, kept
-    equal to the sum of each block's written V rows while vLLM writes the cache.
-
-    :func:`topth_ops.paged.update_value_sum` assumes rows are never rewritten; vLLM does
-    rewrite them: on a full prefix-cache hit it recomputes the prompt's last token into
-    its (shared, already counted) block. So each block also records how many of its
-    leading slots the sum holds (``fill``): a write at offset 0 starts the block afresh
-    (reset), a write at an offset below ``fill`` replaces that slot's old row (subtract
-    it, read from the cache before the write), and other writes add. Each update reads
-    and adds only the new tokens' rows: O(new tokens x heads x head_dim).
-
-    Parameters
-    ----------
-    num_blocks, block_size, num_kv_heads, head_dim : int
-    device : torch.device, optional
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 device: Optional[torch.device] = None):
-        self.block_size = int(block_size)
-        self.sum = torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
-        self.fill = torch.zeros(num_blocks, dtype=torch.int64, device=device)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.sum.shape[0]
-
-    def update(self, value_cache: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Account for new V rows about to be written; call BEFORE writing the cache.
-
-        Parameters
-        ----------
-        value_cache : torch.Tensor
-            NHD ``[num_blocks, block_size, num_kv_heads, head_dim]``, still holding the old
-            rows of the slots to be written.
-        value : torch.Tensor
-            ``[num_tokens, num_kv_heads, head_dim]`` new rows (summed as the cache's dtype
-            stores them).
-        slot_mapping : torch.Tensor
-            ``[num_tokens]`` int32/int64 flat slots ``block * block_size + offset``;
-            negative slots (padding) are skipped. No slot twice in one call.
-        """
-        bs = self.block_size
-        slots = slot_mapping.to(torch.int64)
-        ok = slots >= 0
-        slots = slots[ok]
-        blk, off = slots // bs, slots % bs
-        new = value[ok].to(value_cache.dtype).to(torch.float32)
-        starts = blk[off == 0]
-        self.sum[starts] = 0.0
-        self.fill[starts] = 0
-        counted = (off < self.fill[blk]).to(torch.float32)[:, None, None]
-        old = value_cache[blk, off].to(torch.float32) * counted
-        self.sum.index_add_(0, blk, new - old)
-        self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
-
-    def mean(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """mean_{j<n} v_j ``[batch, num_kv_heads, head_dim]`` float32 (see
-        :func:`topth_ops.paged.paged_value_mean`), O(blocks x head_dim) per sequence."""
-        return paged_value_mean(self.sum, block_table, seq_lens, self.block_size)
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
