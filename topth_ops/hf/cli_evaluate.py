@@ -126,6 +126,7 @@ def _run(args) -> int:
         topth = [FAMILIES[f] for f in args.variants if FAMILIES[f]["mode"] == "topth"]
         placements = sorted({f["placement"] for f in topth})
         selections = sorted({f["selection"] for f in topth}, reverse=True)  # head first
+        wanted = {(f["placement"], f["selection"]) for f in topth}  # calibrate computes every pair
         if placements:
             from .calibrate import CalibrationText, calibrate
             from .texts import calibration_documents, token_samples
@@ -143,9 +144,12 @@ def _run(args) -> int:
                              selections=selections, extend_to=args.extend_to)
             for p in placements:  # one file per (placement, selection): the k's are its threshold sets
                 for sel in selections:
+                    if (p, sel) not in wanted:
+                        continue
                     group = [sets[(i, p, sel)] for i in range(len(ks)) if (i, p, sel) in sets]
                     if group:
                         save_threshold_sets(tdir / f"{_slug(lm.name)}_{p}_{sel}.safetensors", group)
+            sets = {key: ts for key, ts in sets.items() if key[1:] in wanted}
             for (i, p, sel), ts in sets.items():
                 thresholds[(ks[i], p, sel)] = ts
             calibration = dict(text=text.description, samples=len(samples), tokens=text.tokens,
