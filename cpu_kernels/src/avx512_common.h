@@ -14,7 +14,7 @@ namespace topth_cpu {
 namespace avx512_level {
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile);
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
 void max_bad(const float* S, int64_t len, float* m, int32_t* bad);
 float sum_exp(const float* S, int64_t len, float m);
 int64_t select(const SelectArgs& a);
@@ -56,6 +56,46 @@ inline void load_row(const uint8_t* p, int32_t dtype, int64_t sdim, int32_t d, i
 
 inline void prefetch_row(const uint8_t* p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+}
+
+inline __m512 pair_sum(__m512 a, __m512 b) {  // [a.lo256 + a.hi256, b.lo256 + b.hi256]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+
+inline __m512 quad_sum(__m512 a, __m512 b) {  // 128-bit lanes: [a0+a1, a2+a3, b0+b1, b2+b3]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+// Horizontal sums of 16 vectors: result[t] = sum of the lanes of acc[t] (a transpose-and-add
+// tree: 15 adds and 26 shuffles for 16 dot products).
+inline __m512 reduce16(const __m512 (&acc)[16]) {
+    __m512 s[8], u[4];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) s[i] = pair_sum(acc[2 * i], acc[2 * i + 1]);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) u[i] = quad_sum(s[2 * i], s[2 * i + 1]);
+    // lane i of u[k] holds 4 partial sums of row 4k + i
+    const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 2, 3, 2)));
+    // f[4 i + k] = row i + 4 k  ->  row r sits at 4 (r % 4) + r / 4
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(perm, f);
+}
+
+// Scores of a block of HB heads x RB rows (HB * RB <= 16), reduced into one vector v with
+// lane h * RB + t = head h, row t: rows t < T of each head go to S[h * ldS + t].
+template <int HB, int RB>
+inline void store_block(__m512 v, float* S, int64_t ldS, int64_t T) {
+    const __mmask16 m = tail_mask(T < RB ? T : RB);
+    _mm512_mask_storeu_ps(S, m, v);
+#pragma GCC unroll 4
+    for (int h = 1; h < HB; ++h) {
+        const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(h * RB));
+        _mm512_mask_storeu_ps(S + h * ldS, m, _mm512_permutexvar_ps(idx, v));
+    }
 }
 
 // exp(x), x <= 88 or NaN: Cody-Waite reduction, Cephes' degree-6 polynomial, 2^n by scalef
