@@ -58,30 +58,31 @@ inline void prefetch_row(const uint8_t* p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
-inline __m512 pair_sum(__m512 a, __m512 b) {  // [a.lo256 + a.hi256, b.lo256 + b.hi256]
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-
-inline __m512 quad_sum(__m512 a, __m512 b) {  // 128-bit lanes: [a0+a1, a2+a3, b0+b1, b2+b3]
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-
-// Horizontal sums of 16 vectors: result[t] = sum of the lanes of acc[t] (a transpose-and-add
-// tree: 15 adds and 26 shuffles for 16 dot products).
+// Horizontal sums of 16 vectors: result[t] = sum of the lanes of acc[t]. A transpose-and-add
+// tree (15 adds) whose every level pairs a mask blend with one shuffle (16 shuffles in all,
+// half the shuffles of two-shuffle levels: shuffles, not adds, limit it on AMD Zen 4). The
+// tree leaves row r in lane bitreverse4(r), so the inputs are taken in bit-reversed order.
 inline __m512 reduce16(const __m512 (&acc)[16]) {
-    __m512 s[8], u[4];
+    constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    __m512 s[8], u[4], v[2];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) s[i] = pair_sum(acc[2 * i], acc[2 * i + 1]);
+    for (int i = 0; i < 8; ++i) {  // 256-bit halves: [a.lo + a.hi, b.hi + b.lo]
+        const __m512 a = acc[rev[2 * i]], b = acc[rev[2 * i + 1]];
+        s[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a, b), _mm512_shuffle_f32x4(a, b, 0x4E));
+    }
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) u[i] = quad_sum(s[2 * i], s[2 * i + 1]);
-    // lane i of u[k] holds 4 partial sums of row 4k + i
-    const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-    const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 2, 3, 2)));
-    // f[4 i + k] = row i + 4 k  ->  row r sits at 4 (r % 4) + r / 4
-    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(perm, f);
+    for (int i = 0; i < 4; ++i) {  // 128-bit lanes: [p0 + p1, q0 + q1, p2 + p3, q2 + q3]
+        const __m512 p = s[2 * i], q = s[2 * i + 1];
+        const __m512 w = _mm512_mask_blend_ps(0x0F0F, p, q);  // [q0 p1 q2 p3]
+        u[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, p, q), _mm512_shuffle_f32x4(w, w, 0xB1));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {  // 64-bit halves of each 128-bit lane
+        const __m512 a = u[2 * i], b = u[2 * i + 1];
+        v[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, a, b), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 3, 2)));
+    }
+    const __m512 w = _mm512_mask_blend_ps(0x5555, v[0], v[1]);  // single floats
+    return _mm512_add_ps(_mm512_mask_blend_ps(0xAAAA, v[0], v[1]), _mm512_permute_ps(w, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
 // Scores of a block of HB heads x RB rows (HB * RB <= 16), reduced into one vector v with

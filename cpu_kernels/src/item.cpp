@@ -10,6 +10,7 @@
 // Phases: kFull runs all three (the item covers the whole sequence, or pre_softmax, whose
 // selection needs no global statistic); post_softmax with split-KV runs kScores on every
 // item, then combine_lse, then kSelect (scores kept in Plan::ws between the two).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -36,16 +37,16 @@ int64_t block_of(const Params& P, int64_t b, int64_t i) {
 // Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive) of (b, g).
 void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
                       int64_t count, const uint8_t** out) {
-    const int64_t es = elem_size(P.dtype), bs = P.block_size;
+    const int64_t es = elem_size(P.dtype), bs = P.block_size, step = s[2] * es;
     const uint8_t* p0 = static_cast<const uint8_t*>(base);
     int64_t bi = lo / bs, slot = lo % bs;
-    const uint8_t* blk_base = p0 + (block_of(P, b, bi) * s[0] + g * s[1]) * es;
-    for (int64_t t = 0; t < count; ++t) {
-        out[t] = blk_base + slot * s[2] * es;
-        if (++slot == bs && t + 1 < count) {
-            slot = 0;
-            blk_base = p0 + (block_of(P, b, ++bi) * s[0] + g * s[1]) * es;
-        }
+    for (int64_t t = 0; t < count;) {
+        const uint8_t* row = p0 + (block_of(P, b, bi) * s[0] + g * s[1] + slot * s[2]) * es;
+        const int64_t run = std::min(count - t, bs - slot);  // rows left in this block
+        for (int64_t r = 0; r < run; ++r, row += step) out[t + r] = row;
+        t += run;
+        slot = 0;
+        ++bi;
     }
 }
 
@@ -55,6 +56,20 @@ void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b,
     const int64_t es = elem_size(P.dtype), bs = P.block_size;
     const uint8_t* p0 = static_cast<const uint8_t*>(base);
     const int64_t head = g * s[1];
+    if (!P.block_table) {  // BNSD: one block per sequence, no division
+        const uint8_t* seq = p0 + (b * s[0] + head) * es;
+        const int64_t step = s[2] * es;
+        for (int64_t t = 0; t < count; ++t) out[t] = seq + (lo + idx[t]) * step;
+        return;
+    }
+    if ((bs & (bs - 1)) == 0) {  // power-of-two block size: shifts
+        const int shift = __builtin_ctzll(uint64_t(bs));
+        for (int64_t t = 0; t < count; ++t) {
+            const int64_t j = lo + idx[t];
+            out[t] = p0 + (block_of(P, b, j >> shift) * s[0] + head + (j & (bs - 1)) * s[2]) * es;
+        }
+        return;
+    }
     for (int64_t t = 0; t < count; ++t) {
         const int64_t j = lo + idx[t];
         out[t] = p0 + (block_of(P, b, j / bs) * s[0] + head + (j % bs) * s[2]) * es;
