@@ -71,14 +71,17 @@ cpu_kernel = Pybind11Extension(
 )
 cpu_kernel.depends = [str(p.relative_to(ROOT)) for p in (ROOT / CPU).rglob("*.h")] + [
     str(CPU_SRC / "stages_portable.inc")]
-# SIMD levels compiled with their own target flags (x86-64 only): (macro, flags, sources)
+# SIMD levels compiled with their own target flags (x86-64 only): (macro, flags, sources, needs)
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 cpu_kernel.simd_levels = []
 if platform.machine().lower() in ("x86_64", "amd64"):
     cpu_kernel.simd_levels = [
-        ("TOPTH_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"], [str(CPU_SRC / "simd_avx2.cpp")]),
+        ("TOPTH_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"], [str(CPU_SRC / "simd_avx2.cpp")], None),
         ("TOPTH_HAVE_AVX512", AVX512_FLAGS,
-         [str(CPU_SRC / f) for f in ("avx512_scores.cpp", "avx512_select.cpp", "avx512_pv.cpp")]),
+         [str(CPU_SRC / f) for f in ("avx512_scores.cpp", "avx512_select.cpp", "avx512_pv.cpp")], None),
+        # reuses every stage of the AVX-512 level but the bfloat16 scores
+        ("TOPTH_HAVE_AVX512BF16", AVX512_FLAGS + ["-mavx512bf16"], [str(CPU_SRC / "avx512bf16_scores.cpp")],
+         "TOPTH_HAVE_AVX512"),
     ]
 
 
@@ -121,7 +124,11 @@ class build_ext(_build_ext):
         compiler rejects is left out (the kernel then runs the next level down)."""
         from distutils.errors import CompileError
 
-        for macro, flags, sources in ext.simd_levels:
+        for macro, flags, sources, needs in ext.simd_levels:
+            if needs and (needs, "1") not in (ext.define_macros or []):
+                print(f"WARNING: {ext.name}: SIMD level {macro} not built (it needs {needs}, not built)",
+                      file=sys.stderr, flush=True)
+                continue
             try:
                 objects = self.compiler.compile(
                     sources, output_dir=self.build_temp, macros=ext.define_macros, include_dirs=ext.include_dirs,

@@ -14,7 +14,7 @@ namespace topth_cpu {
 namespace avx512_level {
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile);
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
 void max_bad(const float* S, int64_t len, float* m, int32_t* bad);
 float sum_exp(const float* S, int64_t len, float m);
 int64_t select(const SelectArgs& a);
@@ -56,6 +56,47 @@ inline void load_row(const uint8_t* p, int32_t dtype, int64_t sdim, int32_t d, i
 
 inline void prefetch_row(const uint8_t* p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+}
+
+// Horizontal sums of 16 vectors: result[t] = sum of the lanes of acc[t]. A transpose-and-add
+// tree (15 adds) whose every level pairs a mask blend with one shuffle (16 shuffles in all,
+// half the shuffles of two-shuffle levels: shuffles, not adds, limit it on AMD Zen 4). The
+// tree leaves row r in lane bitreverse4(r), so the inputs are taken in bit-reversed order.
+inline __m512 reduce16(const __m512 (&acc)[16]) {
+    constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    __m512 s[8], u[4], v[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {  // 256-bit halves: [a.lo + a.hi, b.hi + b.lo]
+        const __m512 a = acc[rev[2 * i]], b = acc[rev[2 * i + 1]];
+        s[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a, b), _mm512_shuffle_f32x4(a, b, 0x4E));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // 128-bit lanes: [p0 + p1, q0 + q1, p2 + p3, q2 + q3]
+        const __m512 p = s[2 * i], q = s[2 * i + 1];
+        const __m512 w = _mm512_mask_blend_ps(0x0F0F, p, q);  // [q0 p1 q2 p3]
+        u[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, p, q), _mm512_shuffle_f32x4(w, w, 0xB1));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {  // 64-bit halves of each 128-bit lane
+        const __m512 a = u[2 * i], b = u[2 * i + 1];
+        v[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, a, b), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 3, 2)));
+    }
+    const __m512 w = _mm512_mask_blend_ps(0x5555, v[0], v[1]);  // single floats
+    return _mm512_add_ps(_mm512_mask_blend_ps(0xAAAA, v[0], v[1]), _mm512_permute_ps(w, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// Scores of a block of HB heads x RB rows (HB * RB <= 16), reduced into one vector v with
+// lane h * RB + t = head h, row t: rows t < T of each head go to S[h * ldS + t].
+template <int HB, int RB>
+inline void store_block(__m512 v, float* S, int64_t ldS, int64_t T) {
+    const __mmask16 m = tail_mask(T < RB ? T : RB);
+    _mm512_mask_storeu_ps(S, m, v);
+#pragma GCC unroll 4
+    for (int h = 1; h < HB; ++h) {
+        const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(h * RB));
+        _mm512_mask_storeu_ps(S + h * ldS, m, _mm512_permutexvar_ps(idx, v));
+    }
 }
 
 // exp(x), x <= 88 or NaN: Cody-Waite reduction, Cephes' degree-6 polynomial, 2^n by scalef

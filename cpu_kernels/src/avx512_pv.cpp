@@ -1,8 +1,11 @@
 // AVX-512 level, stage 3: P.V over the kept-union rows only. Rows come as a list of
-// pointers (one per kept position, resolved through the block table by the caller); a tile
-// of 32 rows is converted to float32 in L1 (the next tile is prefetched meanwhile) and every
+// pointers (one per kept position, resolved through the block table by the caller); every
 // query head of the group accumulates w_h,t * v_t with register blocking (up to 4 heads x
-// 4 chunks of 16 floats per pass). Also the V-row sum for the VMC mean (value_mean absent).
+// 4 chunks of 16 floats per pass). Rows with contiguous head_dim are read straight from the
+// cache and converted in registers when one pass covers all heads (G <= 4; float32 rows
+// also for larger groups), with rows 16 ahead prefetched (kept rows are scattered); other
+// cases convert a tile of 32 rows to float32 in L1 first (the next tile prefetched). Also
+// the V-row sum for the VMC mean (value_mean absent).
 #include "avx512_common.h"
 
 namespace topth_cpu {
@@ -45,6 +48,72 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
     }
 }
 
+constexpr int64_t kAhead = 16;  // rows prefetched ahead by the direct path
+
+// acc[h][c] += w_h,t * v_t[16 (c0 + c) ..] for rows t < count read in place (DT: dtype),
+// chunk c0 + NCB - 1 masked by `last` when last != 0xFFFF.
+template <int DT, int HB, int NCB>
+inline void pv_direct(const uint8_t* const* rows, int64_t count, int32_t c0, __mmask16 last, int64_t row_bytes,
+                      const float* w, int64_t ldw, float* acc, int32_t dpad) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    __m512 a[HB][NCB];
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < NCB; ++c) a[h][c] = _mm512_loadu_ps(acc + int64_t(h) * dpad + 16 * (c0 + c));
+    for (int64_t t = 0; t < count; ++t) {
+        if (t + kAhead < count) prefetch_row(rows[t + kAhead] + 16 * c0 * es, row_bytes);
+        const uint8_t* p = rows[t] + 16 * c0 * es;
+        __m512 v[NCB];
+#pragma GCC unroll 4
+        for (int c = 0; c < NCB; ++c) v[c] = load16(p + 16 * c * es, DT, c + 1 == NCB ? last : __mmask16(0xFFFF));
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) {
+            const __m512 wv = _mm512_set1_ps(w[h * ldw + t]);
+#pragma GCC unroll 4
+            for (int c = 0; c < NCB; ++c) a[h][c] = _mm512_fmadd_ps(wv, v[c], a[h][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < NCB; ++c) _mm512_storeu_ps(acc + int64_t(h) * dpad + 16 * (c0 + c), a[h][c]);
+}
+
+template <int DT, int HB>
+inline void pv_direct_heads(const uint8_t* const* rows, int64_t count, int32_t c0, int ncb, __mmask16 last,
+                            int64_t row_bytes, const float* w, int64_t ldw, float* acc, int32_t dpad) {
+    switch (ncb) {
+        case 1: pv_direct<DT, HB, 1>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad); break;
+        case 2: pv_direct<DT, HB, 2>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad); break;
+        case 3: pv_direct<DT, HB, 3>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad); break;
+        default: pv_direct<DT, HB, 4>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad); break;
+    }
+}
+
+template <int DT>
+void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
+                   int32_t G, float* acc) {
+    const int32_t nct = (d + 15) / 16;
+    for (int32_t h0 = 0; h0 < G; h0 += 4) {
+        const int hb = G - h0 < 4 ? G - h0 : 4;
+        for (int32_t c0 = 0; c0 < nct; c0 += 4) {
+            const int ncb = nct - c0 < 4 ? nct - c0 : 4;
+            // the last chunk of this pass is masked when it runs past head_dim
+            const __mmask16 last = tail_mask(d - 16 * (c0 + ncb - 1));
+            const int64_t row_bytes = int64_t(d - 16 * c0 < 16 * ncb ? d - 16 * c0 : 16 * ncb) * (DT == kF32 ? 4 : 2);
+            const float* w = wk + h0 * ldw;
+            float* o = acc + int64_t(h0) * dpad;
+            switch (hb) {
+                case 1: pv_direct_heads<DT, 1>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad); break;
+                case 2: pv_direct_heads<DT, 2>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad); break;
+                case 3: pv_direct_heads<DT, 3>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad); break;
+                default: pv_direct_heads<DT, 4>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad); break;
+            }
+        }
+    }
+}
+
 inline void load_tile(const uint8_t* const* rows, int64_t t0, int64_t T, int64_t count, int32_t dtype, int64_t sdim,
                       int32_t d, int32_t dpad, float* tile) {
     if (sdim == 1) {
@@ -58,6 +127,12 @@ inline void load_tile(const uint8_t* const* rows, int64_t t0, int64_t T, int64_t
 
 void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile) {
+    if (sdim == 1 && (G <= 4 || dtype == kF32)) {  // each row converted once (float32: reloaded from L1)
+        if (dtype == kF32) pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc);
+        else if (dtype == kBF16) pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc);
+        else pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc);
+        return;
+    }
     const int32_t nct = dpad / 16;
     for (int64_t t0 = 0; t0 < count; t0 += kTile) {
         const int64_t T = count - t0 < kTile ? count - t0 : kTile;

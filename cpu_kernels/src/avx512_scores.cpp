@@ -1,83 +1,86 @@
 // AVX-512 level, stage 1: scores a = <q_h, k_j> for every query head of a KV group, reading
-// each K row once (converted to float32 into a 16-row tile in L1), plus the per-head max
-// and exp-sum used by the softmax. Compiled with -mavx512f -mavx512bw -mavx512vl
-// -mavx512dq -mfma -mf16c (setup.py); selected at run time by dispatch.cpp.
+// each K row once from memory, plus the per-head max and exp-sum used by the softmax.
+// float32 rows (contiguous head_dim) are multiplied straight from the cache; float16 /
+// bfloat16 rows (and strided ones) are converted to float32 in a 16-row tile in L1 first.
+// Register blocking: HB heads x RB rows (4 x 4 for GQA groups of 4 or more) accumulate at
+// once, so each loaded K chunk serves HB heads and each query chunk RB rows; one
+// transpose-and-add tree then reduces the 16 dot products. Compiled with -mavx512f
+// -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (setup.py); selected at run time by
+// dispatch.cpp.
 #include "avx512_common.h"
 
 namespace topth_cpu {
 namespace avx512_level {
 namespace {
 
-// acc[t] += q_h[c0 .. c0 + NC) . tile[t][c0 .. c0 + NC) (16-float chunks), q held in registers.
-template <int NC>
-inline void qk_pass(const float* qh, const float* tile, int32_t dpad, __m512 (&acc)[16]) {
-    __m512 qv[NC];
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
+// acc[h * RB + t] += <q_h, r_t> over 16-float chunks: nfull full ones, then one masked by
+// `last` when last != 0 (elements past head_dim are not read; q is zero padded there).
+template <int HB, int RB>
+inline void qk_block(const float* const* r, const float* q, int32_t dpad, int32_t nfull, __mmask16 last,
+                     __m512 (&acc)[16]) {
+    for (int32_t c = 0; c < nfull; ++c) {
+        __m512 qv[HB];
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * dpad + 16 * c);
 #pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) {
-        __m512 a = acc[t];
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(tile + t * dpad + 16 * c), a);
-        acc[t] = a;
+        for (int t = 0; t < RB; ++t) {
+            const __m512 k = _mm512_loadu_ps(r[t] + 16 * c);
+#pragma GCC unroll 4
+            for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_fmadd_ps(qv[h], k, acc[h * RB + t]);
+        }
+    }
+    if (last) {
+        __m512 qv[HB];
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * dpad + 16 * nfull);
+#pragma GCC unroll 16
+        for (int t = 0; t < RB; ++t) {
+            const __m512 k = _mm512_maskz_loadu_ps(last, r[t] + 16 * nfull);
+#pragma GCC unroll 4
+            for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_fmadd_ps(qv[h], k, acc[h * RB + t]);
+        }
     }
 }
 
-inline __m512 pair_sum(__m512 a, __m512 b) {  // [a.lo256 + a.hi256, b.lo256 + b.hi256]
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-
-inline __m512 quad_sum(__m512 a, __m512 b) {  // 128-bit lanes: [a0+a1, a2+a3, b0+b1, b2+b3]
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-
-// Horizontal sums of 16 vectors: result[t] = sum of the lanes of acc[t].
-inline __m512 reduce16(const __m512 (&acc)[16]) {
-    __m512 s[8], u[4];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) s[i] = pair_sum(acc[2 * i], acc[2 * i + 1]);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) u[i] = quad_sum(s[2 * i], s[2 * i + 1]);
-    // lane i of u[k] holds 4 partial sums of row 4k + i
-    const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-    const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 2, 3, 2)));
-    // f[4 i + k] = row i + 4 k  ->  row r sits at 4 (r % 4) + r / 4
-    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(perm, f);
-}
-
-inline void qk_chunks(const float* qh, const float* tile, int32_t dpad, int32_t nc, __m512 (&acc)[16]) {
-    switch (nc) {
-        case 1: qk_pass<1>(qh, tile, dpad, acc); break;
-        case 2: qk_pass<2>(qh, tile, dpad, acc); break;
-        case 3: qk_pass<3>(qh, tile, dpad, acc); break;
-        case 4: qk_pass<4>(qh, tile, dpad, acc); break;
-        case 5: qk_pass<5>(qh, tile, dpad, acc); break;
-        case 6: qk_pass<6>(qh, tile, dpad, acc); break;
-        case 7: qk_pass<7>(qh, tile, dpad, acc); break;
-        default: qk_pass<8>(qh, tile, dpad, acc); break;
+// One tile of T <= 16 rows (r[t], t < 16, padded with valid rows) for heads h0 .. h0 + HB.
+template <int HB, int RB>
+inline void tile_heads(const float* const* r, int64_t T, const float* q, int32_t dpad, int32_t nfull,
+                       __mmask16 last, float* S, int64_t ldS) {
+    for (int64_t r0 = 0; r0 < T; r0 += RB) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        qk_block<HB, RB>(r + r0, q, dpad, nfull, last, acc);
+        store_block<HB, RB>(reduce16(acc), S + r0, ldS, T - r0);
     }
 }
 
 }  // namespace
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile) {
-    const int32_t nct = dpad / 16;
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
+    const bool direct = dtype == kF32 && sdim == 1;
+    // direct rows: d elements (the last chunk masked); tile rows: dpad floats, zero padded
+    const int32_t nfull = direct ? d / 16 : dpad / 16;
+    const __mmask16 last = direct && d % 16 ? tail_mask(d % 16) : __mmask16(0);
+    const float* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        for (int64_t t = 0; t < T; ++t) load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
-        for (int64_t t = T; t < 16; ++t) memset(tile + t * dpad, 0, sizeof(float) * size_t(dpad));
-        for (int32_t h = 0; h < G; ++h) {
-            __m512 acc[16];
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-            const float* qh = q + int64_t(h) * dpad;
-            for (int32_t c0 = 0; c0 < nct; c0 += 8)
-                qk_chunks(qh + 16 * c0, tile + 16 * c0, dpad, nct - c0 < 8 ? nct - c0 : 8, acc);
-            _mm512_mask_storeu_ps(S + h * ldS + t0, tail_mask(T), reduce16(acc));
+        if (direct) {
+            for (int64_t t = 0; t < 16; ++t) r[t] = reinterpret_cast<const float*>(rows[t0 + (t < T ? t : T - 1)]);
+        } else {
+            for (int64_t t = 0; t < T; ++t) load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
+            for (int64_t t = 0; t < 16; ++t) r[t] = tile + (t < T ? t : T - 1) * dpad;
+        }
+        for (int32_t h0 = 0; h0 < G;) {
+            const float* qh = q + int64_t(h0) * dpad;
+            float* Sh = S + h0 * ldS + t0;
+            switch (G - h0) {
+                case 1: tile_heads<1, 16>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 1; break;
+                case 2: tile_heads<2, 8>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 2; break;
+                case 3: tile_heads<3, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 3; break;
+                default: tile_heads<4, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 4; break;
+            }
         }
     }
 }

@@ -108,7 +108,7 @@ py::dict decode_py(const py::dict& args, int32_t level) {
 
 py::list simd_levels() {
     py::list out;
-    for (int32_t l : {kLevelAvx512, kLevelAvx2, kLevelGeneric})
+    for (int32_t l : {kLevelAvx512Bf16, kLevelAvx512, kLevelAvx2, kLevelGeneric})
         if (simd_level_supported(l)) out.append(simd_level_name(l));
     return out;
 }
@@ -133,5 +133,6 @@ PYBIND11_MODULE(_topth_cpu, m) {
           "path of the loaded OpenMP runtime the kernel runs on ('' when none, or after fork)");
     m.def("_convert_out", &convert_out, "float32 -> float16 (0) / bfloat16 (1) bits, as the kernel writes them");
     m.attr("LEVELS") = py::dict(py::arg("auto") = kLevelAuto, py::arg("generic") = kLevelGeneric,
-                                py::arg("avx2") = kLevelAvx2, py::arg("avx512") = kLevelAvx512);
+                                py::arg("avx2") = kLevelAvx2, py::arg("avx512") = kLevelAvx512,
+                                py::arg("avx512bf16") = kLevelAvx512Bf16);
 }

@@ -21,6 +21,9 @@ const SimdOps* ops_avx2() { return nullptr; }
 #if !defined(TOPTH_HAVE_AVX512)
 const SimdOps* ops_avx512() { return nullptr; }
 #endif
+#if !defined(TOPTH_HAVE_AVX512BF16)
+const SimdOps* ops_avx512bf16() { return nullptr; }
+#endif
 
 namespace {
 
@@ -61,15 +64,17 @@ bool cpu_has(int32_t level) {
     __builtin_cpu_init();
     if (level == kLevelAvx2)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    if (level == kLevelAvx512)
+    if (level == kLevelAvx512 || level == kLevelAvx512Bf16)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+               (level == kLevelAvx512 || __builtin_cpu_supports("avx512bf16"));
 #endif
     return level == kLevelGeneric;
 }
 
 const SimdOps* ops_of(int32_t level) {
+    if (level == kLevelAvx512Bf16) return ops_avx512bf16();
     if (level == kLevelAvx512) return ops_avx512();
     if (level == kLevelAvx2) return ops_avx2();
     return ops_generic();
@@ -152,8 +157,10 @@ void build_plan(Plan& pl, const Params& P) {
         pl.pair_m.assign(size_t(B * Hkv) * G, 0.0f);
         pl.pair_logz.assign(size_t(B * Hkv) * G, 0.0f);
     }
-    // scale * query in float32, zero padded (semantics: scores in float32 from the inputs)
+    // scale * query in float32, zero padded (semantics: scores in float32 from the inputs);
+    // for bfloat16 also the query as given (the avx512bf16 level's vdpbf16ps scores)
     pl.q.assign(size_t(B * Hq) * dpad, 0.0f);
+    pl.qraw.assign(P.dtype == kBF16 ? size_t(B * Hq) * dpad : 0, 0);
     const int64_t es = P.dtype == kF32 ? 4 : 2;
     const uint8_t* qp = static_cast<const uint8_t*>(P.query);
     for (int64_t b = 0; b < B; ++b)
@@ -161,7 +168,9 @@ void build_plan(Plan& pl, const Params& P) {
             for (int64_t d = 0; d < P.head_dim; ++d) {
                 const uint8_t* p = qp + (b * P.q_s[0] + h * P.q_s[1] + d * P.q_s[2]) * es;
                 const float x = load_scalar(p, P.dtype);
-                pl.q[size_t((b * Hq + h) * int64_t(dpad) + d)] = P.scale * x;
+                const size_t at = size_t((b * Hq + h) * int64_t(dpad) + d);
+                pl.q[at] = P.scale * x;
+                if (P.dtype == kBF16) std::memcpy(&pl.qraw[at], p, 2);
             }
     g_scratch.resize(size_t(threads));
     int64_t longest = 1;
@@ -172,17 +181,19 @@ void build_plan(Plan& pl, const Params& P) {
 }  // namespace
 
 int32_t best_simd_level() {
+    if (cpu_has(kLevelAvx512Bf16) && ops_avx512bf16()) return kLevelAvx512Bf16;
     if (cpu_has(kLevelAvx512) && ops_avx512()) return kLevelAvx512;
     if (cpu_has(kLevelAvx2) && ops_avx2()) return kLevelAvx2;
     return kLevelGeneric;
 }
 
 bool simd_level_supported(int32_t level) {
-    return level == kLevelGeneric || (ops_of(level) != nullptr && cpu_has(level));
+    return level == kLevelGeneric || (cpu_has(level) && ops_of(level) != nullptr);
 }
 
 const char* simd_level_name(int32_t level) {
     switch (level) {
+        case kLevelAvx512Bf16: return "avx512bf16";
         case kLevelAvx512: return "avx512";
         case kLevelAvx2: return "avx2";
         case kLevelGeneric: return "generic";

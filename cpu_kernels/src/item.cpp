@@ -10,6 +10,7 @@
 // Phases: kFull runs all three (the item covers the whole sequence, or pre_softmax, whose
 // selection needs no global statistic); post_softmax with split-KV runs kScores on every
 // item, then combine_lse, then kSelect (scores kept in Plan::ws between the two).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -20,6 +21,7 @@ namespace topth_cpu {
 namespace {
 
 constexpr int64_t kChunk = 512;  // row pointers resolved per call of a SIMD stage
+constexpr int64_t kSlack = 16;   // elements past the end of each kept list / weight row
 
 int64_t elem_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
 
@@ -35,16 +37,16 @@ int64_t block_of(const Params& P, int64_t b, int64_t i) {
 // Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive) of (b, g).
 void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
                       int64_t count, const uint8_t** out) {
-    const int64_t es = elem_size(P.dtype), bs = P.block_size;
+    const int64_t es = elem_size(P.dtype), bs = P.block_size, step = s[2] * es;
     const uint8_t* p0 = static_cast<const uint8_t*>(base);
     int64_t bi = lo / bs, slot = lo % bs;
-    const uint8_t* blk_base = p0 + (block_of(P, b, bi) * s[0] + g * s[1]) * es;
-    for (int64_t t = 0; t < count; ++t) {
-        out[t] = blk_base + slot * s[2] * es;
-        if (++slot == bs && t + 1 < count) {
-            slot = 0;
-            blk_base = p0 + (block_of(P, b, ++bi) * s[0] + g * s[1]) * es;
-        }
+    for (int64_t t = 0; t < count;) {
+        const uint8_t* row = p0 + (block_of(P, b, bi) * s[0] + g * s[1] + slot * s[2]) * es;
+        const int64_t run = std::min(count - t, bs - slot);  // rows left in this block
+        for (int64_t r = 0; r < run; ++r, row += step) out[t + r] = row;
+        t += run;
+        slot = 0;
+        ++bi;
     }
 }
 
@@ -54,6 +56,20 @@ void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b,
     const int64_t es = elem_size(P.dtype), bs = P.block_size;
     const uint8_t* p0 = static_cast<const uint8_t*>(base);
     const int64_t head = g * s[1];
+    if (!P.block_table) {  // BNSD: one block per sequence, no division
+        const uint8_t* seq = p0 + (b * s[0] + head) * es;
+        const int64_t step = s[2] * es;
+        for (int64_t t = 0; t < count; ++t) out[t] = seq + (lo + idx[t]) * step;
+        return;
+    }
+    if ((bs & (bs - 1)) == 0) {  // power-of-two block size: shifts
+        const int shift = __builtin_ctzll(uint64_t(bs));
+        for (int64_t t = 0; t < count; ++t) {
+            const int64_t j = lo + idx[t];
+            out[t] = p0 + (block_of(P, b, j >> shift) * s[0] + head + (j & (bs - 1)) * s[2]) * es;
+        }
+        return;
+    }
     for (int64_t t = 0; t < count; ++t) {
         const int64_t j = lo + idx[t];
         out[t] = p0 + (block_of(P, b, j / bs) * s[0] + head + (j % bs) * s[2]) * es;
@@ -66,8 +82,9 @@ float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 
 
 void Scratch::reserve(int64_t len, int32_t G, int32_t dpad) {
     if (int64_t(S.size()) < G * len) S.resize(size_t(G * len));
-    if (int64_t(wk.size()) < G * len) wk.resize(size_t(G * len));
-    if (int64_t(idx.size()) < len) idx.resize(size_t(len));
+    // kept lists and weights: 16 elements of slack per list (the SIMD select stores whole vectors)
+    if (int64_t(wk.size()) < G * (len + kSlack)) wk.resize(size_t(G * (len + kSlack)));
+    if (int64_t(idx.size()) < len + kSlack) idx.resize(size_t(len + kSlack));
     if (int64_t(flags.size()) < len + 16) flags.resize(size_t(len + 16));
     if (int64_t(rows.size()) < kChunk) rows.resize(size_t(kChunk));
     if (int64_t(tile.size()) < 32 * dpad) tile.resize(size_t(32 * dpad));
@@ -91,10 +108,11 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
 
     if (phase != kSelect) {
         const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
+        const uint16_t* qraw = plan.qraw.empty() ? nullptr : plan.qraw.data() + (b * P.num_q_heads + g * G) * dpad;
         for (int64_t c = 0; c < len; c += kChunk) {
             const int64_t cnt = len - c < kChunk ? len - c : kChunk;
             consecutive_rows(P, P.key, P.k_s, b, g, it.lo + c, cnt, rows);
-            ops.scores(rows, cnt, P.dtype, P.k_s[3], D, dpad, q, G, S + c, len, sc.tile.data());
+            ops.scores(rows, cnt, P.dtype, P.k_s[3], D, dpad, q, G, S + c, len, sc.tile.data(), qraw, P.scale);
         }
         plan.k_rows[size_t(i)] = len;
         for (int32_t h = 0; h < G; ++h) {
@@ -147,7 +165,8 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     a.S = S; a.ldS = len; a.G = G; a.len = len;
     a.sub1 = sub1; a.sub2 = sub2; a.cut = cut; a.group = P.group_selection; a.mref = mref;
     a.need_dropped = P.placement == kPre && P.sdc == kSdcExact;
-    a.idx = sc.idx.data(); a.wk = sc.wk.data(); a.ldw = len; a.flags = sc.flags.data();
+    const int64_t ldw = len + kSlack;
+    a.idx = sc.idx.data(); a.wk = sc.wk.data(); a.ldw = ldw; a.flags = sc.flags.data();
     a.R = &plan.R[size_t(i * G)]; a.dropped = &plan.Dd[size_t(i * G)]; a.kcount = &plan.kc[size_t(i * G)];
     const int64_t kept = ops.select(a);
     plan.uni[size_t(i)] = kept;
@@ -157,7 +176,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     for (int64_t c = 0; c < kept; c += kChunk) {
         const int64_t cnt = kept - c < kChunk ? kept - c : kChunk;
         listed_rows(P, P.value, P.v_s, b, g, it.lo, sc.idx.data() + c, cnt, rows);
-        ops.pv(rows, cnt, P.dtype, P.v_s[3], D, dpad, sc.wk.data() + c, len, G, acc, sc.tile.data());
+        ops.pv(rows, cnt, P.dtype, P.v_s[3], D, dpad, sc.wk.data() + c, ldw, G, acc, sc.tile.data());
     }
     plan.v_rows[size_t(i)] = kept;
 }

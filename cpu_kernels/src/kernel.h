@@ -27,6 +27,7 @@ struct Plan {
     std::vector<int64_t> order;                  // items, longest first (scheduling)
     std::vector<int64_t> pair_first, pair_count; // per (b, g): its items
     std::vector<float> q;                        // [B][Hq][dpad]: scale * query, float32, zero padded
+    std::vector<uint16_t> qraw;                  // [B][Hq][dpad]: the bfloat16 query as given (bf16 caches)
     std::vector<float> m_loc, m_ref, Z, R, Dd;   // [items][G]
     std::vector<int64_t> kc;                     // [items][G] kept count
     std::vector<int32_t> bad;                    // [items][G] NaN / +inf score seen
@@ -64,6 +65,6 @@ int32_t best_simd_level();
 bool simd_level_supported(int32_t level);
 const char* simd_level_name(int32_t level);
 
-constexpr int32_t kLevelAuto = 0, kLevelGeneric = 1, kLevelAvx2 = 2, kLevelAvx512 = 3;
+constexpr int32_t kLevelAuto = 0, kLevelGeneric = 1, kLevelAvx2 = 2, kLevelAvx512 = 3, kLevelAvx512Bf16 = 4;
 
 }  // namespace topth_cpu

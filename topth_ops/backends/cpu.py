@@ -12,8 +12,9 @@ The extension is optional: a machine without a C++ compiler installs the package
 it, and this backend then reports why it is unavailable (the registry falls back to
 ``torch``). Knobs (environment variables, read on every call):
 
-- ``TOPTH_CPU_SIMD``: ``auto`` (default: the best level this CPU runs), ``avx512``,
-  ``avx2`` or ``generic`` (the portable C++ path);
+- ``TOPTH_CPU_SIMD``: ``auto`` (default: the best level this CPU runs), ``avx512bf16``
+  (AVX-512 with vdpbf16ps scores for bfloat16 caches), ``avx512``, ``avx2`` or ``generic``
+  (the portable C++ path);
 - ``TOPTH_CPU_SPLIT_LEN``: positions per KV split (default 0: automatic);
 - ``TOPTH_CPU_PARALLEL``: ``auto`` (default: torch's own OpenMP thread team when its runtime
   is loaded, else the kernel's pool) or ``pool`` (always the kernel's pool).
@@ -34,7 +35,7 @@ from ..registry import Backend
 ENV_SIMD = "TOPTH_CPU_SIMD"
 ENV_SPLIT = "TOPTH_CPU_SPLIT_LEN"
 ENV_PARALLEL = "TOPTH_CPU_PARALLEL"
-SIMD_CHOICES = ("auto", "avx512", "avx2", "generic")
+SIMD_CHOICES = ("auto", "avx512bf16", "avx512", "avx2", "generic")
 PARALLEL_CHOICES = ("auto", "pool")
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}

@@ -67,6 +67,7 @@ struct SelectArgs {
     const float* mref = nullptr;  // [G]: weights are exp(S - mref) for kept positions
     int32_t need_dropped = 0;     // also sum exp(S - mref) over valid dropped positions (exact SDC)
     // outputs
+    // (idx and each row of wk have room for 16 elements past len: SIMD levels may store whole vectors)
     int32_t* idx = nullptr;       // kept-union positions (relative to the item start), ascending
     float* wk = nullptr; int64_t ldw = 0;  // wk[h * ldw + t]: weight of head h on kept row t (0: dropped by h)
     uint8_t* flags = nullptr;     // [len] scratch
@@ -78,9 +79,12 @@ struct SelectArgs {
 struct SimdOps {
     const char* name;
     // S[h * ldS + t] = <q_h, row_t> for t < count, q already scaled, [G][dpad] zero padded;
-    // tile: scratch of 16 * dpad floats.
+    // tile: scratch of 16 * dpad floats. qraw: the group's query as given ([G][dpad] 16-bit
+    // values, zero padded), only for bfloat16 caches (else null); the avx512bf16 level then
+    // computes scale * <qraw_h, row_t> with vdpbf16ps (docs/cpu.md, "SIMD levels").
     void (*scores)(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d,
-                   int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile);
+                   int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile,
+                   const uint16_t* qraw, float scale);
     // m = max of S ignoring NaN (-inf when empty/all NaN); bad = 1 if any NaN or +inf.
     void (*max_bad)(const float* S, int64_t len, float* m, int32_t* bad);
     // sum_j exp(S[j] - m)
@@ -98,5 +102,6 @@ struct SimdOps {
 const SimdOps* ops_generic();
 const SimdOps* ops_avx2();    // null when not compiled (non-x86 build)
 const SimdOps* ops_avx512();  // null when not compiled
+const SimdOps* ops_avx512bf16();  // null when not compiled (AVX-512 with AVX512-BF16 for bfloat16 scores)
 
 }  // namespace topth_cpu

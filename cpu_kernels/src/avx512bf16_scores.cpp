@@ -1,0 +1,106 @@
+// SIMD level "avx512bf16": the AVX-512 level with bfloat16 scores on AVX512-BF16.
+//
+// For a bfloat16 cache with contiguous head_dim, a = scale * <q_h, k_j> is computed with
+// vdpbf16ps straight from the cache rows and the query as given (bfloat16, unscaled): no
+// conversion of K to float32 and half the multiply instructions. Every product of two
+// bfloat16 values is exact in float32 and vdpbf16ps adds the two products of each lane
+// into the float32 accumulator one after the other, each addition rounded to nearest even,
+// as a chain of float32 FMAs would; what differs from the avx512 level is the order of the
+// additions (lane i sums elements 2i and 2i + 1 of each 32-element chunk), the scale
+// applied once to the dot product instead of to the query, and that the instruction treats
+// subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). Every other stage,
+// and other dtypes or strided rows, run the avx512 level's code.
+//
+// Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
+// when the CPU reports AVX512-BF16 (dispatch.cpp).
+#include "avx512_common.h"
+
+namespace topth_cpu {
+namespace avx512bf16_level {
+namespace {
+
+using avx512_level::reduce16;
+using avx512_level::store_block;
+
+inline __m512bh bf16_chunk(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh bf16_chunk(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+// acc[h * RB + t] += <q_h, r_t> over 32-element chunks (pairs of bfloat16 per lane): nfull
+// full ones, then one masked by `last` when last != 0 (nothing past head_dim is read).
+template <int HB, int RB>
+inline void dp_block(const uint16_t* const* r, const uint16_t* q, int32_t dpad, int32_t nfull, __mmask32 last,
+                     __m512 (&acc)[16]) {
+    for (int32_t c = 0; c < nfull; ++c) {
+        __m512bh qv[HB];
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) qv[h] = bf16_chunk(q + h * dpad + 32 * c);
+#pragma GCC unroll 16
+        for (int t = 0; t < RB; ++t) {
+            const __m512bh k = bf16_chunk(r[t] + 32 * c);
+#pragma GCC unroll 4
+            for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h], k);
+        }
+    }
+    if (last) {
+        __m512bh qv[HB];
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) qv[h] = bf16_chunk(q + h * dpad + 32 * nfull, last);
+#pragma GCC unroll 16
+        for (int t = 0; t < RB; ++t) {
+            const __m512bh k = bf16_chunk(r[t] + 32 * nfull, last);
+#pragma GCC unroll 4
+            for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h], k);
+        }
+    }
+}
+
+template <int HB, int RB>
+inline void tile_heads(const uint16_t* const* r, int64_t T, const uint16_t* q, int32_t dpad, int32_t nfull,
+                       __mmask32 last, __m512 scale, float* S, int64_t ldS) {
+    for (int64_t r0 = 0; r0 < T; r0 += RB) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        dp_block<HB, RB>(r + r0, q, dpad, nfull, last, acc);
+        store_block<HB, RB>(_mm512_mul_ps(reduce16(acc), scale), S + r0, ldS, T - r0);
+    }
+}
+
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale) {
+    if (dtype != kBF16 || sdim != 1 || qraw == nullptr) {
+        avx512_level::scores(rows, count, dtype, sdim, d, dpad, q, G, S, ldS, tile, qraw, scale);
+        return;
+    }
+    const int32_t nfull = d / 32;
+    const __mmask32 last = d % 32 ? __mmask32((1u << (d % 32)) - 1u) : __mmask32(0);
+    const __m512 sc = _mm512_set1_ps(scale);
+    const uint16_t* r[16];
+    for (int64_t t0 = 0; t0 < count; t0 += 16) {
+        const int64_t T = count - t0 < 16 ? count - t0 : 16;
+        for (int64_t t = 0; t < 16; ++t) r[t] = reinterpret_cast<const uint16_t*>(rows[t0 + (t < T ? t : T - 1)]);
+        for (int32_t h0 = 0; h0 < G;) {
+            const uint16_t* qh = qraw + int64_t(h0) * dpad;
+            float* Sh = S + h0 * ldS + t0;
+            switch (G - h0) {
+                case 1: tile_heads<1, 16>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 1; break;
+                case 2: tile_heads<2, 8>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 2; break;
+                case 3: tile_heads<3, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 3; break;
+                default: tile_heads<4, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 4; break;
+            }
+        }
+    }
+}
+
+}  // namespace
+}  // namespace avx512bf16_level
+
+// Constant-initialised (no code of this translation unit runs before the CPU check).
+const SimdOps* ops_avx512bf16() {
+    static const SimdOps ops = {"avx512bf16", avx512bf16_level::scores, avx512_level::max_bad,
+                                avx512_level::sum_exp, avx512_level::select, avx512_level::pv,
+                                avx512_level::vsum};
+    return &ops;
+}
+
+}  // namespace topth_cpu
