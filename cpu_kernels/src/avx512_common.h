@@ -19,7 +19,7 @@ void max_bad(const float* S, int64_t len, float* m, int32_t* bad);
 float sum_exp(const float* S, int64_t len, float m);
 int64_t select(const SelectArgs& a);
 void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile);
+        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered);
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
           float* sum, float* tile);
 

@@ -86,7 +86,8 @@ void Scratch::reserve(int64_t len, int32_t G, int32_t dpad) {
     if (int64_t(wk.size()) < G * (len + kSlack)) wk.resize(size_t(G * (len + kSlack)));
     if (int64_t(idx.size()) < len + kSlack) idx.resize(size_t(len + kSlack));
     if (int64_t(flags.size()) < len + 16) flags.resize(size_t(len + 16));
-    if (int64_t(rows.size()) < std::max(kChunk, len)) rows.resize(size_t(std::max(kChunk, len)));  // P.V: one item's kept list
+    // K pointers of one chunk of scores; P.V: one item's kept list
+    if (int64_t(rows.size()) < std::max(kChunk, len)) rows.resize(size_t(std::max(kChunk, len)));
     if (int64_t(tile.size()) < 32 * dpad) tile.resize(size_t(32 * dpad));
     if (int64_t(small.size()) < 5 * G) small.resize(size_t(5 * G));
 }
@@ -175,8 +176,14 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     std::memset(acc, 0, sizeof(float) * size_t(G * dpad));
     // the whole kept list in one call (Scratch::rows holds len pointers), so the P.V stage's
     // prefetch runs ahead across it
-    listed_rows(P, P.value, P.v_s, b, g, it.lo, sc.idx.data(), kept, rows);
-    ops.pv(rows, kept, P.dtype, P.v_s[3], D, dpad, sc.wk.data(), ldw, G, acc, sc.tile.data());
+    if (kept > 0) {
+        listed_rows(P, P.value, P.v_s, b, g, it.lo, sc.idx.data(), kept, rows);
+        // a sparse subset (at most 3/4 of the range) is visited in a strided order; the dense
+        // mode and nearly dense lists stream in ascending order (the hardware prefetchers
+        // then read only rows that are used)
+        ops.pv(rows, kept, P.dtype, P.v_s[3], D, dpad, sc.wk.data(), ldw, G, acc, sc.tile.data(),
+               int32_t(4 * kept <= 3 * len));
+    }
     plan.v_rows[size_t(i)] = kept;
 }
 

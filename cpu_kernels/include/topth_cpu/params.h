@@ -91,9 +91,11 @@ struct SimdOps {
     float (*sum_exp)(const float* S, int64_t len, float m);
     // returns the kept-union count
     int64_t (*select)(const SelectArgs& a);
-    // acc[h * dpad + d] += sum_t wk[h * ldw + t] * row_t[d]; tile: scratch of 32 * dpad floats
+    // acc[h * dpad + d] += sum_t wk[h * ldw + t] * row_t[d]; tile: scratch of 32 * dpad floats;
+    // scattered != 0: the rows are a sparse subset of a range (visited in a strided order, not
+    // ascending: avx512_pv.cpp, visit_stride)
     void (*pv)(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-               const float* wk, int64_t ldw, int32_t G, float* acc, float* tile);
+               const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered);
     // sum[d] += sum_t row_t[d]; tile: scratch of 32 * dpad floats
     void (*vsum)(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d,
                  int32_t dpad, float* sum, float* tile);
