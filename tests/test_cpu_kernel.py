@@ -156,6 +156,35 @@ def test_unkept_v_rows_never_read(placement, selection, layout, monkeypatch):
     _assert_matches_oracle(kw, out, stats, torch.float16)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", [None, "NHD"])
+def test_scattered_kept_rows_in_strided_order(level, dtype, layout, monkeypatch):
+    """Long scattered kept lists (>= 256 rows, at most 3/4 of the range) take the P.V stage's
+    strided visiting order (avx512_pv.cpp, visit_stride): every kept row exactly once, no
+    unkept row (NaN there), the same result as the float64 oracle; BNSD and paged with an odd
+    block size, one item per sequence (no split) and split-KV."""
+    monkeypatch.setenv(cpu_backend.ENV_SIMD, level)
+    shape = Shape((4000, 2999), 8, 2, 64, 4000)
+    case = random_case("scattered", shape, dtype, placement="pre_softmax", keep_range=(0.1, 0.2), seed=5)
+    kw = case.kwargs
+    want = case.oracle()
+    kept_union = _kept_union(kw)
+    per_group = kept_union.sum(-1)  # [B, Hkv]
+    lens = torch.tensor(shape.seq_lens)[:, None]
+    assert bool((per_group >= 256).all()) and bool((4 * per_group <= 3 * lens).all())  # the strided path
+    kw["value_cache"][~kept_union] = float("nan")
+    if layout is not None:
+        kw = paged_case(case, 37, layout, seed=4).kwargs
+    for split in ("0", "1500"):
+        monkeypatch.setenv(cpu_backend.ENV_SPLIT, split)
+        _, out, stats, c = _run(kw)
+        assert c["simd"] == level
+        assert torch.isfinite(out).all()
+        assert c["v_rows"] == int(per_group.sum())
+        _assert_matches_oracle(kw, out, stats, dtype)
+
+
 def test_vmc_mean_counter():
     case = random_case("vmc", Shape((50, 0, 9), 4, 2, 64, 60), torch.float32, placement="pre_softmax",
                        vmc=True, seed=2)
