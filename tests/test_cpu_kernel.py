@@ -159,14 +159,16 @@ def test_unkept_v_rows_never_read(placement, selection, layout, monkeypatch):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", [None, "NHD"])
-def test_scattered_kept_rows_in_strided_order(level, dtype, layout, monkeypatch):
+@pytest.mark.parametrize("heads,keep", [((8, 2), (0.1, 0.2)), ((16, 2), (0.08, 0.15))])  # G = 8: bf16 tile path
+def test_scattered_kept_rows_in_strided_order(level, dtype, layout, heads, keep, monkeypatch):
     """Long scattered kept lists (>= 256 rows, at most 3/4 of the range) take the P.V stage's
     strided visiting order (avx512_pv.cpp, visit_stride): every kept row exactly once, no
     unkept row (NaN there), the same result as the float64 oracle; BNSD and paged with an odd
-    block size, one item per sequence (no split) and split-KV."""
+    block size, one item per sequence (no split) and split-KV, GQA groups of 4 (rows read in
+    place) and 8 (bfloat16: the tile path)."""
     monkeypatch.setenv(cpu_backend.ENV_SIMD, level)
-    shape = Shape((4000, 2999), 8, 2, 64, 4000)
-    case = random_case("scattered", shape, dtype, placement="pre_softmax", keep_range=(0.1, 0.2), seed=5)
+    shape = Shape((4000, 2999), heads[0], heads[1], 64, 4000)
+    case = random_case("scattered", shape, dtype, placement="pre_softmax", keep_range=keep, seed=5)
     kw = case.kwargs
     want = case.oracle()
     kept_union = _kept_union(kw)

@@ -3,11 +3,11 @@
 // query head of the group accumulates w_h,t * v_t with register blocking (up to 4 heads x
 // 4 chunks of 16 floats per pass). Rows with contiguous head_dim are read straight from the
 // cache and converted in registers when one pass covers all heads (G <= 4; float32 rows
-// also for larger groups), visited in a strided order with rows prefetched at two distances
-// (kept rows are scattered: see visit_stride); other
-// cases convert a tile of 32 rows to float32 in L1 first (the next tile prefetched). The
-// caller passes the whole kept list of an item at once, so prefetching runs across it. Also
-// the V-row sum for the VMC mean (value_mean absent).
+// also for larger groups), visited in a strided order when scattered (see visit_stride) with
+// rows prefetched at two distances; other cases convert a tile of 32 rows to float32 in L1
+// first (the next tile prefetched; scattered lists in the same strided order, their weights
+// gathered per tile). The caller passes the whole kept list of an item at once, so
+// prefetching runs across it. Also the V-row sum for the VMC mean (value_mean absent).
 #include "avx512_common.h"
 
 namespace topth_cpu {
@@ -175,22 +175,53 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
         else pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
         return;
     }
+    // tile path: rows of the steps of one tile converted to float32 first; with a stride, the
+    // tile's weights are gathered per block of 4 heads
     const int32_t nct = dpad / 16;
+    const int64_t row_bytes = int64_t(d) * (dtype == kF32 ? 4 : 2);
+    const int64_t far = far_rows(row_bytes);
+    int64_t vis[kTile];
+    int64_t tv = 0;                               // row of the next step
+    int64_t tn = (kTile * stride) % count;        // row of step t0 + kTile (next tile, into L1)
+    int64_t tf = (far * stride) % count;          // row of step t0 + far (into L2, scattered only)
     for (int64_t t0 = 0; t0 < count; t0 += kTile) {
         const int64_t T = count - t0 < kTile ? count - t0 : kTile;
-        load_tile(rows, t0, T, count, dtype, sdim, d, dpad, tile);
+        for (int64_t t = 0; t < T; ++t) {
+            vis[t] = tv;
+            tv += stride; tv -= tv >= count ? count : 0;
+        }
+        if (sdim == 1) {
+            for (int64_t k = t0 + kTile; k < count && k < t0 + 2 * kTile; ++k) {
+                prefetch_row(rows[tn], row_bytes);
+                tn += stride; tn -= tn >= count ? count : 0;
+            }
+            if (stride > 1)
+                for (int64_t k = t0 + far; k < count && k < t0 + far + kTile; ++k) {
+                    prefetch_row_l2(rows[tf], row_bytes);
+                    tf += stride; tf -= tf >= count ? count : 0;
+                }
+        }
+        for (int64_t t = 0; t < T; ++t) load_row(rows[vis[t]], dtype, sdim, d, dpad, tile + t * dpad);
         for (int32_t h0 = 0; h0 < G; h0 += 4) {
             const int hb = G - h0 < 4 ? G - h0 : 4;
+            const float* w = wk + h0 * ldw + t0;
+            int64_t lw = ldw;
+            float wbuf[4 * kTile];
+            if (stride > 1) {
+                for (int h = 0; h < hb; ++h)
+                    for (int64_t t = 0; t < T; ++t) wbuf[h * kTile + t] = wk[(h0 + h) * ldw + vis[t]];
+                w = wbuf;
+                lw = kTile;
+            }
             for (int32_t c0 = 0; c0 < nct; c0 += 4) {
                 const int ncb = nct - c0 < 4 ? nct - c0 : 4;
                 const float* tl = tile + 16 * c0;
-                const float* w = wk + h0 * ldw + t0;
                 float* o = acc + int64_t(h0) * dpad + 16 * c0;
                 switch (hb) {
-                    case 1: pv_heads<1>(tl, dpad, T, w, ldw, o, ncb); break;
-                    case 2: pv_heads<2>(tl, dpad, T, w, ldw, o, ncb); break;
-                    case 3: pv_heads<3>(tl, dpad, T, w, ldw, o, ncb); break;
-                    default: pv_heads<4>(tl, dpad, T, w, ldw, o, ncb); break;
+                    case 1: pv_heads<1>(tl, dpad, T, w, lw, o, ncb); break;
+                    case 2: pv_heads<2>(tl, dpad, T, w, lw, o, ncb); break;
+                    case 3: pv_heads<3>(tl, dpad, T, w, lw, o, ncb); break;
+                    default: pv_heads<4>(tl, dpad, T, w, lw, o, ncb); break;
                 }
             }
         }
