@@ -39,6 +39,8 @@ def dtype_str(d: torch.dtype) -> str:
 def require_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:  # kernels read data pointers and strides
+        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {value.layout}")
     return value
 
 
