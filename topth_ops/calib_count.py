@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .calibration import DENSE, LayerK, PLACEMENTS
+from .calibration import DENSE, PLACEMENTS, LayerK, no_long_rows_error, row_log_z
 
 SELECTIONS = ("head", "group")
 DEFAULT_BINS = 512
@@ -319,9 +319,8 @@ class CountAccumulator:
         x_all = scores[bi, :, ci, :]  # [R, H, S]
         if "post_softmax" in self.placements:
             if m is None or log_z is None:
-                mm = x_all.amax(-1, keepdim=True)
-                mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
-                lse = mm + torch.log(torch.exp(x_all - mm).sum(-1, keepdim=True))
+                m_row, log_z_row = row_log_z(x_all)
+                lse = m_row + log_z_row
             else:
                 lse = (m + log_z)[bi, :, ci, :]
         G = self.Hq // self.Hkv
@@ -452,10 +451,7 @@ class CountAccumulator:
                 continue
             centres, vals, rows, usable = self.bucket_thetas(placement, selection, layer, k)
             if not usable.any():
-                raise ValueError(
-                    f"no calibration row longer than k={k} in layer {layer} (k per layer comes from k "
-                    f"and the --layer-k overrides): use longer calibration samples, a smaller k, or "
-                    f"another --layer-k (e.g. {layer}:dense)")
+                raise no_long_rows_error(k, layer)
             c = centres[usable]
             per_id = self.rows_per_id[layer].numpy()[1:]
             counts[layer, :, k:] = per_id[k:]
