@@ -19,6 +19,7 @@ import torch
 
 from .calibration import CalibrationResult, _dense_rows, fill_unsampled, row_max
 from .layer_k import DENSE
+from .length_model import fit_table_model
 
 
 class SdcAccumulator:
@@ -42,7 +43,7 @@ class SdcAccumulator:
     the mean of E per (layer, head, row id) over the calibrated row ids
     (``counts.shape[-1]``); rows n <= k hold 0; unsampled row ids take the nearest
     sampled one. When a result has a length model (its table extends beyond the
-    calibrated row ids), the SDC table gets one too (:func:`topth_ops.calib_count.
+    calibrated row ids), the SDC table gets one too (:func:`topth_ops.length_model.
     fit_table_model`, log domain) and is extended the same way.
     """
 
@@ -113,8 +114,6 @@ class SdcAccumulator:
     def finalize(self) -> list[CalibrationResult]:
         """Attach ``sdc_table`` (and, with a length model, ``sdc_length_model``) to each
         result and return them."""
-        from .calib_count import fit_table_model
-
         for r, sums, counts in zip(self.results, self.sums, self.counts):
             cnt = counts.numpy()
             mean = sums.numpy() / np.maximum(cnt, 1)

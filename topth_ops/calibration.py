@@ -150,7 +150,7 @@ class CalibrationResult:
         With "group", thresholds are ``[num_layers, num_kv_heads, max_row_id]``.
     estimator : {"mean", "count"}
         Algorithm 1 (this module) or kept-count (:mod:`topth_ops.calib_count`).
-    length_model, sdc_length_model : topth_ops.calib_count.LengthModel or None
+    length_model, sdc_length_model : topth_ops.length_model.LengthModel or None
         Where the table continues beyond the calibrated row ids (``counts.shape[-1]``).
     """
 

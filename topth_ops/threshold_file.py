@@ -18,7 +18,7 @@ Tensors of set i (``H`` = num_q_heads for selection "head", num_kv_heads for "gr
     offline softmax-denominator compensation (pre_softmax only), units of exp(a - m).
 ``set{i}.length_model``, ``set{i}.sdc_length_model`` : float64 ``[3, num_layers, H]``, optional
     the log-linear model of theta (of the SDC table) beyond the calibrated row ids:
-    anchor row id, anchor value and slope (:class:`topth_ops.calib_count.LengthModel`).
+    anchor row id, anchor value and slope (:class:`topth_ops.length_model.LengthModel`).
     When present, loading extends the table to ``extend_to`` row ids with it.
 
 Metadata: ``format`` = "topth-thresholds", ``format_version`` = "2", ``model_name``,
@@ -57,8 +57,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .calib_count import LengthModel
-from .calibration import base_k, format_layer_k
+from .length_model import LengthModel
+from .layer_k import base_k, format_layer_k
 from .threshold_format import (_CONFIG_KEYS, ESTIMATORS, FORMAT, FORMAT_VERSION, ThresholdFileError,
                                attention_config_of, describe_config, fingerprint)
 from .threshold_save import save_threshold_sets

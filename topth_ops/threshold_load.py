@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .calib_count import LengthModel
+from .length_model import LengthModel
 from .threshold_file import ThresholdSet
 from .threshold_format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, fingerprint
 from .threshold_validate import extend_sdc, extend_table, validate_set

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 import numpy as np
 import torch
 
-from .calib_count import LengthModel
+from .length_model import LengthModel
 from .threshold_format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, describe_config
 from .threshold_validate import validate_set
 

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from .calib_count import SELECTIONS, LengthModel
-from .calibration import DENSE, PLACEMENTS
+from .contract import PLACEMENTS, SELECTIONS
+from .layer_k import DENSE
+from .length_model import LengthModel
 from .threshold_format import ESTIMATORS, ThresholdFileError, describe_config
 from .validation import dtype_str
 
