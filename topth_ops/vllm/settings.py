@@ -239,6 +239,11 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
                                  f"({ENV['thresholds']} / additional_config['topth']['thresholds'])")
     ts = load_thresholds(path)
     ts.check_model(hf_config, model_name, compare_name=model_name is not None)
+    hkv = cfg["num_kv_heads"]
+    if ts.selection == "group" and hkv % tp_size and tp_size % hkv:
+        raise TopthConfigError(
+            f"topth vLLM backend: {ts.name()} has group-selection thresholds (one per KV head); tensor-parallel "
+            f"size {tp_size} must divide the model's {hkv} KV heads or be a multiple of them")
     if settings.sdc != "none" and ts.placement != "pre_softmax":
         raise ThresholdFileError(f"{ts.name()} holds {ts.placement} thresholds; sdc={settings.sdc!r} needs "
                                  "pre_softmax thresholds (set TOPTH_VLLM_SDC=none)")
@@ -279,3 +284,39 @@ def rank_rows(table: torch.Tensor, layer: int, tp_rank: int, num_local_heads: in
         raise ValueError(f"rank {tp_rank} with {num_local_heads} heads per rank needs query heads "
                          f"[{lo}, {lo + num_local_heads}), but the table has {H}")
     return table[layer, lo:lo + num_local_heads].to(torch.float32).contiguous()
+
+
+def rank_kv_rows(table: torch.Tensor, layer: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The rows of one layer that a tensor-parallel rank's KV heads read (group-selection
+    files: one threshold per KV head, compared with the group maximum).
+
+    vLLM gives rank r the KV heads ``[r * Hkv / tp, (r + 1) * Hkv / tp)`` when
+    ``Hkv >= tp``, and replicates them otherwise: rank r then holds KV head
+    ``r * Hkv // tp`` (``tp`` a multiple of ``Hkv``). Both are ``lo = r * Hkv // tp``.
+
+    Parameters
+    ----------
+    table : torch.Tensor
+        ``[num_layers, num_kv_heads, max_row_id]`` (thresholds of a group-selection file).
+    layer, tp_rank, tp_size : int
+
+    Returns
+    -------
+    torch.Tensor
+        float32 contiguous ``[max(1, num_kv_heads // tp_size), max_row_id]``.
+
+    Raises
+    ------
+    ValueError
+        Layer or rank out of range, or ``tp_size`` neither a divisor nor a multiple of the
+        KV head count.
+    """
+    L, H, _ = table.shape
+    if not 0 <= layer < L:
+        raise ValueError(f"layer {layer} out of range: the threshold file has {L} layers")
+    if tp_size < 1 or not 0 <= tp_rank < tp_size or (H % tp_size and tp_size % H):
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: tp_size must divide the {H} KV heads "
+                         f"or be a multiple of them (group-selection threshold rows are per KV head)")
+    n = max(1, H // tp_size)
+    lo = tp_rank * H // tp_size
+    return table[layer, lo:lo + n].to(torch.float32).contiguous()
