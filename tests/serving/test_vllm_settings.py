@@ -158,3 +158,34 @@ def test_serve_checks_before_starting(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "nowhere"), "--mode", "dense", "--dry-run"]) == 2
     assert main(["serve", str(model), "--mode", "vllm", "--dry-run"]) == 0
     assert "TOPTH_VLLM" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size=3"], ["-tp=3"], ["--tensor_parallel_size", "3"],
+                                   ["--tensor_parallel_size=3"], ["--max-num-seqs", "8", "-tp", "3"]])
+def test_serve_reads_every_spelling_of_the_tp_flag(tmp_path, capsys, flags):
+    """vLLM's parser accepts `--flag=value` and underscores; the pre-check must see them too."""
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    good = threshold_set(Cfg(layers=4, heads=4, kv_heads=2, head_dim=16), name="m").save(tmp_path / "g.safetensors")
+    assert main(["serve", str(model), "--thresholds", str(good), "--dry-run", "--"] + flags) == 2
+    assert "tensor-parallel size 3 does not divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,msg", [(["-tp"], "-tp needs a value"),
+                                       (["--tensor-parallel-size", "x"], "--tensor-parallel-size must be an integer >= 1, got 'x'"),
+                                       (["--tensor-parallel-size=0"], "--tensor-parallel-size must be an integer >= 1, got '0'")])
+def test_serve_bad_tp_value_names_the_flag(tmp_path, capsys, flags, msg):
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    assert main(["serve", str(model), "--mode", "dense", "--dry-run", "--"] + flags) == 2
+    assert msg in capsys.readouterr().err

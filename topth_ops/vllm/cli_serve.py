@@ -38,6 +38,41 @@ def add_arguments(p) -> None:
     p.set_defaults(_passthrough_ok=True)  # arguments after "--" go to vLLM (args.passthrough)
 
 
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
+
+
+def tp_size_of(vllm_args: list) -> int:
+    """The tensor-parallel size the vLLM arguments ask for (1 when not given), read as vLLM's
+    parser reads it: ``--tensor-parallel-size N``, ``--tensor-parallel-size=N``,
+    ``-tp N``, ``-tp=N``, and underscores for dashes in long flags; the last one wins.
+
+    Raises
+    ------
+    topth_ops.cli.CliError
+        The flag without a value, or a value that is not an integer >= 1 (naming the flag).
+    """
+    from ..cli import CliError
+
+    tp = 1
+    for i, arg in enumerate(vllm_args):
+        name, eq, value = str(arg).partition("=")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        if name not in TP_FLAGS:
+            continue
+        if not eq:
+            if i + 1 >= len(vllm_args):
+                raise CliError(f"{arg} needs a value (the tensor-parallel size, an integer >= 1)")
+            value = str(vllm_args[i + 1])
+        try:
+            tp = int(value, 10)
+        except ValueError:
+            tp = 0
+        if tp < 1:
+            raise CliError(f"{name} must be an integer >= 1, got {value!r} (the tensor-parallel size)")
+    return tp
+
+
 def build(args) -> tuple[list[str], dict[str, str]]:
     """The server command line and the environment changes, checked.
 
@@ -69,10 +104,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
             from transformers import AutoConfig
 
             cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
-            tp = 1
-            for flag in ("--tensor-parallel-size", "-tp"):
-                if flag in vllm_args:
-                    tp = int(vllm_args[vllm_args.index(flag) + 1])
+            tp = tp_size_of(vllm_args)
             import warnings
 
             with warnings.catch_warnings():
