@@ -27,6 +27,9 @@ def add_arguments(p) -> None:
     p.add_argument("--vmc", action="store_true", help="V-mean compensation")
     p.add_argument("--sdc", default="none", choices=("none", "exact", "exp_threshold", "offline"),
                    help="softmax-denominator compensation (pre_softmax files)")
+    p.add_argument("--sdc-gamma", type=float, default=None, help="gamma of --sdc exp_threshold")
+    p.add_argument("--op-backend", default=None,
+                   help="backend of the decode op (default: automatic; `topth-ops info` lists them)")
     p.add_argument("--stats", help="JSON report of V rows read vs dense, rewritten while serving")
     p.add_argument("--log-interval", type=float, default=None, help="seconds between statistics log lines")
     p.add_argument("--host", default="127.0.0.1")
@@ -95,7 +98,9 @@ def build(args) -> tuple[list[str], dict[str, str]]:
         values = {"mode": args.mode, "thresholds": os.path.abspath(args.thresholds) if args.thresholds else None,
                   "vmc": "1" if args.vmc else "0", "sdc": args.sdc,
                   "stats_file": os.path.abspath(args.stats) if args.stats else None,
-                  "log_interval": None if args.log_interval is None else str(args.log_interval)}
+                  "log_interval": None if args.log_interval is None else str(args.log_interval),
+                  "sdc_gamma": None if args.sdc_gamma is None else str(args.sdc_gamma),
+                  "op_backend": args.op_backend}
         env = {ENV[k]: v for k, v in values.items() if v is not None}
         if args.mode is None and not args.thresholds:
             raise CliError("give --thresholds FILE (Top-Theta), or --mode dense / --mode vllm for a baseline")
@@ -129,6 +134,10 @@ def build(args) -> tuple[list[str], dict[str, str]]:
 
 def run(args) -> int:
     cmd, env = build(args)
+    dropped = [f"{v}={os.environ[v]}" for v in sorted(os.environ) if v.startswith("TOPTH_VLLM_")]
+    if dropped:
+        print("topth-ops serve: ignoring " + ", ".join(dropped) + " from the environment (serve sets the "
+              "TOPTH_VLLM_* variables from its own options; see topth-ops serve --help)", file=sys.stderr, flush=True)
     print("topth-ops serve: " + " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + " ".join(cmd),
           file=sys.stderr, flush=True)
     if args.dry_run:
