@@ -240,3 +240,44 @@ def test_serve_op_backend_and_sdc_gamma_options_and_ignored_env(tmp_path, capsys
     assert "ignoring TOPTH_VLLM_OP_BACKEND=torch from the environment" in err
     assert main(["serve", str(model), "--mode", "dense", "--op-backend", "cpux", "--dry-run"]) == 2
     assert "'cpux' is not a registered backend" in capsys.readouterr().err
+
+
+def test_threshold_set_picks_one_set_of_a_multi_set_file(tmp_path):
+    from topth_ops.threshold_file import save_threshold_sets
+
+    cfg = Cfg(name="tiny")
+    sets = [threshold_set(cfg, k=k, seed=k) for k in (2, 4, 8)]
+    p = save_threshold_sets(tmp_path / "sets.safetensors", sets)
+    for i, k in enumerate((2, 4, 8)):
+        ts = load_for_model(from_sources({ENV["thresholds"]: str(p), ENV["threshold_set"]: str(i)}), cfg, "tiny", 1)
+        assert ts.k == k and torch.equal(ts.thresholds, sets[i].thresholds)
+    ts = load_for_model(from_sources({}, {"topth": {"thresholds": str(p), "threshold_set": 1}}), cfg, "tiny", 1)
+    assert ts.k == 4
+    with pytest.raises(ThresholdFileError, match=r"3 threshold sets.*TOPTH_VLLM_THRESHOLD_SET"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), cfg, "tiny", 1)
+    with pytest.raises(ThresholdFileError, match="TOPTH_VLLM_THRESHOLD_SET"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p), ENV["threshold_set"]: "3"}), cfg, "tiny", 1)
+    for bad, match in (("x", "must be an integer index"), ("-1", "index >= 0"), ("1.5", "must be an integer index")):
+        with pytest.raises(TopthConfigError, match=match):
+            from_sources({ENV["thresholds"]: str(p), ENV["threshold_set"]: bad})
+    with pytest.raises(ThresholdFileError, match="is a directory"):
+        load_for_model(from_sources({ENV["thresholds"]: str(tmp_path)}), cfg, "tiny", 1)
+
+
+def test_serve_threshold_set_option(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+    from topth_ops.threshold_file import save_threshold_sets
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    p = save_threshold_sets(tmp_path / "sets.safetensors", [threshold_set(cfg, name="m", k=k) for k in (2, 4)])
+    assert main(["serve", str(model), "--thresholds", str(p), "--threshold-set", "1", "--dry-run"]) == 0
+    assert "TOPTH_VLLM_THRESHOLD_SET=1" in capsys.readouterr().err
+    assert main(["serve", str(model), "--thresholds", str(p), "--dry-run"]) == 2
+    assert "--threshold-set" in capsys.readouterr().err

@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", choices=("topth", "dense", "vllm"), default=None,
                    help="topth (default with --thresholds), dense (this backend keeping every row), "
                         "or vllm (vLLM's own attention, no Top-Theta: the baseline)")
+    p.add_argument("--threshold-set", type=int, default=None,
+                   help="which threshold set of a file holding several (0-based, in the order of --k at calibration; without it such a file is refused with the list)")
     p.add_argument("--vmc", action="store_true", help="V-mean compensation")
     p.add_argument("--sdc", default="none", choices=("none", "exact", "exp_threshold", "offline"),
                    help="softmax-denominator compensation (pre_softmax files)")
@@ -96,6 +98,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
     env: dict[str, str] = {}
     if args.mode != "vllm":
         values = {"mode": args.mode, "thresholds": os.path.abspath(args.thresholds) if args.thresholds else None,
+                  "threshold_set": None if args.threshold_set is None else str(args.threshold_set),
                   "vmc": "1" if args.vmc else "0", "sdc": args.sdc,
                   "stats_file": os.path.abspath(args.stats) if args.stats else None,
                   "log_interval": None if args.log_interval is None else str(args.log_interval),

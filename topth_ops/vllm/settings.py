@@ -11,6 +11,8 @@ variable                  [key]               meaning
 TOPTH_VLLM_MODE           [mode]              ``topth`` (default when a file is given) or
                                               ``dense`` (same backend, every row kept: A/B)
 TOPTH_VLLM_THRESHOLDS     [thresholds]        threshold file from ``topth-ops calibrate``
+TOPTH_VLLM_THRESHOLD_SET  [threshold_set]     which set of a file holding several (0-based;
+                                              needed only then)
 TOPTH_VLLM_VMC            [vmc]               1/0: V-mean compensation (paper 3.2.2)
 TOPTH_VLLM_SDC            [sdc]               none, exact, exp_threshold, offline (pre_softmax)
 TOPTH_VLLM_SDC_GAMMA      [sdc_gamma]         gamma of exp_threshold
@@ -40,6 +42,7 @@ CONFIG_KEY = "topth"
 ENV = {
     "mode": "TOPTH_VLLM_MODE",
     "thresholds": "TOPTH_VLLM_THRESHOLDS",
+    "threshold_set": "TOPTH_VLLM_THRESHOLD_SET",
     "vmc": "TOPTH_VLLM_VMC",
     "sdc": "TOPTH_VLLM_SDC",
     "sdc_gamma": "TOPTH_VLLM_SDC_GAMMA",
@@ -65,6 +68,9 @@ class VllmTopthSettings:
     mode : {"topth", "dense"}
     thresholds : str or None
         Path of the threshold file; required by mode "topth".
+    threshold_set : int or None
+        Index of the set to serve when the file holds several (``topth-ops calibrate
+        --k 16,32,64`` writes one set per k); None for a file of one set.
     vmc : bool
     sdc : str
     sdc_gamma : float
@@ -78,6 +84,7 @@ class VllmTopthSettings:
 
     mode: str = "topth"
     thresholds: Optional[str] = None
+    threshold_set: Optional[int] = None
     vmc: bool = False
     sdc: str = "none"
     sdc_gamma: float = DEFAULT_SDC_GAMMA
@@ -104,6 +111,9 @@ class VllmTopthSettings:
                 "topth vLLM backend: mode 'topth' needs a threshold file: set "
                 f"{ENV['thresholds']}=PATH (from `topth-ops calibrate`) or additional_config "
                 "{'topth': {'thresholds': PATH}}; use mode 'dense' for the dense A/B run")
+        if self.threshold_set is not None and self.threshold_set < 0:
+            raise TopthConfigError(f"topth vLLM backend: threshold_set must be an index >= 0, got {self.threshold_set} "
+                                   f"({ENV['threshold_set']} or additional_config['topth']['threshold_set'])")
         if not (self.log_interval >= 0):
             raise TopthConfigError(f"topth vLLM backend: log_interval must be >= 0 seconds, got {self.log_interval!r}")
         if not (0 < self.sdc_gamma < float("inf")):
@@ -123,6 +133,15 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         if s in _FALSE:
             return False
         raise TopthConfigError(f"topth vLLM backend: {where} must be 1/0 (true/false), got {raw!r}")
+    if key == "threshold_set":
+        if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+            return None
+        if isinstance(raw, bool):
+            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer index, got {raw!r}")
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer index, got {raw!r}") from None
     if key in ("sdc_gamma", "log_interval"):
         try:
             return float(raw)
@@ -258,9 +277,14 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
         return None
     path = settings.thresholds
     if not os.path.isfile(path):
-        raise ThresholdFileError(f"topth vLLM backend: threshold file {path!r} does not exist "
+        what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+        raise ThresholdFileError(f"topth vLLM backend: threshold file {path!r} {what} "
                                  f"({ENV['thresholds']} / additional_config['topth']['thresholds'])")
-    ts = load_thresholds(path)
+    try:
+        ts = load_thresholds(path, settings.threshold_set)
+    except ThresholdFileError as e:
+        raise ThresholdFileError(f"{e} (serving picks one set: {ENV['threshold_set']} / "
+                                 "additional_config['topth']['threshold_set'] / `topth-ops serve --threshold-set`)") from None
     ts.check_model(hf_config, model_name, compare_name=model_name is not None)
     hkv = cfg["num_kv_heads"]
     if ts.selection == "group" and hkv % tp_size and tp_size % hkv:
