@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import topth_ops
 from topth_ops.contract import DEFAULT_SDC_GAMMA, make_inputs
 
 
@@ -42,3 +43,16 @@ def test_value_checks_are_skipped_when_asked():
 def test_describe_names_shapes_and_options():
     text = make_inputs(*_args(), placement="pre_softmax", sdc="exact").describe()
     assert "query [2, 4, 8] float32" in text and "sdc=exact" in text
+
+
+@pytest.mark.parametrize("arg", ["query", "key_cache", "seq_lens", "thresholds"])
+def test_sparse_tensors_are_refused_by_name(arg):
+    # before: the cpu backend raised RuntimeError "Cannot access data pointer of Tensor that
+    # doesn't have storage" (the torch backend a reshape error), naming no argument
+    B, Hq, Hkv, S, D = 2, 4, 2, 8, 16
+    kw = dict(query=torch.randn(B, Hq, D), key_cache=torch.randn(B, Hkv, S, D),
+              value_cache=torch.randn(B, Hkv, S, D), seq_lens=torch.tensor([8, 3]),
+              thresholds=torch.full((Hq, S), 0.01))
+    kw[arg] = kw[arg].to_sparse()
+    with pytest.raises(TypeError, match=rf"{arg} must be a dense \(torch.strided\) tensor"):
+        topth_ops.decode_attention(*kw.values())

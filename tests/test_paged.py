@@ -7,7 +7,7 @@ import torch
 
 import topth_ops
 from topth_ops.conformance.oracle import oracle_decode
-from topth_ops.paged import PagedValueSum, to_paged, write_kv
+from topth_ops.paged import PagedValueSum, paged_value_mean, to_paged, write_kv
 
 BS, H, D = 16, 2, 8
 
@@ -126,3 +126,89 @@ def test_bad_arguments_are_named():
                  torch.zeros(1, H, D), torch.zeros(1, dtype=torch.int64), "BNSD")
     with pytest.raises(ValueError, match="num_blocks"):
         to_paged(torch.zeros(1, H, 40, D), torch.zeros(1, H, 40, D), torch.tensor([40]), BS, num_blocks=2)
+
+
+def _nhd(nb=4):
+    return torch.zeros(nb, BS, H, D), torch.zeros(nb, BS, H, D)
+
+
+@pytest.mark.parametrize("rows", [torch.ones(2, 1, D), torch.ones(2, H, 1), torch.ones(2, D)],
+                         ids=["one_head", "one_dim", "no_head_dim"])
+def test_write_kv_refuses_rows_that_would_broadcast(rows):
+    # before: torch broadcast [2, 1, D] over every head (or [2, H, 1] over head_dim) and wrote it
+    kc, vc = _nhd()
+    with pytest.raises(ValueError, match=r"key must have shape \[num_tokens, 2, 8\]"):
+        write_kv(kc, vc, rows, rows, torch.tensor([0, 1]), "NHD")
+    assert not kc.any() and not vc.any()
+
+
+def test_paged_helpers_name_bad_slots_caches_and_sizes():
+    kc, vc = _nhd()
+    one = torch.ones(1, H, D)
+    past = torch.tensor([4 * BS])  # one past the pool (before: a bare IndexError)
+    with pytest.raises(ValueError, match=r"slot_mapping values must be < num_blocks x block_size = 64"):
+        write_kv(kc, vc, one, one, past, "NHD")
+    with pytest.raises(TypeError, match="key must be a torch.Tensor"):
+        write_kv(kc, vc, [[0.0]], one, torch.tensor([0]), "NHD")
+    with pytest.raises(ValueError, match="value_cache shape must equal the key_cache shape"):
+        write_kv(kc, torch.zeros(4, BS, H, D + 1), one, one, torch.tensor([0]), "NHD")
+    vs = PagedValueSum(4, BS, H, D)
+    with pytest.raises(ValueError, match=r"slot_mapping values must be < num_blocks x block_size"):
+        vs.update(vc, one, past)
+    # an HND cache (or one of another pool) handed to an NHD sum: before, silently accepted or IndexError
+    with pytest.raises(ValueError, match=r"value_cache must have shape \[4, 16, 2, 8\] \(NHD"):
+        vs.update(torch.zeros(4, H, BS, D), one, torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"value_cache must have shape \[4, 16, 2, 8\]"):
+        vs.update(torch.zeros(7, BS, H, D), one, torch.tensor([3]))
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+            PagedValueSum(4, bad, H, D)
+        with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+            to_paged(torch.zeros(1, H, 8, D), torch.zeros(1, H, 8, D), torch.tensor([8]), bad)
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        PagedValueSum(4, 16.0, H, D)
+
+
+def test_value_sum_refuses_a_slot_twice_in_one_call():
+    # before: both rows were added, the block's sum counted slot 0 twice (2.0 instead of 1.0)
+    vs = PagedValueSum(4, BS, H, D)
+    with pytest.raises(ValueError, match="must not name a slot twice"):
+        vs.update(torch.zeros(4, BS, H, D), torch.ones(2, H, D), torch.tensor([0, 0]))
+    assert not vs.sum.any()
+    vs.update(torch.zeros(4, BS, H, D), torch.ones(3, H, D), torch.tensor([-1, 0, -1]))  # padding may repeat
+    assert float(vs.sum[0, 0, 0]) == 1.0
+
+
+def test_paged_value_mean_checks_lengths_and_used_blocks():
+    sums = torch.ones(4, H, D)
+    table = torch.tensor([[0]], dtype=torch.int32)
+    # before: n = 40 past the one-block table gave 16/40 = 0.4 (a wrong mean), silently
+    with pytest.raises(ValueError, match=r"seq_lens values must lie in \[0, 16\]"):
+        paged_value_mean(sums, table, torch.tensor([40]), BS)
+    with pytest.raises(ValueError, match=r"seq_lens values must lie in \[0, 16\]"):
+        paged_value_mean(sums, table, torch.tensor([-3]), BS)
+    with pytest.raises(ValueError, match=r"\[0, num_blocks=4\) \(value_sum dim 0\)"):
+        paged_value_mean(sums, torch.tensor([[9]], dtype=torch.int32), torch.tensor([3]), BS)
+    with pytest.raises(TypeError, match="block_table dtype must be int32"):
+        paged_value_mean(sums, table.float(), torch.tensor([3]), BS)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        paged_value_mean(sums, table, torch.tensor([3]), 0)
+    # a valid call still averages the n rows: 3 rows of ones in block 0 -> sum 3, mean 1
+    got = paged_value_mean(torch.full((4, H, D), 3.0), table, torch.tensor([3]), BS)
+    assert torch.equal(got, torch.ones(1, H, D))
+
+
+def test_to_paged_checks_its_inputs():
+    k = torch.zeros(2, H, 40, D)
+    with pytest.raises(ValueError, match=r"seq_lens values must lie in \[0, 40\]"):
+        to_paged(k, k, torch.tensor([80, 3]), BS)  # before: a table too short for n = 80
+    with pytest.raises(ValueError, match=r"seq_lens values must lie in \[0, 40\]"):
+        to_paged(k, k, torch.tensor([-5, 3]), BS)  # before: an all -1 row, silently
+    with pytest.raises(TypeError, match="seq_lens dtype must be int32 or int64"):
+        to_paged(k, k, torch.tensor([4.0, 3.0]), BS)
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \[2\]"):
+        to_paged(k, k, torch.tensor([40]), BS)
+    with pytest.raises(ValueError, match="value shape must equal the key shape"):
+        to_paged(k, k[:, :, :20], torch.tensor([10, 3]), BS)
+    with pytest.raises(ValueError, match=r"key must have shape \[batch, num_kv_heads, max_seq_len, head_dim\]"):
+        to_paged(k[0], k[0], torch.tensor([4]), BS)

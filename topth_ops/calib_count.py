@@ -45,21 +45,23 @@ text itself at 2-4 x).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from .calibration import DENSE, LayerK, PLACEMENTS
+from .calibration import DENSE, LayerK, no_long_rows_error, row_log_z
+from .contract import PLACEMENTS, SELECTIONS
+from .length_model import (DEFAULT_FIT_OCTAVES, FEATURES, MIN_FIT_POINTS, LengthModel, fit_length_model,
+                           fit_table_model, from_domain, to_domain)
 
-SELECTIONS = ("head", "group")
+__all__ = ["DEFAULT_BINS", "DEFAULT_BUCKETS_PER_OCTAVE", "DEFAULT_FIT_OCTAVES", "DEFAULT_ROWS_PER_OCTAVE", "DOMAINS",
+           "FEATURES", "LOG_PROB_FLOOR", "MIN_FIT_POINTS", "SELECTIONS", "CountAccumulator", "LengthModel",
+           "bucket_edges", "fit_length_model", "fit_table_model", "from_domain", "to_domain"]
+
 DEFAULT_BINS = 512
 DEFAULT_BUCKETS_PER_OCTAVE = 4
-DEFAULT_FIT_OCTAVES = 3.0
 DEFAULT_ROWS_PER_OCTAVE = 128
-MIN_FIT_POINTS = 3
 LOG_PROB_FLOOR = -60.0  # log-probabilities below this are clamped (never near a threshold)
 DOMAINS = {"pre_softmax": "logit", "post_softmax": "log_prob"}
 
@@ -81,124 +83,6 @@ def bucket_edges(max_row_id: int, ks: Sequence[int], per_octave: int = DEFAULT_B
         x *= 2.0 ** (1.0 / per_octave)
     e.update(int(k) for k in ks if 0 < k < max_row_id)
     return np.array(sorted(e), dtype=np.int64)
-
-
-FEATURES = ("log_n", "log_log_n_over_k")
-
-
-@dataclass
-class LengthModel:
-    """theta as a function of the row id beyond the calibrated buckets.
-
-    ``domain(theta)(n) = anchor_value + slope * (x(n) - x(anchor_n))`` with the feature
-    x(n) = log log(n / k) (thresholds: the growth of theta slows down as rows get longer,
-    measured in docs/model.md) or x(n) = log n (the offline SDC table).
-
-    Attributes
-    ----------
-    domain : {"logit", "log_prob", "log"}
-        The domain where the model is linear: theta itself (pre_softmax), log theta
-        (post_softmax; capped at probability 1), or the log of a positive quantity without
-        a cap (the offline SDC table).
-    anchor_n : numpy.ndarray
-        ``[num_layers, H]`` float64: row id (mean log n of the last bucket, as a real
-        number) where the model starts; NaN for dense layers.
-    anchor_value : numpy.ndarray
-        ``[num_layers, H]``: the domain value there (the calibrated bucket value).
-    slope : numpy.ndarray
-        ``[num_layers, H]``: d domain(theta) / d x.
-    feature : {"log_n", "log_log_n_over_k"}
-    k : numpy.ndarray or None
-        ``[num_layers]`` k per layer (0 = dense), needed by "log_log_n_over_k".
-    """
-
-    domain: str
-    anchor_n: np.ndarray
-    anchor_value: np.ndarray
-    slope: np.ndarray
-    feature: str = "log_n"
-    k: Optional[np.ndarray] = None
-
-    def x(self, n: np.ndarray) -> np.ndarray:
-        """Feature ``[L, 1, len(n)]`` (or ``[1, 1, len(n)]``) of row ids ``n``."""
-        n = np.asarray(n, dtype=np.float64).reshape(1, 1, -1)
-        if self.feature == "log_n":
-            return np.log(n)
-        k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1, 1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.log(np.log(n / np.where(k > 0, k, np.nan)))
-
-    def value(self, n: np.ndarray) -> np.ndarray:
-        """Domain value ``[L, H, len(n)]`` at row ids ``n`` (any n >= anchor_n)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            if self.feature == "log_n":
-                x0 = np.log(self.anchor_n)
-            else:
-                k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1)
-                x0 = np.log(np.log(self.anchor_n / np.where(k > 0, k, np.nan)))
-            return self.anchor_value[..., None] + self.slope[..., None] * (self.x(n) - x0[..., None])
-
-    def theta(self, n: np.ndarray) -> np.ndarray:
-        """theta ``[L, H, len(n)]`` at row ids ``n``; log_prob domain is capped at 0
-        (probability 1), "log" is not; NaN entries (dense layers) become -inf."""
-        v = self.value(n)
-        if self.domain == "log_prob":
-            v = np.exp(np.minimum(v, 0.0))
-        elif self.domain == "log":
-            v = np.exp(v)
-        return np.where(np.isnan(v), -np.inf, v)
-
-
-def to_domain(theta: np.ndarray, domain: str) -> np.ndarray:
-    if domain == "logit":
-        return np.asarray(theta, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        return np.log(np.maximum(np.asarray(theta, dtype=np.float64), 0.0))
-
-
-def from_domain(v: np.ndarray, domain: str) -> np.ndarray:
-    return v if domain == "logit" else np.exp(np.minimum(v, 0.0))
-
-
-def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, k: int, domain: str,
-                     fit_octaves: float = DEFAULT_FIT_OCTAVES, feature: str = "log_log_n_over_k"
-                     ) -> tuple[float, float, float]:
-    """Fit the log-linear length model of one (layer, head).
-
-    Parameters
-    ----------
-    centres, values, rows : numpy.ndarray
-        Per usable bucket (all rows n > k), in increasing order: mean log n ... as row id
-        ``exp(mean log n)``, domain value of theta, and rows behind it.
-    k : int
-    domain : str
-    fit_octaves : float
-        Fit on the centres within this many octaves of the last one.
-    feature : {"log_log_n_over_k", "log_n"}
-        x of the model (see :class:`LengthModel`).
-
-    Returns
-    -------
-    (anchor_n, anchor_value, slope) : tuple of float
-        Anchor at the last bucket; slope 0 when fewer than 2 points are usable.
-    """
-    ok = np.isfinite(values) & (rows > 0)
-    c, v, w = centres[ok], values[ok], rows[ok].astype(np.float64)
-    if c.size == 0:
-        return float("nan"), float("nan"), 0.0
-    last = c[-1]
-    sel = (c >= last / 2.0 ** fit_octaves) & (c > 2 * k)
-    if sel.sum() < MIN_FIT_POINTS:
-        sel = c > k
-    slope = 0.0
-    if sel.sum() >= 2:
-        x = np.log(c[sel]) if feature == "log_n" else np.log(np.log(c[sel] / k))
-        y, ww = v[sel], w[sel]
-        xm, ym = np.average(x, weights=ww), np.average(y, weights=ww)
-        den = np.sum(ww * (x - xm) ** 2)
-        if den > 0:
-            slope = float(np.sum(ww * (x - xm) * (y - ym)) / den)
-    return float(last), float(v[-1]), slope
 
 
 class CountAccumulator:
@@ -319,9 +203,8 @@ class CountAccumulator:
         x_all = scores[bi, :, ci, :]  # [R, H, S]
         if "post_softmax" in self.placements:
             if m is None or log_z is None:
-                mm = x_all.amax(-1, keepdim=True)
-                mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
-                lse = mm + torch.log(torch.exp(x_all - mm).sum(-1, keepdim=True))
+                m_row, log_z_row = row_log_z(x_all)
+                lse = m_row + log_z_row
             else:
                 lse = (m + log_z)[bi, :, ci, :]
         G = self.Hq // self.Hkv
@@ -452,10 +335,7 @@ class CountAccumulator:
                 continue
             centres, vals, rows, usable = self.bucket_thetas(placement, selection, layer, k)
             if not usable.any():
-                raise ValueError(
-                    f"no calibration row longer than k={k} in layer {layer} (k per layer comes from k "
-                    f"and the --layer-k overrides): use longer calibration samples, a smaller k, or "
-                    f"another --layer-k (e.g. {layer}:dense)")
+                raise no_long_rows_error(k, layer)
             c = centres[usable]
             per_id = self.rows_per_id[layer].numpy()[1:]
             counts[layer, :, k:] = per_id[k:]
@@ -467,10 +347,7 @@ class CountAccumulator:
                 xs, ys = np.log(c[ok]), v[ok]
                 nn = n_all[k:]
                 inside = np.interp(np.log(nn), xs, ys)  # clamps below the first centre
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    beyond = av + sl * (np.log(np.log(nn / k)) - math.log(math.log(an / k)))
-                dv = np.where(nn > an, beyond, inside)
-                theta[layer, h, k:] = from_domain(dv, domain)
+                theta[layer, h, k:] = from_domain(inside, domain)  # beyond the anchor: replaced below
         model = LengthModel(domain, anc_n, anc_v, slope, "log_log_n_over_k", np.array(layer_k, dtype=np.int64))
         # beyond the anchors the table is exactly the model (what loading re-creates)
         n_beyond = np.arange(1, R + 1, dtype=np.float64)
@@ -478,41 +355,3 @@ class CountAccumulator:
         beyond_mask = n_beyond[None, None, :] > np.nan_to_num(anc_n, nan=np.inf)[..., None]
         theta = np.where(beyond_mask, m, theta)
         return theta, counts, model
-
-
-def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str = "log",
-                    fit_octaves: float = DEFAULT_FIT_OCTAVES) -> LengthModel:
-    """Log-linear model of a per-row-id table (e.g. the offline SDC table) for row ids
-    beyond it: per (layer, head), weighted least squares (weights: ``counts``) of
-    domain(value) on log n over the row ids of the last ``fit_octaves`` octaves with
-    samples and value > 0; the model is the regression line (anchored at its weighted
-    mean point). Dense layers get NaN (extended as 0 by the SDC extension).
-
-    Parameters
-    ----------
-    table, counts : numpy.ndarray
-        ``[L, H, R]`` values and samples per row id (column c = row id c + 1).
-    layer_k : sequence of int
-    domain : {"log", "logit"}
-    """
-    L, H, R = table.shape
-    an, av, sl = np.full((L, H), np.nan), np.full((L, H), np.nan), np.zeros((L, H))
-    n = np.arange(1, R + 1, dtype=np.float64)
-    for layer, k in enumerate(layer_k):
-        if k == DENSE:
-            continue
-        for h in range(H):
-            v, w = table[layer, h], counts[layer, h].astype(np.float64)
-            ok = (w > 0) & (n > k) & (v > 0 if domain == "log" else np.isfinite(v))
-            if not ok.any():
-                an[layer, h], av[layer, h] = float(R), (0.0 if domain == "logit" else -np.inf)
-                continue
-            last = n[ok][-1]
-            sel = ok & (n >= last / 2.0 ** fit_octaves)
-            x, ww = np.log(n[sel]), w[sel]
-            y = np.log(v[sel]) if domain == "log" else v[sel]
-            xm, ym = np.average(x, weights=ww), np.average(y, weights=ww)
-            den = np.sum(ww * (x - xm) ** 2)
-            sl[layer, h] = float(np.sum(ww * (x - xm) * (y - ym)) / den) if den > 0 else 0.0
-            an[layer, h], av[layer, h] = math.exp(xm), ym
-    return LengthModel(domain, an, av, sl)

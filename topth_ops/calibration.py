@@ -19,12 +19,9 @@ merge, float64), never attention matrices. Several targets k and both placements
 recorded from the same forward passes (one ``topk`` per row chunk), which is the
 bounded-memory form of the paper's multi-k calibration (appendix D).
 
-The offline SDC table (section 3.2.1) needs the final thresholds, so it is a second pass
-over the calibration text: :class:`SdcAccumulator` records, per row, the dropped
-exponent mass E = sum_{a_j <= theta} exp(a_j - m) at the calibrated theta and keeps its
-mean per (layer, head, row id). A single-pass estimate would have to use thresholds that
-are still moving (the paper's reference code does that); the second pass costs one more
-forward pass per sample and gives the exact mean at the final theta.
+The offline SDC table (section 3.2.1) is a second pass over the calibration text,
+:class:`topth_ops.calib_sdc.SdcAccumulator` (re-exported here); the layer-k maps live in
+:mod:`topth_ops.layer_k` (re-exported here).
 
 This module has no dependency on transformers: the model integration feeds it scores.
 """
@@ -38,118 +35,35 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-PLACEMENTS = ("pre_softmax", "post_softmax")
-DENSE = 0  # layer k value meaning "not thresholded" (every row dense)
+from .contract import PLACEMENTS
+from .layer_k import DENSE, LayerK, base_k, format_layer_k, layer_k_overrides, parse_layer_k
 
-LayerK = list[int]  # k per layer; DENSE (0) keeps the layer dense
-
-
-def parse_layer_k(spec: Optional[str], k: int, num_layers: int) -> LayerK:
-    """Build the per-layer k map from a default k and an override string.
-
-    Parameters
-    ----------
-    spec : str or None
-        Comma-separated ``layer:value`` pairs, e.g. ``"0:256,1:256"`` or
-        ``"0:dense,1:dense"``; value ``dense`` (or 0) keeps that layer dense. Negative
-        layer indices count from the end. None or "" means no override.
-    k : int
-        The k of every layer not named in ``spec``; must be >= 1.
-    num_layers : int
-        Number of attention layers of the model.
-
-    Returns
-    -------
-    list of int
-        ``num_layers`` values; :data:`DENSE` (0) marks a dense layer.
-
-    Raises
-    ------
-    ValueError
-        k < 1, a malformed pair, a layer index out of range, a value < 0, or a layer
-        named twice (also as ``-1`` and ``num_layers - 1``).
-    """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    out = [k] * num_layers
-    seen: dict[int, str] = {}
-    for layer, val, part in layer_k_overrides(spec):
-        if not -num_layers <= layer < num_layers:
-            raise ValueError(f"--layer-k layer must lie in [0, {num_layers - 1}], got {layer} in {part!r}")
-        idx = layer % num_layers
-        if idx in seen:
-            raise ValueError(f"--layer-k names layer {idx} twice ({seen[idx]!r} and {part!r})")
-        seen[idx] = part
-        out[idx] = val
-    return out
+__all__ = ["DENSE", "PLACEMENTS", "CalibrationResult", "LayerK", "SdcAccumulator", "ThresholdAccumulator",
+           "base_k", "fill_unsampled", "format_layer_k", "layer_k_overrides", "no_long_rows_error", "parse_layer_k",
+           "row_log_z", "row_max"]
 
 
-def base_k(layer_k: Sequence[int]) -> int:
-    """The k of a layer-k map: its most common non-dense value (the others are
-    ``--layer-k`` overrides); 0 when every layer is dense."""
-    ks = [k for k in layer_k if k != DENSE]
-    return max(set(ks), key=ks.count) if ks else 0
+def row_max(scores: torch.Tensor) -> torch.Tensor:
+    """Row maximum m ``[..., 1]`` of logits ``[..., S]`` (-inf at invalid keys); 0 for rows
+    without a finite value, so that ``exp(a - m)`` stays defined."""
+    m = scores.amax(-1, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
-def layer_k_overrides(spec: Optional[str]) -> list[tuple[int, int, str]]:
-    """Parse the syntax of a ``--layer-k`` string without knowing the model.
-
-    Parameters
-    ----------
-    spec : str or None
-        See :func:`parse_layer_k`.
-
-    Returns
-    -------
-    list of (layer, value, text)
-        Layer index as written (may be negative), k value (:data:`DENSE` for "dense" or
-        0) and the entry's text, in order.
-
-    Raises
-    ------
-    ValueError
-        A malformed pair, a non-integer layer or value, a value < 0, or a layer index
-        written twice.
-    """
-    out: list[tuple[int, int, str]] = []
-    for part in (spec or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if ":" not in part:
-            raise ValueError(f"--layer-k entries must look like LAYER:K or LAYER:dense, got {part!r}")
-        layer_s, val_s = (x.strip() for x in part.split(":", 1))
-        try:
-            layer = int(layer_s)
-        except ValueError:
-            raise ValueError(f"--layer-k layer must be an integer, got {layer_s!r} in {part!r}") from None
-        if val_s.lower() == "dense":
-            val = DENSE
-        else:
-            try:
-                val = int(val_s)
-            except ValueError:
-                raise ValueError(
-                    f"--layer-k value must be an integer >= 1, or 0 / 'dense', got {val_s!r} in {part!r}"
-                ) from None
-            if val < 0:
-                raise ValueError(f"--layer-k value must be >= 1, or 0 / 'dense', got {val} in {part!r}")
-        if any(layer == prev for prev, _, _ in out):
-            raise ValueError(f"--layer-k names layer {layer} twice in {spec!r}")
-        out.append((layer, val, part))
-    return out
+def row_log_z(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row maximum m and log sum_j exp(a_j - m), both ``[..., 1]``, of logits ``[..., S]``
+    (-inf at invalid keys): the log-softmax of a row is ``a - m - log_z``."""
+    m = row_max(scores)
+    return m, torch.log(torch.exp(scores - m).sum(-1, keepdim=True))
 
 
-def format_layer_k(layer_k: Sequence[int]) -> str:
-    """Compact text form of a layer-k map, e.g. ``"0-1:dense, 2-29:16"``."""
-    parts, start = [], 0
-    for i in range(1, len(layer_k) + 1):
-        if i == len(layer_k) or layer_k[i] != layer_k[start]:
-            val = "dense" if layer_k[start] == DENSE else str(layer_k[start])
-            rng = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
-            parts.append(f"{rng}:{val}")
-            start = i
-    return ", ".join(parts)
+def no_long_rows_error(k: int, layer: int) -> ValueError:
+    """The error of a thresholded layer without a calibration row longer than its k."""
+    return ValueError(
+        f"no calibration row longer than k={k} in layer {layer} (k per layer comes "
+        f"from k and the --layer-k overrides): use longer calibration samples, a "
+        f"smaller k, or another --layer-k (e.g. {layer}:dense)"
+    )
 
 
 def fill_unsampled(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -236,7 +150,7 @@ class CalibrationResult:
         With "group", thresholds are ``[num_layers, num_kv_heads, max_row_id]``.
     estimator : {"mean", "count"}
         Algorithm 1 (this module) or kept-count (:mod:`topth_ops.calib_count`).
-    length_model, sdc_length_model : topth_ops.calib_count.LengthModel or None
+    length_model, sdc_length_model : topth_ops.length_model.LengthModel or None
         Where the table continues beyond the calibrated row ids (``counts.shape[-1]``).
     """
 
@@ -324,9 +238,7 @@ class ThresholdAccumulator:
         kk = min(max(ks) + 1, S)
         top = torch.topk(scores, kk, dim=-1).values  # [B, H, C, kk], descending
         if "post_softmax" in self.placements and (m is None or log_z is None):
-            m = scores.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            log_z = torch.log(torch.exp(scores - m).sum(-1, keepdim=True))
+            m, log_z = row_log_z(scores)
         heads = torch.arange(H).view(1, H, 1)
         for ti, t in enumerate(self.targets):
             k = t[layer]
@@ -377,11 +289,7 @@ class ThresholdAccumulator:
         std = np.sqrt(np.maximum(st.m2[target].numpy() / np.maximum(cnt, 1), 0.0))
         for layer, k in enumerate(layer_k):
             if k != DENSE and cnt[layer].sum() == 0:
-                raise ValueError(
-                    f"no calibration row longer than k={k} in layer {layer} (k per layer comes "
-                    f"from k and the --layer-k overrides): use longer calibration samples, a "
-                    f"smaller k, or another --layer-k (e.g. {layer}:dense)"
-                )
+                raise no_long_rows_error(k, layer)
         sampled_any = np.flatnonzero(cnt.reshape(-1, cnt.shape[-1]).sum(0) > 0)
         R = int(sampled_any[-1]) + 1 if sampled_any.size else 1
         theta = (mean + alpha * std)[..., :R]
@@ -413,111 +321,5 @@ def _dense_rows(values: np.ndarray, layer_k: Sequence[int], fill: float) -> np.n
     return out
 
 
-class SdcAccumulator:
-    """Second calibration pass: mean dropped exponent mass at the calibrated thresholds.
-
-    Parameters
-    ----------
-    results : sequence of CalibrationResult
-        pre_softmax results whose offline SDC table is wanted (per-head or group
-        selection).
-    num_q_heads : int, optional
-        Query heads of the model (default: the heads of the first per-head result; needed
-        when every result has group selection).
-
-    Notes
-    -----
-    For each row with n > k and each query head h: E = sum over valid j that are not kept
-    of exp(a_hj - m_h), m_h = max over valid j (the E~ of the ``offline`` sdc mode, paper
-    section 3.2.1). Kept is ``a_hj > theta_h`` (per head) or ``max_{h' in g} a_h'j >
-    theta_g`` (group g of h, op contract v0.2); the table stays per query head. It holds
-    the mean of E per (layer, head, row id) over the calibrated row ids
-    (``counts.shape[-1]``); rows n <= k hold 0; unsampled row ids take the nearest
-    sampled one. When a result has a length model (its table extends beyond the
-    calibrated row ids), the SDC table gets one too (:func:`topth_ops.calib_count.
-    fit_table_model`, log domain) and is extended the same way.
-    """
-
-    def __init__(self, results: Sequence[CalibrationResult], num_q_heads: Optional[int] = None):
-        for r in results:
-            if r.placement != "pre_softmax":
-                raise ValueError("the offline SDC table applies to pre_softmax thresholds only")
-        if num_q_heads is None:
-            heads = [r.thresholds.shape[1] for r in results if r.selection == "head"]
-            if not heads:
-                raise ValueError("num_q_heads is needed when every result has group selection")
-            num_q_heads = heads[0]
-        self.Hq = num_q_heads
-        self.results = list(results)
-        shapes = [(r.thresholds.shape[0], num_q_heads, r.counts.shape[-1]) for r in results]
-        self.sums = [torch.zeros(sh, dtype=torch.float64) for sh in shapes]
-        self.counts = [torch.zeros(sh, dtype=torch.int64) for sh in shapes]
-
-    def record(self, layer: int, scores: torch.Tensor, row_ids: torch.Tensor) -> None:
-        """Record one chunk of rows: add each row's dropped exponent mass E at its layer's
-        calibrated thresholds (paper section 3.2.1).
-
-        Parameters
-        ----------
-        layer : int
-            Attention layer of the chunk; layers that are dense in a result are skipped.
-        scores : torch.Tensor
-            ``[B, num_q_heads, C, S]`` float32 pre-softmax logits a (scale applied),
-            -inf at positions that are not valid keys of the row.
-        row_ids : torch.Tensor
-            ``[B, C]`` int64: n, the number of valid keys of each row (0 = padding row).
-            Rows with n <= k add nothing; rows beyond a result's calibrated row ids are
-            skipped for that result.
-        """
-        B, H, C, S = scores.shape
-        n = row_ids.to(torch.int64)
-        valid = scores != float("-inf")  # -inf marks positions that are not valid keys
-        m = scores.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.where(valid, torch.exp(scores - m), 0.0)
-        heads = torch.arange(H).view(1, H, 1)
-        gmax = None
-        for r, sums, counts in zip(self.results, self.sums, self.counts):
-            k = r.layer_k[layer]
-            if k == DENSE:
-                continue
-            R, Rc = r.thresholds.shape[-1], counts.shape[-1]
-            sel = n > k
-            if not bool(sel.any()):
-                continue
-            col = (n.clamp(min=1, max=R) - 1)  # [B, C]
-            theta = r.thresholds[layer][:, col].permute(1, 0, 2).unsqueeze(-1)  # [B, H', C, 1]
-            if r.selection == "group":
-                Hkv = theta.shape[1]
-                if gmax is None:
-                    gmax = scores.view(B, Hkv, H // Hkv, C, S).amax(2)
-                kept = (gmax > theta).unsqueeze(2).expand(B, Hkv, H // Hkv, C, S).reshape(B, H, C, S)
-            else:
-                kept = scores > theta
-            dropped = valid & ~kept
-            E = (e * dropped).sum(-1)  # [B, H, C]
-            sel3 = sel.unsqueeze(1).expand(B, H, C)
-            own = (n <= Rc).unsqueeze(1).expand(B, H, C)
-            keep = sel3 & own
-            slots = (heads * Rc + col.clamp(max=Rc - 1).unsqueeze(1)).expand(B, H, C)[keep]
-            sums[layer].view(-1).index_add_(0, slots, E[keep].to(torch.float64))
-            counts[layer].view(-1).index_add_(0, slots, torch.ones_like(slots))
-
-    def finalize(self) -> list[CalibrationResult]:
-        """Attach ``sdc_table`` (and, with a length model, ``sdc_length_model``) to each
-        result and return them."""
-        from .calib_count import fit_table_model
-
-        for r, sums, counts in zip(self.results, self.sums, self.counts):
-            cnt = counts.numpy()
-            mean = sums.numpy() / np.maximum(cnt, 1)
-            table = fill_unsampled(mean, cnt)
-            table = _dense_rows(table, r.layer_k, 0.0).astype(np.float32)
-            R, Rc = r.thresholds.shape[-1], table.shape[-1]
-            if R > Rc:
-                model = fit_table_model(table.astype(np.float64), cnt, r.layer_k, "log")
-                ext = model.theta(np.arange(Rc + 1, R + 1, dtype=np.float64)).astype(np.float32)
-                table = np.concatenate([table, np.where(np.isinf(ext), 0.0, ext).astype(np.float32)], axis=-1)
-                r.sdc_length_model = model
-            r.sdc_table = torch.from_numpy(table)
-        return self.results
+# the second pass lives in calib_sdc.py; imported last, as it uses the above
+from .calib_sdc import SdcAccumulator  # noqa: E402

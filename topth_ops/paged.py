@@ -16,20 +16,68 @@ the saving of reading only the kept rows. Instead a per-block V sum
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
+import numpy as np
 import torch
 
-from .validation import PAGED_LAYOUTS, require_choice
+from .validation import (LAYOUT_DIMS, PAGED_LAYOUTS, cache_dims, check_block_table_values, require_choice,
+                         require_rank, require_tensor, shape_str, values_checkable)
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_slots(slot_mapping: torch.Tensor, tokens: int) -> torch.Tensor:
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
+    return int(value)
+
+
+def _index_tensor(name: str, t, what: str) -> torch.Tensor:
+    require_tensor(name, t)
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} dtype must be int32 or int64 ({what}), got {str(t.dtype).replace('torch.', '')}")
+    return t
+
+
+def _paged_cache(name: str, cache, kv_layout: str) -> tuple[int, int, int, int]:
+    """(num_blocks, num_kv_heads, block_size, head_dim) of a paged cache in ``kv_layout``."""
+    require_tensor(name, cache)
+    require_rank(name, cache, 4, f"{LAYOUT_DIMS[kv_layout]} (kv_layout={kv_layout!r})")
+    return cache_dims(cache, kv_layout)
+
+
+def _check_rows(name: str, rows, heads: int, head_dim: int, where: str) -> None:
+    require_tensor(name, rows)
+    if rows.dim() != 3 or tuple(rows.shape[1:]) != (heads, head_dim):
+        raise ValueError(f"{name} must have shape [num_tokens, {heads}, {head_dim}] ([num_tokens, num_kv_heads, "
+                         f"head_dim] of {where}), got {shape_str(rows)}")
+
+
+def _check_slots(slot_mapping: torch.Tensor, tokens: int, num_slots: Optional[int] = None,
+                 unique: bool = False) -> torch.Tensor:
+    """int64 slots; on CPU (no device sync) also: below ``num_slots`` and, with ``unique``, no
+    non-negative slot twice."""
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in _INDEX_DTYPES:
         raise TypeError("slot_mapping must be an int32/int64 tensor of shape [num_tokens]")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != tokens:
         raise ValueError(f"slot_mapping must have shape [{tokens}] (one slot per token), "
                          f"got {list(slot_mapping.shape)}")
-    return slot_mapping.to(torch.int64)
+    slots = slot_mapping.to(torch.int64)
+    if num_slots is not None and tokens and values_checkable(slots):
+        hi = int(slots.max())
+        if hi >= num_slots:
+            raise ValueError(f"slot_mapping values must be < num_blocks x block_size = {num_slots} (or negative: "
+                             f"skipped), got {hi}")
+        if unique:
+            used = slots[slots >= 0]
+            if used.unique().numel() != used.numel():
+                raise ValueError("slot_mapping must not name a slot twice in one call (a PagedValueSum update "
+                                 "counts each written row once)")
+    return slots
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
@@ -50,13 +98,21 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     Raises
     ------
     TypeError, ValueError
-        Bad slot_mapping, unknown layout, or shapes that do not match the caches.
+        Bad slot_mapping (on CPU tensors also: a slot past the pool), unknown layout, caches
+        not 4-D in ``kv_layout`` or of different shapes, key / value not
+        ``[num_tokens, num_kv_heads, head_dim]`` of the caches (no broadcasting).
     """
     require_choice("kv_layout", kv_layout, PAGED_LAYOUTS)
-    slots = _check_slots(slot_mapping, key.shape[0])
-    if key.shape != value.shape:
+    num_blocks, heads, bs, head_dim = _paged_cache("key_cache", key_cache, kv_layout)
+    _paged_cache("value_cache", value_cache, kv_layout)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape must equal the key_cache shape {shape_str(key_cache)}, "
+                         f"got {shape_str(value_cache)}")
+    _check_rows("key", key, heads, head_dim, f"key_cache {kv_layout} {shape_str(key_cache)}")
+    _check_rows("value", value, heads, head_dim, f"key_cache {kv_layout} {shape_str(key_cache)}")
+    if key.shape[0] != value.shape[0]:
         raise ValueError(f"key and value must have the same shape, got {list(key.shape)} and {list(value.shape)}")
-    bs = key_cache.shape[1] if kv_layout == "NHD" else key_cache.shape[2]
+    slots = _check_slots(slot_mapping, key.shape[0], num_blocks * bs)
     ok = slots >= 0
     blk, off = slots[ok] // bs, slots[ok] % bs
     for cache, new in ((key_cache, key[ok]), (value_cache, value[ok])):
@@ -88,6 +144,11 @@ class PagedValueSum:
         Layout of the value cache passed to :meth:`update`.
     device : torch.device, optional
 
+    Raises
+    ------
+    TypeError, ValueError
+        A size that is not an int >= 1, or an unknown layout.
+
     Attributes
     ----------
     sum : torch.Tensor
@@ -99,6 +160,9 @@ class PagedValueSum:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  kv_layout: str = "NHD", device: Optional[torch.device] = None):
         require_choice("kv_layout", kv_layout, PAGED_LAYOUTS)
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+            _positive_int(name, v)
         self.block_size = int(block_size)
         self.kv_layout = kv_layout
         self.sum = torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
@@ -126,12 +190,19 @@ class PagedValueSum:
         Raises
         ------
         TypeError, ValueError
-            A bad slot_mapping, or rows whose heads / head_dim differ from the sums'.
+            A bad slot_mapping (on CPU tensors also: a slot past the pool, or a slot twice),
+            rows whose heads / head_dim differ from the sums', or a value cache whose shape in
+            ``kv_layout`` is not the sums' (num_blocks, block_size, heads, head_dim).
         """
-        slots = _check_slots(slot_mapping, value.shape[0])
-        if value.dim() != 3 or tuple(value.shape[1:]) != tuple(self.sum.shape[1:]):
-            raise ValueError(f"value must have shape [num_tokens, {self.sum.shape[1]}, {self.sum.shape[2]}], "
-                             f"got {list(value.shape)}")
+        nb, heads, head_dim = self.sum.shape
+        want = (nb, self.block_size, heads, head_dim) if self.kv_layout == "NHD" else (nb, heads, self.block_size,
+                                                                                       head_dim)
+        require_tensor("value_cache", value_cache)
+        if tuple(value_cache.shape) != want:
+            raise ValueError(f"value_cache must have shape [{', '.join(map(str, want))}] ({self.kv_layout} "
+                             f"{LAYOUT_DIMS[self.kv_layout]} of this PagedValueSum), got {shape_str(value_cache)}")
+        _check_rows("value", value, heads, head_dim, "this PagedValueSum")
+        slots = _check_slots(slot_mapping, value.shape[0], nb * self.block_size, unique=True)
         ok = slots >= 0
         blk, off = slots[ok] // self.block_size, slots[ok] % self.block_size
         new = value[ok].to(value_cache.dtype).to(torch.float32)
@@ -169,7 +240,33 @@ def paged_value_mean(value_sum: torch.Tensor, block_table: torch.Tensor, seq_len
     -------
     torch.Tensor
         ``[batch, num_kv_heads, head_dim]`` float32; zeros for n = 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Wrong types, dtypes or shapes (as :func:`topth_ops.decode_attention` names them);
+        on CPU tensors also ``seq_lens`` outside ``[0, max_blocks_per_seq * block_size]``
+        or used ``block_table`` entries outside ``[0, num_blocks)``.
     """
+    _positive_int("block_size", block_size)
+    require_tensor("value_sum", value_sum)
+    require_rank("value_sum", value_sum, 3, "[num_blocks, num_kv_heads, head_dim]")
+    require_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table dtype must be int32, got {str(block_table.dtype).replace('torch.', '')}")
+    require_rank("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+    _index_tensor("seq_lens", seq_lens, "valid lengths")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
+        raise ValueError(f"seq_lens must have shape [{block_table.shape[0]}] (block_table dim 0), "
+                         f"got {shape_str(seq_lens)}")
+    capacity = block_table.shape[1] * block_size
+    if values_checkable(seq_lens) and seq_lens.numel():
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > capacity:
+            raise ValueError(f"seq_lens values must lie in [0, {capacity}] (max_blocks_per_seq "
+                             f"{block_table.shape[1]} x block_size {block_size}), got min {lo}, max {hi}")
+        if values_checkable(block_table):
+            check_block_table_values(block_table, seq_lens, block_size, value_sum.shape[0], "value_sum dim 0")
     n = seq_lens.to(torch.int64)
     M = block_table.shape[1]
     used = torch.arange(M, device=block_table.device)[None, :] < ((n + block_size - 1) // block_size)[:, None]
@@ -208,9 +305,29 @@ def to_paged(key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, blo
         Paged caches in ``kv_layout``.
     block_table : torch.Tensor
         ``[batch, max_blocks_per_seq]`` int32.
+
+    Raises
+    ------
+    TypeError, ValueError
+        key / value not BNSD tensors of one shape, seq_lens not int32/int64 ``[batch]`` (on
+        CPU: values outside ``[0, max_seq_len]``), block_size not an int >= 1, too few
+        num_blocks, unknown layout.
     """
     require_choice("kv_layout", kv_layout, PAGED_LAYOUTS)
+    _positive_int("block_size", block_size)
+    for name, t in (("key", key), ("value", value)):
+        require_tensor(name, t)
+        require_rank(name, t, 4, "[batch, num_kv_heads, max_seq_len, head_dim] (BNSD)")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape must equal the key shape {shape_str(key)}, got {shape_str(value)}")
     B, H, S, D = key.shape
+    _index_tensor("seq_lens", seq_lens, "valid lengths")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens must have shape [{B}] (key dim 0), got {shape_str(seq_lens)}")
+    if values_checkable(seq_lens):
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > S:
+            raise ValueError(f"seq_lens values must lie in [0, {S}] (key dim 2, max_seq_len), got min {lo}, max {hi}")
     dev = key.device
     M = -(-S // block_size)
     n = seq_lens.to(device=dev, dtype=torch.int64)

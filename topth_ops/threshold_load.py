@@ -13,9 +13,10 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .calib_count import LengthModel
-from .threshold_file import (FORMAT, FORMAT_VERSION, ThresholdFileError, ThresholdSet, _extend_sdc, _validate,
-                             attention_config_of, extend_table, fingerprint)
+from .length_model import LengthModel
+from .threshold_file import ThresholdSet
+from .threshold_format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, fingerprint
+from .threshold_validate import extend_sdc, extend_table, validate_set
 
 
 def _read(path: Path):
@@ -90,7 +91,7 @@ def _load_v1(meta, tensors, cfg, where, path) -> list:
         sdc_table=tensors.get("sdc_table"), calibration_text=meta.get("calibration_text", ""),
         calibration_samples=samples, calibration_tokens=tokens, topk_at_calibration=bool(tac),
         source=meta.get("source", ""), path=str(path))
-    _validate(ts, where=where)
+    validate_set(ts, where=where)
     return [ts]
 
 
@@ -147,7 +148,7 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
         if sdc is not None and extend_to > stored.shape[-1]:
             if sm is None or sdc.dtype != torch.float32 or sdc.dim() != 3:
                 raise ThresholdFileError(f"{w}: an sdc_table beyond the calibrated row ids needs its length model")
-            sdc = _extend_sdc(sdc, sm, extend_to)
+            sdc = extend_sdc(sdc, sm, extend_to)
         try:
             ts = ThresholdSet(
                 thresholds=th, counts=tensors[f"set{i}.sample_counts"], layer_k=e["layer_k"],
@@ -160,7 +161,7 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
                 path=str(path), set_index=i)
         except (TypeError, ValueError) as ex:
             raise ThresholdFileError(f"{w}: malformed metadata: {ex}") from ex
-        _validate(ts, where=w)
+        validate_set(ts, where=w)
         out.append(ts)
     return out
 

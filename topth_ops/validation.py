@@ -39,6 +39,8 @@ def dtype_str(d: torch.dtype) -> str:
 def require_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:  # kernels read data pointers and strides
+        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {value.layout}")
     return value
 
 
@@ -143,7 +145,7 @@ def cache_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 
 
 def check_block_table_values(bt: torch.Tensor, lens: torch.Tensor, block_size: int,
-                             num_blocks: int) -> None:
+                             num_blocks: int, source: str = "key_cache dim 0") -> None:
     """Used entries (block i < ceil(n_b / block_size)) must lie in [0, num_blocks)."""
     n = lens.to(torch.int64)
     used = torch.arange(bt.shape[1])[None, :] < ((n + block_size - 1) // block_size)[:, None]
@@ -151,8 +153,7 @@ def check_block_table_values(bt: torch.Tensor, lens: torch.Tensor, block_size: i
     if bool(bad.any()):
         b, i = (int(x) for x in bad.nonzero()[0])
         raise ValueError(
-            f"block_table entries of used blocks must lie in [0, num_blocks={num_blocks}) (key_cache "
-            f"dim 0); got block_table[{b}, {i}] = {int(bt[b, i])} for seq_lens[{b}] = {int(n[b])} "
+            f"block_table entries of used blocks must lie in [0, num_blocks={num_blocks}) ({source}); got block_table[{b}, {i}] = {int(bt[b, i])} for seq_lens[{b}] = {int(n[b])} "
             f"(block_size {block_size}); {int(bad.sum())} bad entries in all"
         )
 

@@ -145,3 +145,40 @@ def test_unsupported_features_fail_at_construction(monkeypatch):
         B.TopthAttentionImpl(4, 16, 0.25, 2, sliding_window=128)
     with pytest.raises(NotImplementedError, match="KV cache dtype fp8"):
         B.TopthAttentionImpl(4, 16, 0.25, 2, kv_cache_dtype="fp8")
+
+
+def _group_set(cfg, seed=3):
+    """A group-selection file: one threshold per (layer, KV head, row id)."""
+    from dataclasses import replace
+
+    ts = threshold_set(cfg, rows=64, k=4, seed=seed)
+    Hkv = cfg.num_key_value_heads
+    return replace(ts, thresholds=ts.thresholds[:, :Hkv].contiguous(), counts=ts.counts[:, :Hkv].contiguous(),
+                   selection="group")
+
+
+@pytest.mark.parametrize("tp_rank,tp_size,Hkv", [(0, 1, 4), (1, 2, 4), (0, 2, 4), (3, 4, 2)])
+def test_group_selection_file_matches_oracle(monkeypatch, tp_rank, tp_size, Hkv):
+    """A `--selection group` file: each rank uses its own KV heads' thresholds, compared with
+    the group maximum (expected values from the float64 oracle with selection="group").
+    tp_size 4 with 2 KV heads: vLLM replicates each KV head on two ranks."""
+    Hq, D = 8, 16
+    cfg = Cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
+    ts = _group_set(cfg)
+    settings = VllmTopthSettings(mode="topth", thresholds="unused", vmc=True)
+    Hl, Hkl = Hq // tp_size, max(1, Hkv // tp_size)
+    stats = ServingStats(settings.mode, None, 0.0)
+    monkeypatch.setattr(B, "runtime", lambda: B.Runtime(settings, ts, tp_rank, tp_size, stats, "tiny"))
+    impl = B.TopthAttentionImpl(Hl, D, 1 / math.sqrt(D), Hkl, kv_cache_dtype="auto")
+    eng = Engine(impl, H=Hkl, D=D)
+    eng.step([("A", 30), ("B", 12)], Hl)
+    q, out, bt, lens, _ = eng.step([("A", 1), ("B", 1)], Hl)
+    k_cache, v_cache = eng.kv_cache.transpose(1, 2)[..., :D], eng.kv_cache.transpose(1, 2)[..., D:]
+    kv_lo = tp_rank * Hkv // tp_size  # the KV heads this rank holds (vLLM's split / replication)
+    th = ts.thresholds[LAYER, kv_lo:kv_lo + Hkl]
+    want = oracle_decode(q, k_cache, v_cache, lens, th, scale=1 / math.sqrt(D), placement="post_softmax",
+                         vmc=True, block_table=bt, kv_layout="NHD", selection="group")
+    assert want.margin.min() > 1e-6
+    assert 0 < int(want.v_rows.sum()) < int(lens.sum()) * Hkl  # some rows dropped, some kept
+    np.testing.assert_allclose(out.double().numpy(), want.out, rtol=2e-5, atol=2e-5)
+    assert stats.report()["last_steps"][-1]["v_rows_read"] == int(want.v_rows.sum())

@@ -126,7 +126,11 @@ def test_model_name_of():
 
 def test_enable_sets_env_and_refuses_bad_settings(monkeypatch):
     for var in ENV.values():
-        monkeypatch.delenv(var, raising=False)
+        # setenv first so that monkeypatch records the original state and removes what
+        # enable() sets (delenv of an absent variable records nothing: enable()'s variables
+        # leaked into every later test of the session)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     s = enable("th.safetensors", vmc=True, stats_file="r.json")
     assert (s.mode, s.vmc) == ("topth", True)
     assert os.environ[ENV["thresholds"]] == os.path.abspath("th.safetensors") and os.environ[ENV["vmc"]] == "1"
@@ -158,3 +162,122 @@ def test_serve_checks_before_starting(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "nowhere"), "--mode", "dense", "--dry-run"]) == 2
     assert main(["serve", str(model), "--mode", "vllm", "--dry-run"]) == 0
     assert "TOPTH_VLLM" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size=3"], ["-tp=3"], ["--tensor_parallel_size", "3"],
+                                   ["--tensor_parallel_size=3"], ["--max-num-seqs", "8", "-tp", "3"]])
+def test_serve_reads_every_spelling_of_the_tp_flag(tmp_path, capsys, flags):
+    """vLLM's parser accepts `--flag=value` and underscores; the pre-check must see them too."""
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    good = threshold_set(Cfg(layers=4, heads=4, kv_heads=2, head_dim=16), name="m").save(tmp_path / "g.safetensors")
+    assert main(["serve", str(model), "--thresholds", str(good), "--dry-run", "--"] + flags) == 2
+    assert "tensor-parallel size 3 does not divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,msg", [(["-tp"], "-tp needs a value"),
+                                       (["--tensor-parallel-size", "x"], "--tensor-parallel-size must be an integer >= 1, got 'x'"),
+                                       (["--tensor-parallel-size=0"], "--tensor-parallel-size must be an integer >= 1, got '0'")])
+def test_serve_bad_tp_value_names_the_flag(tmp_path, capsys, flags, msg):
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    assert main(["serve", str(model), "--mode", "dense", "--dry-run", "--"] + flags) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_unknown_env_variable_is_named():
+    """A misspelt TOPTH_VLLM_* variable must not be ignored silently (additional_config keys
+    already raise): with the backend active it raises, alone it warns that vLLM's own
+    attention runs."""
+    with pytest.raises(TopthConfigError, match=r"unknown environment variable TOPTH_VLLM_VMCC.*TOPTH_VLLM_VMC"):
+        from_sources({ENV["thresholds"]: "x.safetensors", "TOPTH_VLLM_VMCC": "1"})
+    with pytest.warns(UserWarning, match=r"TOPTH_VLLM_THRESHOLD: not a known variable.*TOPTH_VLLM_THRESHOLDS"):
+        assert not is_active({"TOPTH_VLLM_THRESHOLD": "x.safetensors"}, None)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0"])
+def test_sdc_gamma_must_be_finite_and_positive(value):
+    # the op refuses a non-finite sdc_gamma; the engine must not start and fail at the first decode
+    with pytest.raises(TopthConfigError, match="sdc_gamma must be finite and > 0"):
+        from_sources({ENV["mode"]: "dense", ENV["sdc_gamma"]: value})
+
+
+def test_unknown_op_backend_refused_at_start(tmp_path):
+    cfg = Cfg()
+    path = threshold_set(cfg, name="tiny").save(tmp_path / "t.safetensors")
+    s = from_sources({ENV["thresholds"]: str(path), ENV["op_backend"]: "cpux"})
+    with pytest.raises(TopthConfigError, match=r"TOPTH_VLLM_OP_BACKEND.*'cpux'.*torch"):
+        load_for_model(s, cfg, "tiny", 1)
+    s = from_sources({ENV["mode"]: "dense", ENV["op_backend"]: "cpux"})
+    with pytest.raises(TopthConfigError, match="TOPTH_VLLM_OP_BACKEND"):
+        load_for_model(s, cfg, "tiny", 1)
+
+
+def test_serve_op_backend_and_sdc_gamma_options_and_ignored_env(tmp_path, capsys, monkeypatch):
+    """serve replaces the TOPTH_VLLM_* environment with its own options: it has options for
+    the op backend and gamma, and says which inherited variables it drops."""
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    monkeypatch.setenv(ENV["op_backend"], "torch")
+    assert main(["serve", str(model), "--mode", "dense", "--op-backend", "cpu", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "TOPTH_VLLM_OP_BACKEND=cpu" in err
+    assert "ignoring TOPTH_VLLM_OP_BACKEND=torch from the environment" in err
+    assert main(["serve", str(model), "--mode", "dense", "--op-backend", "cpux", "--dry-run"]) == 2
+    assert "'cpux' is not a registered backend" in capsys.readouterr().err
+
+
+def test_threshold_set_picks_one_set_of_a_multi_set_file(tmp_path):
+    from topth_ops.threshold_file import save_threshold_sets
+
+    cfg = Cfg(name="tiny")
+    sets = [threshold_set(cfg, k=k, seed=k) for k in (2, 4, 8)]
+    p = save_threshold_sets(tmp_path / "sets.safetensors", sets)
+    for i, k in enumerate((2, 4, 8)):
+        ts = load_for_model(from_sources({ENV["thresholds"]: str(p), ENV["threshold_set"]: str(i)}), cfg, "tiny", 1)
+        assert ts.k == k and torch.equal(ts.thresholds, sets[i].thresholds)
+    ts = load_for_model(from_sources({}, {"topth": {"thresholds": str(p), "threshold_set": 1}}), cfg, "tiny", 1)
+    assert ts.k == 4
+    with pytest.raises(ThresholdFileError, match=r"3 threshold sets.*TOPTH_VLLM_THRESHOLD_SET"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), cfg, "tiny", 1)
+    with pytest.raises(ThresholdFileError, match="TOPTH_VLLM_THRESHOLD_SET"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p), ENV["threshold_set"]: "3"}), cfg, "tiny", 1)
+    for bad, match in (("x", "must be an integer index"), ("-1", "index >= 0"), ("1.5", "must be an integer index")):
+        with pytest.raises(TopthConfigError, match=match):
+            from_sources({ENV["thresholds"]: str(p), ENV["threshold_set"]: bad})
+    with pytest.raises(ThresholdFileError, match="is a directory"):
+        load_for_model(from_sources({ENV["thresholds"]: str(tmp_path)}), cfg, "tiny", 1)
+
+
+def test_serve_threshold_set_option(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+    from topth_ops.threshold_file import save_threshold_sets
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    p = save_threshold_sets(tmp_path / "sets.safetensors", [threshold_set(cfg, name="m", k=k) for k in (2, 4)])
+    assert main(["serve", str(model), "--thresholds", str(p), "--threshold-set", "1", "--dry-run"]) == 0
+    assert "TOPTH_VLLM_THRESHOLD_SET=1" in capsys.readouterr().err
+    assert main(["serve", str(model), "--thresholds", str(p), "--dry-run"]) == 2
+    assert "--threshold-set" in capsys.readouterr().err

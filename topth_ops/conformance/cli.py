@@ -24,7 +24,7 @@ def _names(text):
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import CliError
-    from .rules import RULES
+    from .harness import RULES
     from .runner import format_table, plan, run_conformance
 
     if args.list:

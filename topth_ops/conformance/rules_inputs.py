@@ -8,7 +8,7 @@ import torch
 
 from .cases import Case, Shape, paged_case, random_case
 from .compare import mismatch_report, to_numpy
-from .rules import Harness, rule
+from .harness import Harness, rule
 
 
 def _interleaved(t: torch.Tensor, junk) -> torch.Tensor:

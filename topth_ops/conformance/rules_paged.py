@@ -11,7 +11,7 @@ import torch
 
 from .cases import SHAPE_SETS, Case, Shape, paged_case, random_case
 from .compare import exact_report, mismatch_report, to_numpy
-from .rules import Harness, expect_errors, rule
+from .harness import Harness, expect_errors, rule
 
 BLOCK_SIZES = (16, 32, 64, 128)
 # Block sizes that do not divide the usual kernel tiles (16 .. 128 rows): a backend

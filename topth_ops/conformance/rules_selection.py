@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .cases import random_case
-from .rules import Harness, rule
+from .harness import Harness, rule
 
 _PRE_SDC = ("none", "exact", "exp_threshold", "offline")
 

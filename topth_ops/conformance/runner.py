@@ -11,7 +11,7 @@ import torch
 
 from ..contract import _dtype
 from ..registry import Backend, get_backend
-from .rules import RULES, Harness
+from .harness import RULES, Harness
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -34,7 +34,7 @@ def register() -> None:
 
 def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc: bool = False,
            sdc: str = "none", stats_file: Optional[str] = None, log_interval: Optional[float] = None,
-           op_backend: Optional[str] = None) -> VllmTopthSettings:
+           op_backend: Optional[str] = None, threshold_set: Optional[int] = None) -> VllmTopthSettings:
     """Switch Top-Theta on for vLLM engines this process starts from now on, by setting
     the ``TOPTH_VLLM_*`` environment variables (inherited by vLLM's engine and worker
     processes).
@@ -55,6 +55,8 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
         Seconds between statistics log lines (0: off).
     op_backend : str, optional
         Backend of the decode op.
+    threshold_set : int, optional
+        Which set of a file holding several (0-based); needed only then.
 
     Returns
     -------
@@ -70,7 +72,8 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
     values = {"mode": mode, "thresholds": os.path.abspath(os.fspath(thresholds)) if thresholds is not None else None,
               "vmc": "1" if vmc else "0", "sdc": sdc,
               "stats_file": os.path.abspath(stats_file) if stats_file else None,
-              "log_interval": None if log_interval is None else str(log_interval), "op_backend": op_backend}
+              "log_interval": None if log_interval is None else str(log_interval), "op_backend": op_backend,
+              "threshold_set": None if threshold_set is None else str(threshold_set)}
     new = {ENV[k]: str(v) for k, v in values.items() if v is not None}
     env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
     env.update(new)

@@ -43,7 +43,7 @@ from ..contract import DEFAULT_SDC_GAMMA
 from ..paged import write_kv
 from . import stats as stats_mod
 from .paged_ops import PagedValueSum, nhd_views, prefill_dense
-from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of, rank_rows
+from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of, rank_kv_rows, rank_rows
 
 logger = logging.getLogger("vllm.topth_ops")
 
@@ -224,6 +224,7 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         self.layer: Optional[int] = None
         self._th = self._sdc = None
         self._vmc = False
+        self._selection = "head"
         self._vsum: Optional[PagedValueSum] = None
 
     # ---------------------------------------------------------------- per-layer setup
@@ -237,8 +238,18 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
             # dense mode, or a layer the file keeps dense: every row kept, no compensation
             self._th = torch.full((self.num_heads, 1), float("-inf"), device=device)
             self._placement, self._sdc_mode, self._vmc = "post_softmax", "none", False
+            self._selection = "head"
+        elif ts.selection == "group":
+            # one threshold per KV head (this rank's KV heads), against the group maximum
+            self._th = rank_kv_rows(ts.thresholds, self.layer, self.rt.tp_rank, self.rt.tp_size).to(device)
+            if self._th.shape[0] != self.num_kv_heads:
+                raise ValueError(f"topth vLLM backend: rank {self.rt.tp_rank} holds {self.num_kv_heads} KV heads, "
+                                 f"but the group-selection file gives it {self._th.shape[0]} threshold rows")
+            self._selection = "group"
         else:
             self._th = rank_rows(ts.thresholds, self.layer, self.rt.tp_rank, self.num_heads).to(device)
+            self._selection = "head"
+        if ts is not None and ts.layer_k[self.layer] != 0:
             if s.sdc == "offline":
                 self._sdc = rank_rows(ts.sdc_table, self.layer, self.rt.tp_rank, self.num_heads).to(device)
             self._placement, self._sdc_mode, self._vmc = ts.placement, s.sdc, s.vmc
@@ -314,7 +325,7 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
             placement=self._placement, sdc=self._sdc_mode,
             sdc_gamma=s.sdc_gamma if self._sdc_mode == "exp_threshold" else DEFAULT_SDC_GAMMA,
             sdc_table=self._sdc, vmc=self._vmc, value_mean=value_mean, return_stats=want_stats,
-            backend=s.op_backend, block_table=bt, kv_layout="NHD",
+            backend=s.op_backend, block_table=bt, kv_layout="NHD", selection=self._selection,
         )
         if want_stats:
             res, st = res

@@ -24,9 +24,14 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", choices=("topth", "dense", "vllm"), default=None,
                    help="topth (default with --thresholds), dense (this backend keeping every row), "
                         "or vllm (vLLM's own attention, no Top-Theta: the baseline)")
+    p.add_argument("--threshold-set", type=int, default=None,
+                   help="which threshold set of a file holding several (0-based, in the order of --k at calibration; without it such a file is refused with the list)")
     p.add_argument("--vmc", action="store_true", help="V-mean compensation")
     p.add_argument("--sdc", default="none", choices=("none", "exact", "exp_threshold", "offline"),
                    help="softmax-denominator compensation (pre_softmax files)")
+    p.add_argument("--sdc-gamma", type=float, default=None, help="gamma of --sdc exp_threshold")
+    p.add_argument("--op-backend", default=None,
+                   help="backend of the decode op (default: automatic; `topth-ops info` lists them)")
     p.add_argument("--stats", help="JSON report of V rows read vs dense, rewritten while serving")
     p.add_argument("--log-interval", type=float, default=None, help="seconds between statistics log lines")
     p.add_argument("--host", default="127.0.0.1")
@@ -36,6 +41,41 @@ def add_arguments(p) -> None:
                    + " (added on machines without CUDA)")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
     p.set_defaults(_passthrough_ok=True)  # arguments after "--" go to vLLM (args.passthrough)
+
+
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
+
+
+def tp_size_of(vllm_args: list) -> int:
+    """The tensor-parallel size the vLLM arguments ask for (1 when not given), read as vLLM's
+    parser reads it: ``--tensor-parallel-size N``, ``--tensor-parallel-size=N``,
+    ``-tp N``, ``-tp=N``, and underscores for dashes in long flags; the last one wins.
+
+    Raises
+    ------
+    topth_ops.cli.CliError
+        The flag without a value, or a value that is not an integer >= 1 (naming the flag).
+    """
+    from ..cli import CliError
+
+    tp = 1
+    for i, arg in enumerate(vllm_args):
+        name, eq, value = str(arg).partition("=")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        if name not in TP_FLAGS:
+            continue
+        if not eq:
+            if i + 1 >= len(vllm_args):
+                raise CliError(f"{arg} needs a value (the tensor-parallel size, an integer >= 1)")
+            value = str(vllm_args[i + 1])
+        try:
+            tp = int(value, 10)
+        except ValueError:
+            tp = 0
+        if tp < 1:
+            raise CliError(f"{name} must be an integer >= 1, got {value!r} (the tensor-parallel size)")
+    return tp
 
 
 def build(args) -> tuple[list[str], dict[str, str]]:
@@ -58,9 +98,12 @@ def build(args) -> tuple[list[str], dict[str, str]]:
     env: dict[str, str] = {}
     if args.mode != "vllm":
         values = {"mode": args.mode, "thresholds": os.path.abspath(args.thresholds) if args.thresholds else None,
+                  "threshold_set": None if args.threshold_set is None else str(args.threshold_set),
                   "vmc": "1" if args.vmc else "0", "sdc": args.sdc,
                   "stats_file": os.path.abspath(args.stats) if args.stats else None,
-                  "log_interval": None if args.log_interval is None else str(args.log_interval)}
+                  "log_interval": None if args.log_interval is None else str(args.log_interval),
+                  "sdc_gamma": None if args.sdc_gamma is None else str(args.sdc_gamma),
+                  "op_backend": args.op_backend}
         env = {ENV[k]: v for k, v in values.items() if v is not None}
         if args.mode is None and not args.thresholds:
             raise CliError("give --thresholds FILE (Top-Theta), or --mode dense / --mode vllm for a baseline")
@@ -69,10 +112,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
             from transformers import AutoConfig
 
             cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
-            tp = 1
-            for flag in ("--tensor-parallel-size", "-tp"):
-                if flag in vllm_args:
-                    tp = int(vllm_args[vllm_args.index(flag) + 1])
+            tp = tp_size_of(vllm_args)
             import warnings
 
             with warnings.catch_warnings():
@@ -97,6 +137,10 @@ def build(args) -> tuple[list[str], dict[str, str]]:
 
 def run(args) -> int:
     cmd, env = build(args)
+    dropped = [f"{v}={os.environ[v]}" for v in sorted(os.environ) if v.startswith("TOPTH_VLLM_")]
+    if dropped:
+        print("topth-ops serve: ignoring " + ", ".join(dropped) + " from the environment (serve sets the "
+              "TOPTH_VLLM_* variables from its own options; see topth-ops serve --help)", file=sys.stderr, flush=True)
     print("topth-ops serve: " + " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + " ".join(cmd),
           file=sys.stderr, flush=True)
     if args.dry_run:

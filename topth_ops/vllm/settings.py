@@ -11,6 +11,8 @@ variable                  [key]               meaning
 TOPTH_VLLM_MODE           [mode]              ``topth`` (default when a file is given) or
                                               ``dense`` (same backend, every row kept: A/B)
 TOPTH_VLLM_THRESHOLDS     [thresholds]        threshold file from ``topth-ops calibrate``
+TOPTH_VLLM_THRESHOLD_SET  [threshold_set]     which set of a file holding several (0-based;
+                                              needed only then)
 TOPTH_VLLM_VMC            [vmc]               1/0: V-mean compensation (paper 3.2.2)
 TOPTH_VLLM_SDC            [sdc]               none, exact, exp_threshold, offline (pre_softmax)
 TOPTH_VLLM_SDC_GAMMA      [sdc_gamma]         gamma of exp_threshold
@@ -26,6 +28,7 @@ The backend is active when TOPTH_VLLM_MODE or TOPTH_VLLM_THRESHOLDS is set, or w
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional
 
@@ -39,6 +42,7 @@ CONFIG_KEY = "topth"
 ENV = {
     "mode": "TOPTH_VLLM_MODE",
     "thresholds": "TOPTH_VLLM_THRESHOLDS",
+    "threshold_set": "TOPTH_VLLM_THRESHOLD_SET",
     "vmc": "TOPTH_VLLM_VMC",
     "sdc": "TOPTH_VLLM_SDC",
     "sdc_gamma": "TOPTH_VLLM_SDC_GAMMA",
@@ -46,6 +50,7 @@ ENV = {
     "stats_file": "TOPTH_VLLM_STATS",
     "log_interval": "TOPTH_VLLM_LOG_INTERVAL",
 }
+ENV_PREFIX = "TOPTH_VLLM_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -63,6 +68,9 @@ class VllmTopthSettings:
     mode : {"topth", "dense"}
     thresholds : str or None
         Path of the threshold file; required by mode "topth".
+    threshold_set : int or None
+        Index of the set to serve when the file holds several (``topth-ops calibrate
+        --k 16,32,64`` writes one set per k); None for a file of one set.
     vmc : bool
     sdc : str
     sdc_gamma : float
@@ -76,6 +84,7 @@ class VllmTopthSettings:
 
     mode: str = "topth"
     thresholds: Optional[str] = None
+    threshold_set: Optional[int] = None
     vmc: bool = False
     sdc: str = "none"
     sdc_gamma: float = DEFAULT_SDC_GAMMA
@@ -102,10 +111,14 @@ class VllmTopthSettings:
                 "topth vLLM backend: mode 'topth' needs a threshold file: set "
                 f"{ENV['thresholds']}=PATH (from `topth-ops calibrate`) or additional_config "
                 "{'topth': {'thresholds': PATH}}; use mode 'dense' for the dense A/B run")
+        if self.threshold_set is not None and self.threshold_set < 0:
+            raise TopthConfigError(f"topth vLLM backend: threshold_set must be an index >= 0, got {self.threshold_set} "
+                                   f"({ENV['threshold_set']} or additional_config['topth']['threshold_set'])")
         if not (self.log_interval >= 0):
             raise TopthConfigError(f"topth vLLM backend: log_interval must be >= 0 seconds, got {self.log_interval!r}")
-        if not (self.sdc_gamma > 0):
-            raise TopthConfigError(f"topth vLLM backend: sdc_gamma must be > 0, got {self.sdc_gamma!r}")
+        if not (0 < self.sdc_gamma < float("inf")):
+            raise TopthConfigError(f"topth vLLM backend: sdc_gamma must be finite and > 0, got {self.sdc_gamma!r} "
+                                   f"({ENV['sdc_gamma']} or additional_config['topth']['sdc_gamma'])")
         return self
 
 
@@ -120,6 +133,15 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         if s in _FALSE:
             return False
         raise TopthConfigError(f"topth vLLM backend: {where} must be 1/0 (true/false), got {raw!r}")
+    if key == "threshold_set":
+        if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+            return None
+        if isinstance(raw, bool):
+            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer index, got {raw!r}")
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer index, got {raw!r}") from None
     if key in ("sdc_gamma", "log_interval"):
         try:
             return float(raw)
@@ -132,10 +154,25 @@ def _parse(key: str, raw: Any, where: str) -> Any:
     return os.fspath(raw).strip()
 
 
+def unknown_variables(environ: Mapping[str, str]) -> list:
+    """``TOPTH_VLLM_*`` variables of ``environ`` that are not settings (misspelt names)."""
+    return sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in ENV.values())
+
+
+def _unknown_message(unknown: list) -> str:
+    return (f"unknown environment variable{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
+            f"not a known variable of the topth vLLM backend; known: {', '.join(ENV.values())}")
+
+
 def is_active(environ: Optional[Mapping[str, str]] = None, additional_config: Optional[Mapping] = None) -> bool:
     """Whether the backend should replace vLLM's attention: TOPTH_VLLM_MODE or
-    TOPTH_VLLM_THRESHOLDS set (non-empty), or ``additional_config["topth"]`` present."""
+    TOPTH_VLLM_THRESHOLDS set (non-empty), or ``additional_config["topth"]`` present.
+    Unknown ``TOPTH_VLLM_*`` variables give a UserWarning (a misspelt name would
+    otherwise leave vLLM's own attention running without notice)."""
     env = os.environ if environ is None else environ
+    unknown = unknown_variables(env)
+    if unknown:
+        warnings.warn(f"topth vLLM backend: {_unknown_message(unknown)}", UserWarning, stacklevel=2)
     if env.get(ENV["mode"], "").strip() or env.get(ENV["thresholds"], "").strip():
         return True
     return bool(additional_config) and CONFIG_KEY in additional_config
@@ -165,6 +202,9 @@ def from_sources(environ: Optional[Mapping[str, str]] = None,
         Unknown keys, unparsable values, or invalid settings.
     """
     env = os.environ if environ is None else environ
+    unknown = unknown_variables(env)
+    if unknown:
+        raise TopthConfigError(f"topth vLLM backend: {_unknown_message(unknown)}")
     values: dict[str, Any] = {}
     for key, var in ENV.items():
         if var in env and env[var].strip() != "":
@@ -231,20 +271,46 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
         raise TopthConfigError(
             f"topth vLLM backend: tensor-parallel size {tp_size} does not divide the model's "
             f"{cfg['num_q_heads']} query heads, so the threshold rows cannot be split per rank")
+    if settings.op_backend:
+        _check_op_backend(settings.op_backend)
     if settings.mode == "dense":
         return None
     path = settings.thresholds
     if not os.path.isfile(path):
-        raise ThresholdFileError(f"topth vLLM backend: threshold file {path!r} does not exist "
+        what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+        raise ThresholdFileError(f"topth vLLM backend: threshold file {path!r} {what} "
                                  f"({ENV['thresholds']} / additional_config['topth']['thresholds'])")
-    ts = load_thresholds(path)
+    try:
+        ts = load_thresholds(path, settings.threshold_set)
+    except ThresholdFileError as e:
+        raise ThresholdFileError(f"{e} (serving picks one set: {ENV['threshold_set']} / "
+                                 "additional_config['topth']['threshold_set'] / `topth-ops serve --threshold-set`)") from None
     ts.check_model(hf_config, model_name, compare_name=model_name is not None)
+    hkv = cfg["num_kv_heads"]
+    if ts.selection == "group" and hkv % tp_size and tp_size % hkv:
+        raise TopthConfigError(
+            f"topth vLLM backend: {ts.name()} has group-selection thresholds (one per KV head); tensor-parallel "
+            f"size {tp_size} must divide the model's {hkv} KV heads or be a multiple of them")
     if settings.sdc != "none" and ts.placement != "pre_softmax":
         raise ThresholdFileError(f"{ts.name()} holds {ts.placement} thresholds; sdc={settings.sdc!r} needs "
                                  "pre_softmax thresholds (set TOPTH_VLLM_SDC=none)")
     if settings.sdc == "offline" and ts.sdc_table is None:
         raise ThresholdFileError(f"sdc='offline' needs an sdc_table; {ts.name()} has none")
     return ts
+
+
+def _check_op_backend(name: str) -> None:
+    from ..registry import get_backend
+
+    try:
+        be = get_backend(name)
+    except ValueError as e:
+        raise TopthConfigError(f"topth vLLM backend: {ENV['op_backend']} / additional_config['topth']['op_backend'] "
+                               f"= {name!r} is not a registered backend of the op: {e}") from None
+    reasons = be.unavailable_reasons()
+    if reasons:
+        raise TopthConfigError(f"topth vLLM backend: {ENV['op_backend']} = {name!r} is unavailable here: "
+                               + "; ".join(reasons))
 
 
 def rank_rows(table: torch.Tensor, layer: int, tp_rank: int, num_local_heads: int) -> torch.Tensor:
@@ -279,3 +345,39 @@ def rank_rows(table: torch.Tensor, layer: int, tp_rank: int, num_local_heads: in
         raise ValueError(f"rank {tp_rank} with {num_local_heads} heads per rank needs query heads "
                          f"[{lo}, {lo + num_local_heads}), but the table has {H}")
     return table[layer, lo:lo + num_local_heads].to(torch.float32).contiguous()
+
+
+def rank_kv_rows(table: torch.Tensor, layer: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The rows of one layer that a tensor-parallel rank's KV heads read (group-selection
+    files: one threshold per KV head, compared with the group maximum).
+
+    vLLM gives rank r the KV heads ``[r * Hkv / tp, (r + 1) * Hkv / tp)`` when
+    ``Hkv >= tp``, and replicates them otherwise: rank r then holds KV head
+    ``r * Hkv // tp`` (``tp`` a multiple of ``Hkv``). Both are ``lo = r * Hkv // tp``.
+
+    Parameters
+    ----------
+    table : torch.Tensor
+        ``[num_layers, num_kv_heads, max_row_id]`` (thresholds of a group-selection file).
+    layer, tp_rank, tp_size : int
+
+    Returns
+    -------
+    torch.Tensor
+        float32 contiguous ``[max(1, num_kv_heads // tp_size), max_row_id]``.
+
+    Raises
+    ------
+    ValueError
+        Layer or rank out of range, or ``tp_size`` neither a divisor nor a multiple of the
+        KV head count.
+    """
+    L, H, _ = table.shape
+    if not 0 <= layer < L:
+        raise ValueError(f"layer {layer} out of range: the threshold file has {L} layers")
+    if tp_size < 1 or not 0 <= tp_rank < tp_size or (H % tp_size and tp_size % H):
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: tp_size must divide the {H} KV heads "
+                         f"or be a multiple of them (group-selection threshold rows are per KV head)")
+    n = max(1, H // tp_size)
+    lo = tp_rank * H // tp_size
+    return table[layer, lo:lo + n].to(torch.float32).contiguous()

@@ -1,0 +1,87 @@
+"""Threshold file format: constants, the error type, and the attention shape a file is
+made for (config, fingerprint, description). Layout: :mod:`topth_ops.threshold_file`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+FORMAT = "topth-thresholds"
+FORMAT_VERSION = 2
+ESTIMATORS = ("mean", "count")
+_CONFIG_KEYS = ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim")
+
+
+class ThresholdFileError(ValueError):
+    """A threshold file that cannot be used: corrupt, truncated, inconsistent, or made
+    for another model or placement."""
+
+
+def attention_config_of(config: Any) -> dict:
+    """The attention shape of a model, from a transformers config (or a dict).
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig or dict
+        A config with ``num_hidden_layers``, ``num_attention_heads``,
+        ``num_key_value_heads`` (default: num_attention_heads), ``head_dim`` (default:
+        hidden_size // num_attention_heads) and ``model_type``; or a dict with the keys
+        of the returned dict.
+
+    Returns
+    -------
+    dict
+        ``{"model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"}``.
+
+    Raises
+    ------
+    ValueError
+        ``config`` is a dict that lacks one of those five keys (the message lists them).
+    AttributeError
+        ``config`` is an object without ``num_attention_heads`` or
+        ``num_hidden_layers``, or without ``hidden_size`` when it has no ``head_dim``.
+    """
+    if isinstance(config, dict):
+        missing = [k for k in _CONFIG_KEYS if k not in config]
+        if missing:
+            raise ValueError(f"attention config lacks {missing}")
+        return {k: config[k] for k in _CONFIG_KEYS}
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return {
+        "model_type": str(getattr(config, "model_type", "unknown")),
+        "num_layers": int(config.num_hidden_layers),
+        "num_q_heads": heads,
+        "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(head_dim),
+    }
+
+
+def fingerprint(attention_config: dict) -> str:
+    """sha256 prefix (16 hex digits) of the canonical JSON of an attention config."""
+    blob = json.dumps({k: attention_config[k] for k in _CONFIG_KEYS}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def describe_config(c: dict) -> str:
+    """One-line human description of an attention config, for error messages.
+
+    Parameters
+    ----------
+    c : dict
+        An attention config as returned by :func:`attention_config_of` (keys
+        ``model_type``, ``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim``).
+
+    Returns
+    -------
+    str
+        E.g. ``"llama, 30 layers, 9 query heads, 3 KV heads, head_dim 64"``.
+
+    Raises
+    ------
+    KeyError
+        One of those keys is missing.
+    """
+    return (f"{c['model_type']}, {c['num_layers']} layers, {c['num_q_heads']} query heads, "
+            f"{c['num_kv_heads']} KV heads, head_dim {c['head_dim']}")

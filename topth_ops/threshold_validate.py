@@ -1,0 +1,133 @@
+"""Checks of a threshold set (what saving and loading both require) and the extension of
+its tables beyond the calibrated row ids by the length model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from .contract import PLACEMENTS, SELECTIONS
+from .layer_k import DENSE
+from .length_model import LengthModel
+from .threshold_format import ESTIMATORS, ThresholdFileError, describe_config
+from .validation import dtype_str
+
+if TYPE_CHECKING:
+    from .threshold_file import ThresholdSet
+
+
+def extend_table(stored: torch.Tensor, model: Optional[LengthModel], extend_to: int) -> torch.Tensor:
+    """Table ``[L, H, extend_to]`` float32: the stored columns, then the length model.
+
+    Parameters
+    ----------
+    stored : torch.Tensor
+        ``[L, H, R_cal]`` float32.
+    model : LengthModel or None
+        Required when ``extend_to > R_cal``.
+    extend_to : int
+        >= R_cal.
+    """
+    Rc = stored.shape[-1]
+    if extend_to <= Rc:
+        return stored[..., :extend_to]
+    if model is None:
+        raise ValueError(f"extending a table of {Rc} row ids to {extend_to} needs a length model")
+    n = np.arange(Rc + 1, extend_to + 1, dtype=np.float64)
+    ext = torch.from_numpy(model.theta(n).astype(np.float32))
+    return torch.cat([stored.to(torch.float32), ext], dim=-1)
+
+
+def extend_sdc(stored: torch.Tensor, model: LengthModel, extend_to: int) -> torch.Tensor:
+    """SDC table extension: like :func:`extend_table`, but dense entries (NaN model) are 0."""
+    t = extend_table(stored, model, extend_to)
+    return torch.where(torch.isinf(t), torch.zeros_like(t), t)
+
+
+def validate_set(ts: ThresholdSet, *, where: str) -> None:
+    """Check a threshold set's fields, tensor dtypes and shapes, and values.
+
+    Parameters
+    ----------
+    ts : ThresholdSet
+    where : str
+        Prefix of the error message (the file or the set being saved).
+
+    Raises
+    ------
+    ThresholdFileError
+        Unknown placement, selection or estimator; a tensor whose dtype or shape does not
+        match the recorded attention config; negative sample counts; a bad ``layer_k``;
+        NaN or +inf thresholds, post_softmax thresholds outside [0, 1], finite thresholds
+        in dense rows; a length model of the wrong shape or domain, or columns beyond the
+        calibrated row ids that do not follow it; an SDC table with post_softmax, of the
+        wrong shape, negative or not finite.
+    """
+    def bad(msg):
+        raise ThresholdFileError(f"{where}: {msg}")
+
+    cfg = ts.attention_config
+    if ts.placement not in PLACEMENTS:
+        bad(f"placement must be one of {PLACEMENTS}, got {ts.placement!r}")
+    if ts.selection not in SELECTIONS:
+        bad(f"selection must be one of {SELECTIONS}, got {ts.selection!r}")
+    if ts.estimator not in ESTIMATORS:
+        bad(f"estimator must be one of {ESTIMATORS}, got {ts.estimator!r}")
+    th, counts, sdc = ts.thresholds, ts.counts, ts.sdc_table
+    H_name = "num_q_heads" if ts.selection == "head" else "num_kv_heads"
+    if th.dtype != torch.float32 or th.dim() != 3:
+        bad(f"'thresholds' must be float32 [num_layers, {H_name}, max_row_id], got "
+            f"{dtype_str(th.dtype)} {list(th.shape)}")
+    L, H, R = th.shape
+    if L != cfg["num_layers"] or H != cfg[H_name] or R < 1:
+        bad(f"'thresholds' shape {list(th.shape)} does not match the recorded attention config "
+            f"({describe_config(cfg)}) with selection {ts.selection!r} ([num_layers, {H_name}, max_row_id >= 1])")
+    if counts.dtype != torch.int64 or counts.dim() != 3 or tuple(counts.shape[:2]) != (L, H) \
+            or not 1 <= counts.shape[2] <= R:
+        bad(f"'sample_counts' must be int64 [{L}, {H}, R_cal] with 1 <= R_cal <= {R}, got "
+            f"{dtype_str(counts.dtype)} {list(counts.shape)}")
+    Rc = counts.shape[2]
+    if bool((counts < 0).any()):
+        bad("'sample_counts' has negative entries")
+    if len(ts.layer_k) != L or any((not isinstance(k, int)) or isinstance(k, bool) or k < 0 for k in ts.layer_k):
+        bad(f"'layer_k' must list {L} integers >= 0 (0 = dense layer), got {ts.layer_k!r}")
+    if bool(torch.isnan(th).any()):
+        bad("'thresholds' contains NaN")
+    if bool((th == float("inf")).any()):
+        bad("'thresholds' contains +inf")
+    finite = th[torch.isfinite(th)]
+    if ts.placement == "post_softmax" and finite.numel() and bool(((finite < 0) | (finite > 1)).any()):
+        bad("post_softmax thresholds (probabilities) must lie in [0, 1] or be -inf")
+    for layer, k in enumerate(ts.layer_k):
+        dense_cols = R if k == DENSE else min(k, R)
+        if dense_cols and bool(torch.isfinite(th[layer, :, :dense_cols]).any()):
+            what = "a dense layer" if k == DENSE else f"rows with n <= k={k}"
+            bad(f"layer {layer}: {what} must hold -inf thresholds")
+    for name, m, heads in (("length_model", ts.length_model, H), ("sdc_length_model", ts.sdc_length_model,
+                                                                    cfg["num_q_heads"])):
+        if m is None:
+            continue
+        if any(np.shape(a) != (L, heads) for a in (m.anchor_n, m.anchor_value, m.slope)):
+            bad(f"{name!r} arrays must have shape [{L}, {heads}]")
+        allowed = ("logit", "log_prob") if name == "length_model" else ("log",)
+        if m.domain not in allowed:
+            bad(f"{name!r} domain must be one of {allowed}, got {m.domain!r}")
+    if R > Rc:
+        if ts.length_model is None:
+            bad(f"'thresholds' has {R} row ids but only {Rc} are calibrated, and there is no length model")
+        if not torch.equal(th, extend_table(th[..., :Rc], ts.length_model, R)):
+            bad(f"'thresholds' beyond the {Rc} calibrated row ids must follow the length model")
+    if sdc is not None:
+        if ts.placement != "pre_softmax":
+            bad("an sdc_table is only valid with pre_softmax thresholds")
+        Hq = cfg["num_q_heads"]
+        if sdc.dtype != torch.float32 or tuple(sdc.shape) != (L, Hq, R):
+            bad(f"'sdc_table' must be float32 {[L, Hq, R]} (per query head, also with group selection), "
+                f"got {dtype_str(sdc.dtype)} {list(sdc.shape)}")
+        if not bool(torch.isfinite(sdc).all()) or bool((sdc < 0).any()):
+            bad("'sdc_table' must be finite and >= 0")
+        if R > Rc and (ts.sdc_length_model is None or
+                       not torch.equal(sdc, extend_sdc(sdc[..., :Rc], ts.sdc_length_model, R))):
+            bad(f"'sdc_table' beyond the {Rc} calibrated row ids must follow its length model")
