@@ -208,6 +208,7 @@ def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeS
     if inputs.vmc:
         vmc = VMC_GIVEN if inputs.value_mean is not None else VMC_COMPUTED
     return {
+        "simd_level": knobs[0],  # read by CpuBackend.forward; the kernel ignores it in the dict
         "shape": [inputs.batch, inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim, inputs.block_size,
                   inputs.num_blocks, inputs.max_blocks_per_seq, inputs.max_row_id, inputs.num_sets],
         "options": [DTYPE_CODES[inputs.dtype], PLACEMENT_CODES[inputs.placement], SDC_CODES[inputs.sdc], vmc,
@@ -254,7 +255,8 @@ class CpuBackend(Backend):
 
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         args = kernel_args(inputs, out, stats)
-        self.last_counters = cpu_module().decode(args, _knobs()[0])
+        level = args["simd_level"] if "simd_level" in args else _knobs()[0]
+        self.last_counters = cpu_module().decode(args, level)
         self._row_bytes = inputs.head_dim * inputs.query.element_size()
 
     def bench_counters(self) -> dict:
