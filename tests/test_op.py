@@ -74,3 +74,57 @@ def test_op_called_directly_validates():
     a[3] = torch.tensor([21, 0, 7])  # beyond max_seq_len = 20
     with pytest.raises(ValueError, match="seq_lens values must lie in"):
         torch.ops.topth.decode_attention(*a)
+
+
+def _counting(monkeypatch, module):
+    """Count the make_inputs calls made through ``module``'s own name for it."""
+    calls = []
+    real = module.make_inputs
+
+    def counted(*a, **kw):
+        calls.append(kw.get("check_values", True))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, "make_inputs", counted)
+    return calls
+
+
+def test_api_validates_once_per_call_and_the_op_reuses_it(monkeypatch):
+    """Eager decode_attention builds DecodeInputs once: the op's implementation takes the
+    api's inputs (same tensors, same scalars) instead of validating a second time; a
+    direct op call still validates."""
+    import topth_ops.api as api_mod
+    import topth_ops.op as op_mod
+
+    q, k, v, lens, th, *_ = _args()
+    api_calls, op_calls = _counting(monkeypatch, api_mod), _counting(monkeypatch, op_mod)
+    out, stats = topth_ops.decode_attention(q, k, v, lens, th, return_stats=True, backend="torch")
+    assert (len(api_calls), len(op_calls)) == (1, 0)
+    want, want_stats = run(make_inputs(q, k, v, lens, th, return_stats=True), "torch")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert torch.equal(stats.kept, want_stats.kept)
+    torch.ops.topth.decode_attention(*_args())
+    assert len(op_calls) == 1  # a direct call of the op validates its own arguments
+    assert getattr(op_mod._handoff, "pending", None) is None
+
+
+def test_prevalidated_inputs_serve_only_the_same_arguments():
+    """Inputs handed over for one set of arguments are never used for another: a call with
+    other tensors (or other scalars) validates and computes its own."""
+    from topth_ops.op import _handoff, decode_attention_op, prevalidated
+
+    a = list(_args(return_stats=False))
+    b = list(a)
+    b[3] = torch.tensor([5, 20, 1])  # other seq_lens
+    c = list(a)
+    c[5] = 0.5  # other scale
+    stale = make_inputs(*a[:5], return_stats=False)
+    for other in (b, c):
+        with prevalidated(tuple(a), stale):
+            got = decode_attention_op(*other)[0]
+        kw = {"scale": other[5]} if other[5] is not None else {}
+        want, _ = run(make_inputs(*other[:5], **kw), "torch")
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert _handoff.pending is None
+    same, _ = run(stale, "torch")
+    assert not torch.allclose(decode_attention_op(*b)[0], same)  # the cases do differ

@@ -392,7 +392,7 @@ def make_inputs(
         scale = V.require_real("scale", scale, positive=True)
 
     if check_values and V.values_checkable(lens):
-        lo, hi = int(lens.min()), int(lens.max())
+        lo, hi = V.min_max(lens)
         if lo < 0 or hi > max_seq_len:
             where = (f"max_blocks_per_seq {block_table.shape[1]} x block_size {block_size}"
                      if block_table is not None else "key_cache dim 2")

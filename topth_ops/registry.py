@@ -118,13 +118,14 @@ class Backend:
 
     def feature_reasons(self, inputs: DecodeInputs) -> list[str]:
         """Reasons for inputs that use an optional part of the contract not in :attr:`features`."""
-        used = {
-            "paged": (inputs.paged, f"paged KV caches (block_table, kv_layout={inputs.kv_layout})"),
-            "group_selection": (inputs.selection == "group", "selection='group'"),
-            "threshold_sets": (inputs.threshold_set is not None, "threshold sets (3-D thresholds)"),
-        }
-        return [f"{what} not implemented by this backend" for feat, (on, what) in used.items()
-                if on and feat not in self.features]
+        used = []  # built only for the features the inputs use (this runs on every call)
+        if inputs.block_table is not None:
+            used.append(("paged", f"paged KV caches (block_table, kv_layout={inputs.kv_layout})"))
+        if inputs.selection == "group":
+            used.append(("group_selection", "selection='group'"))
+        if inputs.threshold_set is not None:
+            used.append(("threshold_sets", "threshold sets (3-D thresholds)"))
+        return [f"{what} not implemented by this backend" for feat, what in used if feat not in self.features]
 
     def supports(self, inputs: DecodeInputs) -> bool:
         return not self.not_supported_reasons(inputs)

@@ -75,10 +75,11 @@ def require_real(name: str, value, *, positive: bool):
     break the graph; the op checks the concrete value when it runs.
     """
     # numbers.Real covers int, float and numpy's scalars; bools (numpy's too) are rejected.
-    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or is_symbolic(value)):
+    symbolic = is_symbolic(value)
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or symbolic):
         raise TypeError(f"{name} must be a real number (Python or numpy scalar), "
                         f"got {type(value).__name__} {value!r}")
-    if is_symbolic(value):
+    if symbolic:
         return value
     try:
         value = float(value)
@@ -97,9 +98,29 @@ def values_checkable(t: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling():
         return False
-    from torch._subclasses.fake_tensor import is_fake
+    return not _is_fake()(t)
 
-    return not is_fake(t)
+
+_is_fake_fn = None
+
+
+def _is_fake():
+    """torch's ``is_fake`` (imported on first use, then kept: this runs on every call)."""
+    global _is_fake_fn
+    if _is_fake_fn is None:
+        from torch._subclasses.fake_tensor import is_fake
+
+        _is_fake_fn = is_fake
+    return _is_fake_fn
+
+
+def min_max(t: torch.Tensor) -> tuple[int, int]:
+    """Smallest and largest value of a non-empty integer CPU tensor, as Python ints (small
+    tensors through one ``tolist``, cheaper than two reductions)."""
+    if t.numel() <= 256:
+        vals = t.tolist()
+        return min(vals), max(vals)
+    return int(t.min()), int(t.max())
 
 
 def require_dtype(name: str, t: Optional[torch.Tensor], allowed: tuple, words: str) -> None:
@@ -159,7 +180,7 @@ def check_block_table_values(bt: torch.Tensor, lens: torch.Tensor, block_size: i
 
 
 def check_index_values(name: str, t: torch.Tensor, upper: int, what: str) -> None:
-    lo, hi = int(t.min()), int(t.max())
+    lo, hi = min_max(t)
     if lo < 0 or hi >= upper:
         raise ValueError(f"{name} values must lie in [0, {upper}) ({what}), got min {lo}, max {hi}")
 

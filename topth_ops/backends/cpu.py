@@ -10,7 +10,9 @@ float32 inputs with float32 math.
 
 The extension is optional: a machine without a C++ compiler installs the package without
 it, and this backend then reports why it is unavailable (the registry falls back to
-``torch``). Knobs (environment variables, read on every call):
+``torch``). Knobs (environment variables, read on every call; the parsed values and the
+availability verdict are cached per distinct set of values, so a decode loop does not
+re-parse them and a changed variable takes effect at the next call):
 
 - ``TOPTH_CPU_SIMD``: ``auto`` (default: the best level this CPU runs), ``avx512bf16``
   (AVX-512 with vdpbf16ps scores for bfloat16 caches), ``avx512``, ``avx2`` or ``generic``
@@ -123,6 +125,58 @@ def simd_level() -> str:
     return req
 
 
+_KNOB_VARS = (ENV_SIMD, ENV_SPLIT, ENV_PARALLEL)
+# (cpu_module accessor, raw knob values) -> (reasons, (level code, split, use_openmp) or None).
+# Keyed on the accessor too, so a test that replaces it (missing extension) is seen.
+_verdicts: dict = {}
+
+
+def _verdict() -> tuple[list[str], Optional[tuple[int, int, int]]]:
+    """Why the backend cannot run with the current knobs (empty: it can) and, when it can,
+    the parsed kernel knobs (SIMD level code, split length, whether to use torch's OpenMP
+    team). Cached per (extension accessor, raw values of the three variables)."""
+    key = (cpu_module, tuple(os.environ.get(v) for v in _KNOB_VARS))
+    hit = _verdicts.get(key)
+    if hit is not None:
+        return hit
+    try:
+        mod = cpu_module()
+    except ImportError as e:
+        verdict = ([f"the CPU kernel extension topth_ops.cpu_kernels._topth_cpu is not built ({e}); reinstall "
+                    f"with `pip install .` (needs a C++17 compiler; pybind11 is a build requirement)"], None)
+    else:
+        reasons, values = [], []
+        for check in (simd_level, split_len, parallel_request):
+            try:
+                values.append(check())
+            except ValueError as e:
+                reasons.append(str(e))
+        knobs = None
+        if not reasons:
+            knobs = (mod.LEVELS[simd_request()], values[1], int(values[2] == "auto"))
+        verdict = (reasons, knobs)
+    if len(_verdicts) > 64:  # env values changed many times (tests): start over
+        _verdicts.clear()
+    _verdicts[key] = verdict
+    return verdict
+
+
+def _knobs() -> tuple[int, int, int]:
+    """(SIMD level code, split length, use torch's OpenMP team) for the kernel call.
+
+    Raises
+    ------
+    ImportError, ValueError
+        As :meth:`CpuBackend.unavailable_reasons` reports (the extension is missing, a bad knob).
+    """
+    reasons, knobs = _verdict()
+    if knobs is None:
+        if reasons and "not built" in reasons[0]:
+            cpu_module()  # raises the ImportError itself
+        raise ValueError("; ".join(reasons))
+    return knobs
+
+
 def _tensor(t: Optional[torch.Tensor], strides=None):
     if t is None:
         return None
@@ -149,15 +203,16 @@ def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeS
     stats : DecodeStats, optional
         Written when given (any strides).
     """
+    knobs = _knobs()
     vmc = VMC_OFF
     if inputs.vmc:
         vmc = VMC_GIVEN if inputs.value_mean is not None else VMC_COMPUTED
     return {
+        "simd_level": knobs[0],  # read by CpuBackend.forward; the kernel ignores it in the dict
         "shape": [inputs.batch, inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim, inputs.block_size,
                   inputs.num_blocks, inputs.max_blocks_per_seq, inputs.max_row_id, inputs.num_sets],
         "options": [DTYPE_CODES[inputs.dtype], PLACEMENT_CODES[inputs.placement], SDC_CODES[inputs.sdc], vmc,
-                    int(inputs.selection == "group"), torch.get_num_threads(), split_len(),
-                    int(parallel_request() == "auto")],
+                    int(inputs.selection == "group"), torch.get_num_threads(), knobs[1], knobs[2]],
         "scale": float(inputs.scale),
         "sdc_gamma": float(inputs.sdc_gamma),
         "query": _tensor(inputs.query),
@@ -196,23 +251,12 @@ class CpuBackend(Backend):
                 f"kept-union V rows read (docs/cpu.md)")
 
     def unavailable_reasons(self) -> list[str]:
-        try:
-            cpu_module()
-        except ImportError as e:
-            return [f"the CPU kernel extension topth_ops.cpu_kernels._topth_cpu is not built ({e}); reinstall "
-                    f"with `pip install .` (needs a C++17 compiler; pybind11 is a build requirement)"]
-        reasons = []
-        for check in (simd_level, split_len, parallel_request):
-            try:
-                check()
-            except ValueError as e:
-                reasons.append(str(e))
-        return reasons
+        return list(_verdict()[0])
 
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
-        mod = cpu_module()
-        level = mod.LEVELS[simd_request()]
-        self.last_counters = mod.decode(kernel_args(inputs, out, stats), level)
+        args = kernel_args(inputs, out, stats)
+        level = args["simd_level"] if "simd_level" in args else _knobs()[0]
+        self.last_counters = cpu_module().decode(args, level)
         self._row_bytes = inputs.head_dim * inputs.query.element_size()
 
     def bench_counters(self) -> dict:

@@ -77,6 +77,8 @@ def rows_from_mask(mask: Optional[torch.Tensor], B: int, T: int, S: int,
         raise ValueError(f"topth attention expects a 4D attention mask [B, 1, T, S], got shape {list(mask.shape)}")
     m = mask[:, 0, :, -S:]
     valid = m if m.dtype == torch.bool else (m > torch.finfo(m.dtype).min / 2)
+    if m.shape[-1] == S and bool(valid.all()):  # every key valid for every row: a decode step of a dynamic cache
+        return torch.full((B, T), S, device=dev, dtype=torch.int64), None
     valid = valid.expand(B, T, S)
     n = valid.sum(-1).to(torch.int64)
     prefix = torch.arange(S, device=dev).view(1, 1, S) < n.unsqueeze(-1)
