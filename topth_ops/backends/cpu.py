@@ -143,7 +143,8 @@ def _verdict() -> tuple[list[str], Optional[tuple[int, int, int]]]:
         mod = cpu_module()
     except ImportError as e:
         verdict = ([f"the CPU kernel extension topth_ops.cpu_kernels._topth_cpu is not built ({e}); reinstall "
-                    f"with `pip install .` (needs a C++17 compiler; pybind11 is a build requirement)"], None)
+                    f"the package from its repository, e.g. `pip install -e .` as in README (needs a C++17 compiler; "
+                    f"pybind11 is a build requirement)"], None)
     else:
         reasons, values = [], []
         for check in (simd_level, split_len, parallel_request):
