@@ -153,3 +153,27 @@ def test_row_thinning_keeps_rows_per_octave_and_the_estimate():
     _, vt, _, ut = thin.bucket_thetas("post_softmax", "head", 0, 8)
     assert np.array_equal(uf, ut)
     np.testing.assert_allclose(vt[:, uf], vf[:, uf], atol=0.25)  # log-probability units
+
+
+def test_sdc_table_model_grows_at_most_linearly():
+    """The offline SDC table's extension beyond the calibrated row ids: E (a sum of at most
+    n - 1 terms exp(a - m) <= 1) must not be extrapolated faster than linearly in n, even
+    where the calibrated values rise steeply just above k (a layer at k = 256 on rows of
+    up to 1024: the regression that gave +12,000% long-document perplexity)."""
+    from topth_ops.calib_sdc import SDC_MAX_SLOPE
+    from topth_ops.length_model import fit_table_model
+
+    R, k = 1024, 256
+    n = np.arange(1, R + 1, dtype=np.float64)
+    steep = np.where(n > k, ((n - k) / 64.0) ** 3, 0.0)  # grows like n^3 over the calibrated ids
+    flat = np.where(n > 8, 0.5 * np.sqrt(n), 0.0)  # grows like n^0.5: kept as fitted
+    table = np.stack([steep, flat]).reshape(1, 2, R)
+    counts = np.ones_like(table, dtype=np.int64)
+    far = np.array([2048.0, 4096.0, 8192.0])
+    free = fit_table_model(table, counts, [k], "log")
+    assert free.theta(far)[0, 0, -1] / steep[-1] > 64  # without the cap it explodes (the test can fail)
+    capped = fit_table_model(table, counts, [k], "log", max_slope=SDC_MAX_SLOPE)
+    ext = capped.theta(far)[0]
+    assert np.all(ext[0] <= far) and ext[0, -1] / ext[0, 0] == pytest.approx(4.0, rel=1e-6)  # slope exactly 1
+    assert capped.slope[0, 1] == pytest.approx(0.5, abs=0.02)  # a slope under the cap is unchanged
+    assert ext[1, -1] == pytest.approx(0.5 * np.sqrt(8192), rel=0.05)

@@ -22,6 +22,10 @@ from .layer_k import DENSE
 from .length_model import fit_table_model
 
 
+# E of a row is a sum of at most n - 1 terms exp(a_j - m) <= 1: it grows at most linearly in n
+SDC_MAX_SLOPE = 1.0
+
+
 class SdcAccumulator:
     """Second calibration pass: mean dropped exponent mass at the calibrated thresholds.
 
@@ -121,7 +125,7 @@ class SdcAccumulator:
             table = _dense_rows(table, r.layer_k, 0.0).astype(np.float32)
             R, Rc = r.thresholds.shape[-1], table.shape[-1]
             if R > Rc:
-                model = fit_table_model(table.astype(np.float64), cnt, r.layer_k, "log")
+                model = fit_table_model(table.astype(np.float64), cnt, r.layer_k, "log", max_slope=SDC_MAX_SLOPE)
                 ext = model.theta(np.arange(Rc + 1, R + 1, dtype=np.float64)).astype(np.float32)
                 table = np.concatenate([table, np.where(np.isinf(ext), 0.0, ext).astype(np.float32)], axis=-1)
                 r.sdc_length_model = model

@@ -147,7 +147,7 @@ def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, 
 
 
 def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str = "log",
-                    fit_octaves: float = DEFAULT_FIT_OCTAVES) -> LengthModel:
+                    fit_octaves: float = DEFAULT_FIT_OCTAVES, max_slope: Optional[float] = None) -> LengthModel:
     """Log-linear model of a per-row-id table (e.g. the offline SDC table) for row ids
     beyond it: per (layer, head), weighted least squares (weights: ``counts``) of
     domain(value) on log n over the row ids of the last ``fit_octaves`` octaves with
@@ -160,6 +160,12 @@ def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str 
         ``[L, H, R]`` values and samples per row id (column c = row id c + 1).
     layer_k : sequence of int
     domain : {"log", "logit"}
+    max_slope : float, optional
+        Upper bound of the fitted slope d domain(value) / d log n. The offline SDC table
+        uses 1: its entries are sums of at most n - 1 dropped terms exp(a_j - m) <= 1, so
+        they grow at most linearly in n; a steeper fit comes from the onset of dropping
+        just above k (layers at a large k) and would extrapolate to a compensation that
+        swamps every kept weight on long rows.
     """
     L, H, R = table.shape
     an, av, sl = np.full((L, H), np.nan), np.full((L, H), np.nan), np.zeros((L, H))
@@ -175,8 +181,12 @@ def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str 
                 continue
             last = n[ok][-1]
             sel = ok & (n >= last / 2.0 ** fit_octaves)
+            if (sel & (n > 2 * k)).sum() >= MIN_FIT_POINTS:  # past the onset of dropping, as the threshold model
+                sel &= n > 2 * k
             x, ww = np.log(n[sel]), w[sel]
             y = np.log(v[sel]) if domain == "log" else v[sel]
             xm, ym, sl[layer, h] = _weighted_line(x, y, ww)
+            if max_slope is not None and sl[layer, h] > max_slope:
+                sl[layer, h] = max_slope
             an[layer, h], av[layer, h] = math.exp(xm), ym
     return LengthModel(domain, an, av, sl)

@@ -16,7 +16,7 @@ from .cli_common import (add_calibration_arguments, add_model_argument, check_al
                          check_context, check_layer_k_syntax, check_output_dir, check_output_file,
                          check_sizes, fail, flat_k, note_short_text, parse_k_list, show_progress)
 
-DEFAULT_KS = "16,32,64,96"
+DEFAULT_KS = "16,32,96"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
