@@ -52,6 +52,15 @@ def cpu_module():
     return _topth_cpu
 
 
+def _env_choice(var: str, choices) -> str:
+    """The value of environment variable ``var``, lower-cased (``auto`` when unset or
+    blank); ValueError naming ``var`` when it is not one of ``choices``."""
+    raw = os.environ.get(var, "").strip().lower() or "auto"
+    if raw not in choices:
+        raise ValueError(f"{var} must be one of {', '.join(choices)}, got {raw!r}")
+    return raw
+
+
 def simd_request() -> str:
     """The SIMD level asked for by ``TOPTH_CPU_SIMD`` (``auto`` when unset).
 
@@ -60,10 +69,7 @@ def simd_request() -> str:
     ValueError
         A value outside :data:`SIMD_CHOICES`, naming the variable.
     """
-    raw = os.environ.get(ENV_SIMD, "").strip().lower() or "auto"
-    if raw not in SIMD_CHOICES:
-        raise ValueError(f"{ENV_SIMD} must be one of {', '.join(SIMD_CHOICES)}, got {raw!r}")
-    return raw
+    return _env_choice(ENV_SIMD, SIMD_CHOICES)
 
 
 def split_len() -> int:
@@ -92,10 +98,7 @@ def parallel_request() -> str:
     ValueError
         A value outside :data:`PARALLEL_CHOICES`, naming the variable.
     """
-    raw = os.environ.get(ENV_PARALLEL, "").strip().lower() or "auto"
-    if raw not in PARALLEL_CHOICES:
-        raise ValueError(f"{ENV_PARALLEL} must be one of {', '.join(PARALLEL_CHOICES)}, got {raw!r}")
-    return raw
+    return _env_choice(ENV_PARALLEL, PARALLEL_CHOICES)
 
 
 def threads_line() -> str:
