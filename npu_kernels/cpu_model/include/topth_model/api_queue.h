@@ -147,6 +147,26 @@ inline int SlotIndexOf(const topth_model::QueueState& q, const topth_model::Slot
         if (q.slots[i].get() == s) return static_cast<int>(i);
     return -1;
 }
+// The tensor a queue hands out for slot s (AllocTensor, DeQue): the slot's whole buffer in
+// memory `space`, tagged with the slot and its generation.
+template <typename T, typename Slot>
+LocalTensor<T> SlotTensor(int space, Slot* s) {
+    LocalTensor<T> t;
+    t.valid_ = true;
+    t.space_ = space;
+    t.off_ = s->lo;
+    t.size_ = (s->hi - s->lo) / static_cast<uint32_t>(sizeof(T));
+    t.bufLo_ = s->lo;
+    t.bufHi_ = s->hi;
+    for (size_t b = 0; b < topth_model::Ctx().buffers.size(); ++b) {
+        const auto& d = topth_model::Ctx().buffers[b];
+        if (d.lo == s->lo && d.space == t.space_) t.bufIndex_ = static_cast<int>(b);
+    }
+    t.slot_ = s;
+    t.gen_ = s->gen;
+    return t;
+}
+
 }  // namespace detail
 
 template <TPosition pos, int32_t depth, auto mask>
@@ -167,20 +187,7 @@ LocalTensor<T> TQue<pos, depth, mask>::AllocTensor(Loc loc) {
         // AllocTensor waits for the flag the consumer set at FreeTensor of this buffer.
         topth_model::Ctx().haz->Observe(detail::QGPipe(prod), s->freed);
     }
-    LocalTensor<T> t;
-    t.valid_ = true;
-    t.space_ = SpaceOfPosition(pos);
-    t.off_ = s->lo;
-    t.size_ = (s->hi - s->lo) / static_cast<uint32_t>(sizeof(T));
-    t.bufLo_ = s->lo;
-    t.bufHi_ = s->hi;
-    for (size_t b = 0; b < topth_model::Ctx().buffers.size(); ++b) {
-        const auto& d = topth_model::Ctx().buffers[b];
-        if (d.lo == s->lo && d.space == t.space_) t.bufIndex_ = static_cast<int>(b);
-    }
-    t.slot_ = s;
-    t.gen_ = s->gen;
-    return t;
+    return detail::SlotTensor<T>(SpaceOfPosition(pos), s);
 }
 
 template <TPosition pos, int32_t depth, auto mask>
@@ -222,20 +229,7 @@ LocalTensor<T> TQue<pos, depth, mask>::DeQue(Loc loc) {
         // DeQue waits for the flag the producer set at EnQue.
         topth_model::Ctx().haz->Observe(detail::QGPipe(cons), s->enqueued);
     }
-    LocalTensor<T> t;
-    t.valid_ = true;
-    t.space_ = SpaceOfPosition(pos);
-    t.off_ = s->lo;
-    t.size_ = (s->hi - s->lo) / static_cast<uint32_t>(sizeof(T));
-    t.bufLo_ = s->lo;
-    t.bufHi_ = s->hi;
-    for (size_t b = 0; b < topth_model::Ctx().buffers.size(); ++b) {
-        const auto& d = topth_model::Ctx().buffers[b];
-        if (d.lo == s->lo && d.space == t.space_) t.bufIndex_ = static_cast<int>(b);
-    }
-    t.slot_ = s;
-    t.gen_ = s->gen;
-    return t;
+    return detail::SlotTensor<T>(SpaceOfPosition(pos), s);
 }
 
 template <TPosition pos, int32_t depth, auto mask>
