@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .attn_pre import NO_SPEC
 from .selection import keep_mask, load_theta, log_cut
-from .tiles import clamped_len, dot_pv, dot_qk, load_rows, row_index, row_offsets, set_index, split_range
+from .tiles import dot_pv, dot_qk, load_rows, program_tile, row_index, row_offsets, set_index
 
 SLACK = tl.constexpr(0.015625)  # ln-domain margin of the pass-1 filter (fp32 rounding of the running LSE)
 
@@ -88,19 +88,9 @@ def _post_scores_kernel(
     g = (b * Hkv + kv head) * num_splits + split: C_CNT[g] (candidates found, may exceed
     CAP), C_POS[g * CAP + i] (positions) and C_S[(g * CAP + i) * G + head] (fp32 scores)
     for i < min(C_CNT[g], CAP); P_VSUM[g, :] with ``COMPUTE_MEAN``."""
-    pid_bh = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = pid_bh // num_kv_heads
-    kvh = pid_bh % num_kv_heads
+    pid_s, b, kvh, n, start, end, offs_g, gmask, h, offs_d, dmask = program_tile(
+        LENS, stride_l, num_kv_heads, max_seq_len, num_splits, G, D, G_PAD, D_PAD, BLOCK_N)
     num_q_heads = num_kv_heads * G
-    n = clamped_len(LENS, stride_l, b, max_seq_len)
-    start, end = split_range(n, pid_s, num_splits, BLOCK_N)
-
-    offs_g = tl.arange(0, G_PAD)
-    gmask = offs_g < G
-    h = kvh * G + offs_g
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < D
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     cut = _cut(TH, TSET, stride_ts, st_set, st_head, st_row, b, n, kvh, h, gmask, num_sets, max_row_id,
@@ -193,19 +183,9 @@ def _post_select_kernel(
 ):
     """Pass 2. Writes P_R (sum of kept weights), P_CNT, P_ACC (sum of kept w v) per head
     and split, P_VROWS per group and split (indices as in pass 1)."""
-    pid_bh = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = pid_bh // num_kv_heads
-    kvh = pid_bh % num_kv_heads
+    pid_s, b, kvh, n, start, end, offs_g, gmask, h, offs_d, dmask = program_tile(
+        LENS, stride_l, num_kv_heads, max_seq_len, num_splits, G, D, G_PAD, D_PAD, BLOCK_N)
     num_q_heads = num_kv_heads * G
-    n = clamped_len(LENS, stride_l, b, max_seq_len)
-    start, end = split_range(n, pid_s, num_splits, BLOCK_N)
-
-    offs_g = tl.arange(0, G_PAD)
-    gmask = offs_g < G
-    h = kvh * G + offs_g
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < D
     cut = _cut(TH, TSET, stride_ts, st_set, st_head, st_row, b, n, kvh, h, gmask, num_sets, max_row_id,
                GROUP, HAS_SETS)
     K_head = K + kvh.to(tl.int64) * sk_head

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .selection import keep_mask, load_theta
-from .tiles import clamped_len, dot_pv, dot_qk, load_rows, row_index, row_offsets, set_index, split_range
+from .tiles import dot_pv, dot_qk, load_rows, program_tile, row_index, row_offsets, set_index
 
 # Shape-like ints and small-tensor strides are not specialised on their values; cache
 # strides are (alignment and a unit dim stride enable vector loads).
@@ -53,20 +53,9 @@ def _pre_kernel(
     """Partials index: p = (b * Hq + h) * num_splits + split for per-head values
     (P_M, P_L, P_R, P_CNT [p], P_ACC [p, D_PAD]); (b * Hkv + kv head) * num_splits + split
     for per-group values (P_VROWS int32, P_VSUM [., D_PAD])."""
-    pid_bh = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = pid_bh // num_kv_heads
-    kvh = pid_bh % num_kv_heads
+    pid_s, b, kvh, n, start, end, offs_g, gmask, h, offs_d, dmask = program_tile(
+        LENS, stride_l, num_kv_heads, max_seq_len, num_splits, G, D, G_PAD, D_PAD, BLOCK_N)
     num_q_heads = num_kv_heads * G
-
-    n = clamped_len(LENS, stride_l, b, max_seq_len)
-    start, end = split_range(n, pid_s, num_splits, BLOCK_N)
-
-    offs_g = tl.arange(0, G_PAD)
-    gmask = offs_g < G
-    h = kvh * G + offs_g
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < D
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     if not DENSE:

@@ -52,6 +52,27 @@ def split_range(n, pid_s, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def program_tile(LENS, stride_l, num_kv_heads, max_seq_len, num_splits, G, D,
+                 G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The work of program (b * Hkv + kv head, split) of the split-KV grid, shared by every
+    kernel's prologue: (pid_s, b, kvh, n, start, end, offs_g, gmask, h, offs_d, dmask) with
+    n the clamped length, [start, end) the split's positions, h the group's query heads
+    (offs_g < G valid) and offs_d < D the valid head_dim lanes."""
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    kvh = pid_bh % num_kv_heads
+    n = clamped_len(LENS, stride_l, b, max_seq_len)
+    start, end = split_range(n, pid_s, num_splits, BLOCK_N)
+    offs_g = tl.arange(0, G_PAD)
+    gmask = offs_g < G
+    h = kvh * G + offs_g
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < D
+    return pid_s, b, kvh, n, start, end, offs_g, gmask, h, offs_d, dmask
+
+
+@triton.jit
 def row_offsets(BT, stride_btb, stride_bti, b, pos, pmask, tile_start, block_size, block_shift, num_blocks,
                 s_block_k, s_slot_k, s_block_v, s_slot_v, PAGING: tl.constexpr):
     """Element offsets (int64) of the K and V rows of positions ``pos`` of sequence b.
