@@ -10,9 +10,10 @@ import transformers  # noqa: E402,F401 - the hf extra is part of the dev extra
 from topth_ops.calibration import DENSE, parse_layer_k  # noqa: E402
 from topth_ops.hf.attention import TopthSettings, disable, enable  # noqa: E402
 from topth_ops.hf.calibrate import CalibrationText, calibrate  # noqa: E402
-from topth_ops.hf.runner import forward, greedy, new_cache  # noqa: E402
-from topth_ops.rowstats import StatsCollector  # noqa: E402
+from topth_ops.hf.runner import forward, greedy  # noqa: E402
 from topth_ops.threshold_file import ThresholdFileError  # noqa: E402
+
+from .hf_steps import collector, prefill_equals_steps  # noqa: E402
 
 L = 3
 
@@ -47,11 +48,6 @@ def _ids(seed, n):
     return torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _collector(model):
-    c = model.config
-    return StatsCollector(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
-
-
 def test_dense_mode_equals_sdpa(model):
     ids = _ids(2, 40)
     ref = forward(model, ids)
@@ -84,26 +80,14 @@ def test_thresholded_prefill_equals_decode_steps(model, files, spec):
         s = TopthSettings(mode="topk", layer_k=parse_layer_k("0:dense", 4, L), placement=spec["placement"],
                           sdc=spec["sdc"], vmc=spec["vmc"])
     ids = _ids(3, 60)
-    pre, dec = _collector(model), _collector(model)
-    enable(model, s, prefill_stats=pre, decode_stats=dec)
-    try:
-        full = forward(model, ids)
-        cache = new_cache(model)
-        steps = [forward(model, ids[:, i:i + 1], cache) for i in range(ids.shape[1])]
-    finally:
-        disable(model)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
-    dense = forward(model, ids)
-    assert (full - dense).abs().max() > 1e-3  # thresholding changed something
-    # the same rows were seen by both paths, with the same kept counts
-    assert torch.equal(pre.rows, dec.rows) and torch.equal(pre.kept, dec.kept) and torch.equal(pre.v_rows, dec.v_rows)
+    _, dec = prefill_equals_steps(model, s, ids)
     assert dec.attn_kept_frac(lo=8) < 0.9
 
 
 def test_hf_generate_uses_the_op_and_matches_manual_greedy(model, files):
     s = TopthSettings(mode="topth", thresholds=files["post_softmax"], vmc=True)
     ids = _ids(4, 20)
-    dec = _collector(model)
+    dec = collector(model)
     enable(model, s, decode_stats=dec)
     try:
         with torch.inference_mode():

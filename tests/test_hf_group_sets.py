@@ -14,12 +14,13 @@ import torch
 
 import transformers  # noqa: F401 - the hf extra is part of the dev extra
 
-from topth_ops.calibration import DENSE, parse_layer_k
+from topth_ops.calibration import parse_layer_k
 from topth_ops.hf.attention import TopthSettings, disable, enable
 from topth_ops.hf.calibrate import CalibrationText, calibrate
 from topth_ops.hf.runner import forward, new_cache
-from topth_ops.rowstats import StatsCollector
 from topth_ops.threshold_file import ThresholdFileError, load_threshold_sets, save_threshold_sets
+
+from .hf_steps import prefill_equals_steps
 
 L = 3
 
@@ -77,27 +78,6 @@ def _ids(seed, n, B=1):
     return torch.randint(0, 96, (B, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _collector(m):
-    c = m.config
-    return StatsCollector(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
-
-
-def _prefill_equals_steps(m, settings, ids):
-    pre, dec = _collector(m), _collector(m)
-    enable(m, settings, prefill_stats=pre, decode_stats=dec)
-    try:
-        full = forward(m, ids)
-        cache = new_cache(m)
-        steps = [forward(m, ids[:, i:i + 1], cache) for i in range(ids.shape[1])]
-    finally:
-        disable(m)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
-    assert torch.equal(pre.rows, dec.rows) and torch.equal(pre.kept, dec.kept) and torch.equal(pre.v_rows, dec.v_rows)
-    dense = forward(m, ids)
-    assert (full - dense).abs().max() > 1e-3  # thresholding changed something
-    return full, dec
-
-
 SPECS = [("post_softmax", "none", True), ("pre_softmax", "offline", True), ("pre_softmax", "exp_threshold", False)]
 
 
@@ -106,7 +86,7 @@ SPECS = [("post_softmax", "none", True), ("pre_softmax", "offline", True), ("pre
 def test_prefill_equals_decode_steps_with_group_selection_and_sets(llama, llama_sets, placement, sdc, vmc, selection):
     path = llama_sets[(placement, selection)]
     s = TopthSettings(mode="topth", thresholds=path, sdc=sdc, vmc=vmc, threshold_set=[1, 0])
-    full, dec = _prefill_equals_steps(llama, s, _ids(3, 40, B=2))
+    full, dec = prefill_equals_steps(llama, s, _ids(3, 40, B=2))
     if selection == "group":  # a group reads exactly the rows it keeps: V rows = kept per head
         G = 3
         kept = dec.kept.view(L, 2, G, -1)
@@ -165,7 +145,7 @@ def test_sliding_window_rows_are_the_window(gemma, gemma_sets):
     assert int(ts.counts[1, :, 12:].sum()) > 0  # the full layer sees long rows
     for key in ((0, "post_softmax", "head"), (0, "pre_softmax", "group")):
         sdc = "offline" if key[1] == "pre_softmax" else "none"
-        _, dec = _prefill_equals_steps(gemma, TopthSettings(mode="topth", thresholds=gemma_sets[key], sdc=sdc,
+        _, dec = prefill_equals_steps(gemma, TopthSettings(mode="topth", thresholds=gemma_sets[key], sdc=sdc,
                                                             vmc=True), _ids(9, 40))
         rows = dec.rows  # [L, R + 1] rows per row id
         assert int(rows[0, 13:].sum()) == 0 and int(rows[2, 13:].sum()) == 0 and int(rows[1, 13:].sum()) > 0
