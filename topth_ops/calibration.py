@@ -321,5 +321,11 @@ def _dense_rows(values: np.ndarray, layer_k: Sequence[int], fill: float) -> np.n
     return out
 
 
-# the second pass lives in calib_sdc.py; imported last, as it uses the above
-from .calib_sdc import SdcAccumulator  # noqa: E402
+def __getattr__(name):
+    """The second pass lives in calib_sdc.py (which uses this module); re-exported lazily
+    so that either module can be imported first."""
+    if name == "SdcAccumulator":
+        from .calib_sdc import SdcAccumulator
+
+        return SdcAccumulator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

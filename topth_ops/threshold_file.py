@@ -279,5 +279,11 @@ def import_reference_text(*args, **kwargs):
     return f(*args, **kwargs)
 
 
-# readers (format 1 and 2) live in threshold_load.py; imported last, as they use the above
-from .threshold_load import load_threshold_sets, load_thresholds, pick_set  # noqa: E402,F401
+def __getattr__(name):
+    """The readers (format 1 and 2) live in threshold_load.py (which uses this module);
+    re-exported lazily so that either module can be imported first."""
+    if name in ("load_threshold_sets", "load_thresholds", "pick_set"):
+        from . import threshold_load
+
+        return getattr(threshold_load, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

