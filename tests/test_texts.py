@@ -65,3 +65,26 @@ def test_token_samples_cut_windows_in_order():
         token_samples(tok, ["abc"], samples=0, max_tokens=20)
     with pytest.raises(ValueError, match="max_tokens"):
         token_samples(tok, ["abc"], samples=1, max_tokens=1)
+
+
+def test_stdlib_exclude_bad_input_is_an_error_not_a_silent_no_op():
+    import sysconfig
+    from pathlib import Path
+
+    # a single string would be read as its characters and leave nothing out
+    with pytest.raises(TypeError, match="exclude"):
+        calibration_documents(STDLIB_SOURCE, exclude="zipimport.py")
+    for bad in ([Path("zipimport.py")], [1], None):
+        with pytest.raises(TypeError, match="exclude"):
+            calibration_documents(STDLIB_SOURCE, exclude=bad)
+    # names that match no module would be recorded as left out while nothing was
+    for bad in (["nosuch_module.py"], ["zipimport"]):
+        with pytest.raises(ValueError, match=repr(bad[0])):
+            calibration_documents(STDLIB_SOURCE, exclude=bad)
+    every = [f.name for f in Path(sysconfig.get_paths()["stdlib"]).glob("*.py")]
+    with pytest.raises(ValueError, match="exclude leaves out every"):
+        calibration_documents(STDLIB_SOURCE, exclude=every)
+    all_docs, all_desc = calibration_documents(STDLIB_SOURCE)
+    first = all_desc.split("reverse name order from ")[1].split(")")[0]  # the first module taken
+    docs, desc = calibration_documents(STDLIB_SOURCE, exclude=(first,))
+    assert len(docs) == len(all_docs) - 1 and f"without {first}" in desc and docs[0] != all_docs[0]

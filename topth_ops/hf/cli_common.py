@@ -42,7 +42,8 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
     p.add_argument(f"--{prefix}text", metavar="PATH", default=None,
                    help="calibration text: a .txt / .jsonl file or a folder of them, or "
                         "'python-stdlib' (standard-library sources: code, as evaluated; evaluate leaves "
-                        "its long documents out) (default: Python's English documentation, pydoc_data.topics)")
+                        "its long documents out; a path of that name is ./python-stdlib) "
+                        "(default: Python's English documentation, pydoc_data.topics)")
     p.add_argument("--topk-at-calibration", action="store_true",
                    help="keep each row's exact top-k while calibrating, so later layers see "
                         "sparsified activations (one pass per k)")

@@ -69,18 +69,26 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
         ``./python-stdlib``). Otherwise a .txt file (one document), a .jsonl file
         (one document per line: the "text" field, else the first string field, or the
         line itself when it is a JSON string), or a folder searched recursively for both.
-    exclude : sequence of str
+    exclude : list, tuple or set of str
         ``"python-stdlib"`` only: module file names to leave out (the evaluation's long
-        documents, so calibration and evaluation text stay disjoint).
+        documents, so calibration and evaluation text stay disjoint); each must name a
+        ``*.py`` file of the standard-library folder (``"argparse.py"``). Ignored for
+        other sources.
 
     Raises
     ------
+    TypeError
+        ``exclude`` is a single string or holds anything but strings.
     FileNotFoundError
         ``source`` does not exist.
     ValueError
-        No text at all, a file that is not UTF-8, or a .jsonl line that is not JSON (the
-        message names the file and line).
+        No text at all (for ``"python-stdlib"``: ``exclude`` leaves nothing), a name in
+        ``exclude`` that is not a standard-library module file, a file that is not UTF-8,
+        or a .jsonl line that is not JSON (the message names the file and line).
     """
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple, set, frozenset)) \
+            or not all(isinstance(n, str) for n in exclude):
+        raise TypeError(f"exclude must be a list of module file names (str), such as ['aifc.py'], got {exclude!r}")
     if source is None:
         import pydoc_data.topics as topics
 
@@ -88,8 +96,17 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
         desc = f"pydoc_data.topics (Python {platform.python_version()} English documentation, {len(docs)} topics)"
     elif source == STDLIB_SOURCE:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = [f for f in sorted(stdlib.glob("*.py"), reverse=True)
+        modules = sorted(stdlib.glob("*.py"), reverse=True)
+        unknown = sorted(set(exclude) - {f.name for f in modules})
+        if unknown:
+            raise ValueError(f"exclude: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+                             f"the name of a standard-library module file in {stdlib} (give file names such as "
+                             "'argparse.py')")
+        files = [f for f in modules
                  if not f.name.startswith("_") and f.name not in set(exclude) and f.stat().st_size >= 20000]
+        if not files:
+            raise ValueError(f"calibration text is empty: exclude leaves out every standard-library module of "
+                             f">= 20 kB in {stdlib} ({len(set(exclude))} names excluded)")
         docs = [f.read_text(encoding="utf-8", errors="replace") for f in files]
         desc = (f"{STDLIB_SOURCE} (Python {platform.python_version()} standard-library sources, reverse name "
                 f"order from {files[0].name if files else '-'}"
