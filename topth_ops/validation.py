@@ -11,6 +11,7 @@ checks the concrete values when it runs), so the public API compiles with
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional
@@ -101,17 +102,12 @@ def values_checkable(t: torch.Tensor) -> bool:
     return not _is_fake()(t)
 
 
-_is_fake_fn = None
-
-
+@functools.cache
 def _is_fake():
     """torch's ``is_fake`` (imported on first use, then kept: this runs on every call)."""
-    global _is_fake_fn
-    if _is_fake_fn is None:
-        from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.fake_tensor import is_fake
 
-        _is_fake_fn = is_fake
-    return _is_fake_fn
+    return is_fake
 
 
 def min_max(t: torch.Tensor) -> tuple[int, int]:

@@ -129,15 +129,17 @@ def simd_level() -> str:
 
 
 _KNOB_VARS = (ENV_SIMD, ENV_SPLIT, ENV_PARALLEL)
-# (cpu_module accessor, raw knob values) -> (reasons, (level code, split, use_openmp) or None).
-# Keyed on the accessor too, so a test that replaces it (missing extension) is seen.
+# (cpu_module accessor, raw knob values) -> (reasons, (level code, split, use_openmp) or None,
+# the ImportError of a missing extension or None). Keyed on the accessor too, so a test that
+# replaces it (missing extension) is seen.
 _verdicts: dict = {}
 
 
-def _verdict() -> tuple[list[str], Optional[tuple[int, int, int]]]:
-    """Why the backend cannot run with the current knobs (empty: it can) and, when it can,
-    the parsed kernel knobs (SIMD level code, split length, whether to use torch's OpenMP
-    team). Cached per (extension accessor, raw values of the three variables)."""
+def _verdict() -> tuple[list[str], Optional[tuple[int, int, int]], Optional[ImportError]]:
+    """Why the backend cannot run with the current knobs (empty: it can), the parsed kernel
+    knobs when it can (SIMD level code, split length, whether to use torch's OpenMP team),
+    and the ImportError when the extension is missing. Cached per (extension accessor, raw
+    values of the three variables)."""
     key = (cpu_module, tuple(os.environ.get(v) for v in _KNOB_VARS))
     hit = _verdicts.get(key)
     if hit is not None:
@@ -147,7 +149,7 @@ def _verdict() -> tuple[list[str], Optional[tuple[int, int, int]]]:
     except ImportError as e:
         verdict = ([f"the CPU kernel extension topth_ops.cpu_kernels._topth_cpu is not built ({e}); reinstall "
                     f"the package from its repository, e.g. `pip install -e .` as in README (needs a C++17 compiler; "
-                    f"pybind11 is a build requirement)"], None)
+                    f"pybind11 is a build requirement)"], None, e)
     else:
         reasons, values = [], []
         for check in (simd_level, split_len, parallel_request):
@@ -158,7 +160,7 @@ def _verdict() -> tuple[list[str], Optional[tuple[int, int, int]]]:
         knobs = None
         if not reasons:
             knobs = (mod.LEVELS[simd_request()], values[1], int(values[2] == "auto"))
-        verdict = (reasons, knobs)
+        verdict = (reasons, knobs, None)
     if len(_verdicts) > 64:  # env values changed many times (tests): start over
         _verdicts.clear()
     _verdicts[key] = verdict
@@ -173,10 +175,10 @@ def _knobs() -> tuple[int, int, int]:
     ImportError, ValueError
         As :meth:`CpuBackend.unavailable_reasons` reports (the extension is missing, a bad knob).
     """
-    reasons, knobs = _verdict()
+    reasons, knobs, missing = _verdict()
+    if missing is not None:
+        cpu_module()  # raises the missing extension's ImportError afresh (no shared traceback)
     if knobs is None:
-        if reasons and "not built" in reasons[0]:
-            cpu_module()  # raises the ImportError itself
         raise ValueError("; ".join(reasons))
     return knobs
 
@@ -259,8 +261,7 @@ class CpuBackend(Backend):
 
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         args = kernel_args(inputs, out, stats)
-        level = args["simd_level"] if "simd_level" in args else _knobs()[0]
-        self.last_counters = cpu_module().decode(args, level)
+        self.last_counters = cpu_module().decode(args, args["simd_level"])
         self._row_bytes = inputs.head_dim * inputs.query.element_size()
 
     def bench_counters(self) -> dict:

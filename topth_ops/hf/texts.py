@@ -95,22 +95,21 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
         docs = [topics.topics[k] for k in sorted(topics.topics)]
         desc = f"pydoc_data.topics (Python {platform.python_version()} English documentation, {len(docs)} topics)"
     elif source == STDLIB_SOURCE:
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        modules = sorted(stdlib.glob("*.py"), reverse=True)
-        unknown = sorted(set(exclude) - {f.name for f in modules})
+        stdlib, modules = _stdlib_modules()
+        skip = set(exclude)
+        unknown = sorted(skip - {f.name for f in modules})
         if unknown:
             raise ValueError(f"exclude: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
                              f"the name of a standard-library module file in {stdlib} (give file names such as "
                              "'argparse.py')")
-        files = [f for f in modules
-                 if not f.name.startswith("_") and f.name not in set(exclude) and f.stat().st_size >= 20000]
+        files = [f for f in reversed(modules)
+                 if not f.name.startswith("_") and f.name not in skip and f.stat().st_size >= 20000]
         if not files:
             raise ValueError(f"calibration text is empty: exclude leaves out every standard-library module of "
-                             f">= 20 kB in {stdlib} ({len(set(exclude))} names excluded)")
+                             f">= 20 kB in {stdlib} ({len(skip)} names excluded)")
         docs = [f.read_text(encoding="utf-8", errors="replace") for f in files]
         desc = (f"{STDLIB_SOURCE} (Python {platform.python_version()} standard-library sources, reverse name "
-                f"order from {files[0].name if files else '-'}"
-                + (f", without {', '.join(sorted(exclude))}" if exclude else "") + ")")
+                f"order from {files[0].name}" + (f", without {', '.join(sorted(skip))}" if skip else "") + ")")
     else:
         p = Path(source)
         if not p.exists():
@@ -203,6 +202,14 @@ def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int)
     return out
 
 
+def _stdlib_modules() -> tuple[Path, list[Path]]:
+    """The standard-library folder and its top-level ``*.py`` files in name order (the one
+    listing behind both the long evaluation documents and the ``python-stdlib`` calibration
+    text, which walks it from the other end)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return stdlib, sorted(stdlib.glob("*.py"))
+
+
 def stdlib_documents(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[tuple[str, torch.Tensor]]:
     """Long real documents: standard-library module sources of at least ``min_tokens``
     tokens, truncated to ``max_tokens``; the first ``n`` in file-name order.
@@ -212,9 +219,9 @@ def stdlib_documents(tokenizer, n: int, min_tokens: int, max_tokens: int) -> lis
     list of (str, torch.Tensor)
         (module file name, 1-D int64 token ids).
     """
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    stdlib, modules = _stdlib_modules()
     out = []
-    for f in sorted(stdlib.glob("*.py")):
+    for f in modules:
         if f.name.startswith("_") or f.stat().st_size < 2 * min_tokens:
             continue
         text = f.read_text(encoding="utf-8", errors="replace")[: 8 * max_tokens]
