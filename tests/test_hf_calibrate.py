@@ -59,8 +59,10 @@ def _rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def _oracle_logits(model, ids):
-    """Float64 logits ``[L, HQ, T, T]`` (-inf above the diagonal) of a dense eager run."""
+def _oracle_logits(model, ids, settings=None):
+    """Float64 logits ``[L, HQ, T, T]`` (-inf above the diagonal) of a dense eager run, or,
+    with ``settings``, of a run with Top-Theta attention (each layer's logits from the
+    hidden states the thresholded layers below it produced)."""
     captured = {}
 
     def pre_hook(module, args, kwargs):
@@ -71,12 +73,22 @@ def _oracle_logits(model, ids):
     attns = [layer.self_attn for layer in model.model.layers]
     handles = [a.register_forward_pre_hook(pre_hook, with_kwargs=True) for a in attns]
     prev = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    if settings is None:
+        model.set_attn_implementation("eager")
+    else:
+        from topth_ops.hf import enable
+
+        enable(model, settings)
     try:
         with torch.inference_mode():
-            out = model(input_ids=ids.view(1, -1), use_cache=False, output_attentions=True)
+            out = model(input_ids=ids.view(1, -1), use_cache=False, output_attentions=settings is None)
     finally:
-        model.set_attn_implementation(prev)
+        if settings is None:
+            model.set_attn_implementation(prev)
+        else:
+            from topth_ops.hf import disable
+
+            disable(model)
         for h in handles:
             h.remove()
     T = ids.numel()
@@ -93,6 +105,8 @@ def _oracle_logits(model, ids):
         k = np.repeat(k, HQ // HKV, axis=0)  # query head h reads KV head h // (HQ // HKV)
         a = q @ k.transpose(0, 2, 1) / math.sqrt(D)
         logits[layer] = np.where(causal, a, -np.inf)
+        if settings is not None:
+            continue
         # the reconstruction agrees with transformers' own eager attention probabilities
         p = np.exp(logits[layer] - logits[layer].max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)

@@ -26,7 +26,8 @@ Metadata: ``format`` = "topth-thresholds", ``format_version`` = "2", ``model_nam
 ``attention_fingerprint`` (sha256 prefix of it), ``placement``, ``selection``,
 ``num_sets``, ``sets`` (JSON list, one object per set: ``layer_k`` (0 = dense layer),
 ``alpha``, ``estimator`` ("mean" = algorithm 1, "count" = kept-count), ``extend_to``,
-``length_domain``, ``length_feature``, ``sdc_length_domain``, ``topk_at_calibration``, ``calibration_text``,
+``length_domain``, ``length_feature``, ``sdc_length_domain``, ``topk_at_calibration``, ``layerwise`` (each
+layer calibrated on the thresholded layers below; absent = false), ``calibration_text``,
 ``calibration_samples``, ``calibration_tokens``, ``source``), ``created_by``.
 
 Format version 1 (still read)
@@ -100,7 +101,7 @@ class ThresholdSet:
         mean kept count k per row-length bucket (:mod:`topth_ops.calib_count`).
     length_model, sdc_length_model : LengthModel or None
         theta (SDC table) as a function of the row id beyond the calibrated row ids.
-    calibration_text, calibration_samples, calibration_tokens, topk_at_calibration,
+    calibration_text, calibration_samples, calibration_tokens, topk_at_calibration, layerwise,
     source : metadata describing how the set was made.
     path, set_index : where it was loaded from / saved to.
     """
@@ -117,6 +118,7 @@ class ThresholdSet:
     calibration_samples: int = 0
     calibration_tokens: int = 0
     topk_at_calibration: bool = False
+    layerwise: bool = False
     source: str = "calibrate"
     selection: str = "head"
     estimator: str = "mean"
@@ -177,7 +179,8 @@ class ThresholdSet:
                 f"[{format_layer_k(self.layer_k)}], estimator={self.estimator}, alpha={self.alpha}, "
                 f"calibrated row ids={self.calibrated_row_ids}{ext}, "
                 f"sdc_table={'yes' if self.sdc_table is not None else 'no'}, "
-                f"calibration: {self.calibration_text}"
+                + ("calibrated layer-wise, " if self.layerwise else "")
+                + f"calibration: {self.calibration_text}"
                 + (f" ({self.calibration_samples} sample{'s' if self.calibration_samples != 1 else ''}, "
                    f"{self.calibration_tokens} tokens)" if self.calibration_samples else ""))
 
@@ -240,6 +243,7 @@ class ThresholdSet:
             "length_feature": self.length_model.feature if self.length_model is not None else None,
             "sdc_length_domain": self.sdc_length_model.domain if self.sdc_length_model is not None else None,
             "topk_at_calibration": bool(self.topk_at_calibration),
+            "layerwise": bool(self.layerwise),
             "calibration_text": self.calibration_text,
             "calibration_samples": int(self.calibration_samples),
             "calibration_tokens": int(self.calibration_tokens),

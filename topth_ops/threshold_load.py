@@ -156,7 +156,8 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
                 alpha=e["alpha"], sdc_table=sdc, calibration_text=str(e.get("calibration_text", "")),
                 calibration_samples=int(e.get("calibration_samples", 0)),
                 calibration_tokens=int(e.get("calibration_tokens", 0)),
-                topk_at_calibration=bool(e.get("topk_at_calibration", False)), source=str(e.get("source", "")),
+                topk_at_calibration=bool(e.get("topk_at_calibration", False)),
+                layerwise=bool(e.get("layerwise", False)), source=str(e.get("source", "")),
                 selection=selection, estimator=e["estimator"], length_model=lm, sdc_length_model=sm,
                 path=str(path), set_index=i)
         except (TypeError, ValueError) as ex:

@@ -91,6 +91,8 @@ class TopthAttention:
         self._rules: dict[tuple, RowRule] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
         self._cache = None  # the transformers cache of the running forward (see _capture_cache)
+        # layer-wise calibration (topth_ops.hf.calib_layerwise) takes over every layer when set
+        self.layer_calibrator = None
 
     def _capture_cache(self, module, args, kwargs) -> None:
         """Forward pre-hook of each attention module: remember the cache object of this
@@ -183,6 +185,8 @@ class TopthAttention:
         scale = float(scaling) if scaling is not None else D ** -0.5
         dev = query.device
         row_ids, key_valid = rows_from_mask(attention_mask, B, T, S, dev)
+        if self.layer_calibrator is not None:
+            return self.layer_calibrator.forward(layer, query, key, value, row_ids, key_valid, scale)
         calibrating = self.score_hook is not None
         rule = self._rule(layer, dev, calibrating)
         s = self.settings

@@ -51,11 +51,33 @@ def _run(model, samples, settings: TopthSettings, hook, desc: str, progress: boo
 ESTIMATORS = ("count", "mean")
 
 
+def _calibrate_layerwise(model, text, targets, placements, selections, extend_to, *, sdc, vmc, progress,
+                         pairs=None) -> dict:
+    from tqdm.auto import tqdm
+
+    from .calib_layerwise import LayerwiseCalibrator, run_layerwise
+
+    cfg = model.config
+    L, Hq = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+    Hkv = int(getattr(cfg, "num_key_value_heads", None) or Hq)
+    lengths = [int(s.numel()) for s in text.samples]
+    jobs = [(i, p, s) for i in range(len(targets)) for p in placements for s in selections
+            if pairs is None or (p, s) in pairs]
+    out = {}
+    for i, p, s in tqdm(jobs, desc="calibrate layer-wise", unit="pass", disable=not progress):
+        cal = LayerwiseCalibrator(L, Hq, Hkv, lengths, list(targets[i]), p, s, extend_to,
+                                  sdc=sdc and p == "pre_softmax", vmc=vmc)
+        run_layerwise(model, text.samples, cal, TopthSettings(mode="dense"))
+        out[(i, p, s)] = cal.result()
+    return out
+
+
 def calibrate(model, text: CalibrationText, targets: Sequence[list], placements: Sequence[str],
               *, alpha: float = 0.0, topk_at_calibration: bool = False, tac_vmc: bool = False,
               sdc_table: bool = True, model_name: Optional[str] = None, progress: bool = True,
               estimator: str = "count", selections: Sequence[str] = ("head",),
-              extend_to: Optional[int] = None) -> dict[tuple[int, str, str], ThresholdSet]:
+              extend_to: Optional[int] = None, layerwise: bool = False,
+              layerwise_vmc: bool = True, pairs: Optional[set] = None) -> dict[tuple[int, str, str], ThresholdSet]:
     """Calibrate thresholds for several layer-k maps, placements and selection modes.
 
     Parameters
@@ -90,6 +112,17 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     extend_to : int, optional
         Estimator "count": table length in row ids (default: 8 x the longest sample,
         capped at the model's context, at least the longest sample).
+    layerwise : bool
+        Calibrate each layer on the activations of the layers below it, thresholded with
+        their new thresholds (:mod:`topth_ops.hf.calib_layerwise`): one batched pass per
+        (target, placement, selection); estimator "count" only. The offline SDC table
+        (pre_softmax, ``sdc_table``) is computed in the same pass and applied while
+        propagating.
+    layerwise_vmc : bool
+        With ``layerwise``: apply V-mean compensation while propagating (as the VMC
+        variants do at inference).
+    pairs : set of (placement, selection), optional
+        With ``layerwise``: calibrate only these pairs (each is its own pass); default all.
 
     Returns
     -------
@@ -101,7 +134,8 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     ValueError
         No samples, a target with k < 1 in a thresholded layer, no calibration row
         longer than some layer's k, a non-finite alpha, alpha != 0 with "count", group
-        selection with "mean", or a negative alpha that makes post_softmax thresholds
+        selection with "mean", ``layerwise`` with "mean" or with top-k at calibration, or a
+        negative alpha that makes post_softmax thresholds
         negative.
     """
     if not text.samples:
@@ -113,6 +147,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {sel!r}")
     if estimator == "mean" and list(selections) != ["head"]:
         raise ValueError("group selection needs the kept-count estimator (estimator='count')")
+    if layerwise and (estimator != "count" or topk_at_calibration):
+        raise ValueError("layer-wise calibration needs the kept-count estimator (estimator='count') and "
+                         "replaces top-k at calibration (give one of them)")
     if estimator == "count" and alpha != 0:
         raise ValueError(f"alpha (--alpha {alpha}) applies to the 'mean' estimator (algorithm 1); the "
                          "'count' estimator targets the mean kept count directly")
@@ -143,7 +180,10 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         extend_to = 8 * max_len if not context else min(8 * max_len, context)
     extend_to = max(int(extend_to), max_len)
     results: dict[tuple[int, str, str], CalibrationResult] = {}
-    passes = [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
+    if layerwise:
+        results = _calibrate_layerwise(model, text, targets, placements, selections, extend_to,
+                                       sdc=sdc_table, vmc=layerwise_vmc, progress=progress, pairs=pairs)
+    passes = [] if layerwise else [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
     for idx in passes:
         if estimator == "count":
             ks = sorted({k for i in idx for k in targets[i] if k != DENSE})
@@ -174,7 +214,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
                         layer_k=list(targets[i]), placement=p, alpha=None, selection=sel,
                         estimator="count", length_model=lm)
 
-    if sdc_table and "pre_softmax" in placements:
+    if sdc_table and "pre_softmax" in placements and not layerwise:
         pre = [key for key in results if key[1] == "pre_softmax"]
         groups = [[key for key in pre if key[0] == i] for i in range(len(targets))] if topk_at_calibration else [pre]
         for grp in groups:
@@ -200,7 +240,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             model_name=model_name or model_display_name(model), attention_config=attention_config_of(cfg),
             alpha=r.alpha, sdc_table=r.sdc_table, calibration_text=text.description,
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
-            topk_at_calibration=topk_at_calibration, selection=r.selection, estimator=r.estimator,
+            topk_at_calibration=topk_at_calibration, layerwise=layerwise, selection=r.selection, estimator=r.estimator,
             length_model=r.length_model, sdc_length_model=r.sdc_length_model,
         )
     return out

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
               f"({', '.join(placements)}) on {text.tokens} tokens of {desc}")
         t1 = time.time()
         sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
-                         topk_at_calibration=args.topk_at_calibration,
+                         topk_at_calibration=args.topk_at_calibration, layerwise=args.layerwise_calibration,
                          sdc_table=not args.no_sdc_table, model_name=lm.name, progress=show_progress(args),
                          estimator=args.estimator, selections=selections, extend_to=args.extend_to)
         for p in placements:

@@ -47,6 +47,11 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
     p.add_argument("--topk-at-calibration", action="store_true",
                    help="keep each row's exact top-k while calibrating, so later layers see "
                         "sparsified activations (one pass per k)")
+    p.add_argument("--layerwise-calibration", action="store_true",
+                   help="calibrate each layer on the activations of the thresholded layers below it (one "
+                        "batched pass per k, placement and selection; VMC and the offline SDC applied while "
+                        "propagating): keeps k~/k near 1 in upper layers, where pre_softmax thresholds "
+                        "calibrated on dense activations drift")
     p.add_argument("--no-sdc-table", action="store_true",
                    help="skip the second pass that computes the offline SDC table (pre_softmax)")
 

@@ -142,6 +142,7 @@ def _run(args) -> int:
             t0 = time.time()
             sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
                              topk_at_calibration=args.topk_at_calibration, sdc_table=need_sdc,
+                             layerwise=args.layerwise_calibration, pairs=wanted,
                              model_name=lm.name, progress=bars, estimator=args.estimator,
                              selections=selections, extend_to=args.extend_to)
             for p in placements:  # one file per (placement, selection): the k's are its threshold sets
@@ -156,6 +157,7 @@ def _run(args) -> int:
                 thresholds[(ks[i], p, sel)] = ts
             calibration = dict(text=text.description, samples=len(samples), tokens=text.tokens,
                                alpha=args.alpha, layer_k=args.layer_k, topk_at_calibration=args.topk_at_calibration,
+                               layerwise=args.layerwise_calibration, pairs=wanted,
                                estimator=args.estimator, seconds=time.time() - t0,
                                files=sorted({ts.path for ts in sets.values()}))
             print(f"calibrated k={ks} ({', '.join(placements)}) on {text.tokens} tokens in "

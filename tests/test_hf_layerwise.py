@@ -1,0 +1,157 @@
+"""Layer-wise calibration (topth_ops.hf.calib_layerwise) on a tiny random Llama, against a
+float64 oracle of the thresholded forward.
+
+Claim under test: each layer's thresholds are calibrated on the activations that layer sees
+at inference, where the layers below are thresholded (with VMC, and the offline SDC for
+pre_softmax). The oracle runs every sample alone through the model with the calibrated file
+and Top-Theta attention, captures each attention layer's input hidden states, and recomputes
+that layer's logits in float64 numpy (tests/test_hf_calibrate.py). On those logits, at every
+row id that is a bucket of its own, the mean kept count must be k in every layer. The
+one-pass calibration (dense activations) misses this in the layers above the first: the
+control that shows the check can fail.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from topth_ops.calib_count import bucket_edges
+from topth_ops.calibration import DENSE
+from topth_ops.hf import TopthSettings
+from topth_ops.hf.calibrate import CalibrationText, calibrate
+
+from .test_hf_calibrate import HKV, HQ, L, LENGTHS, _oracle_logits, model, samples  # noqa: F401 (fixtures)
+
+TARGET = [3, 3, 3]
+EXTEND = 320
+
+
+def _calibrate(model, samples, layerwise, placement, selection):
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    sets = calibrate(model, text, [TARGET], [placement], model_name="tiny", progress=False,
+                     selections=(selection,), extend_to=EXTEND, layerwise=layerwise)
+    return sets[(0, placement, selection)]
+
+
+def _settings(ts):
+    return TopthSettings(mode="topth", thresholds=ts, placement=ts.placement, vmc=True, selection=ts.selection,
+                         sdc="offline" if ts.placement == "pre_softmax" else "none")
+
+
+def _kept_errors(ts, oracle):
+    """Per (layer, head or group, single-row-id bucket n > k): |mean kept - k| / k over the
+    oracle's rows of row id n."""
+    G = HQ // HKV
+    theta = ts.thresholds.numpy().astype(np.float64)
+    edges = bucket_edges(max(LENGTHS), sorted(set(TARGET)))
+    single = [int(edges[i + 1]) for i in range(len(edges) - 1) if edges[i + 1] - edges[i] == 1]
+    errors = {}
+    for layer, k in enumerate(TARGET):
+        for n in single:
+            if n <= k:
+                continue
+            for g in range(theta.shape[1]):
+                kept = []
+                for logits in oracle:
+                    if logits.shape[-1] < n:
+                        continue
+                    a = logits[layer, :, n - 1, :n]
+                    if ts.placement == "post_softmax":
+                        m = a.max(-1, keepdims=True)
+                        a = a - m - np.log(np.exp(a - m).sum(-1, keepdims=True))
+                    x = a[g] if ts.selection == "head" else a[g * G:(g + 1) * G].max(0)
+                    t = theta[layer, g, n - 1]
+                    kept.append((x > (t if ts.placement == "pre_softmax" else np.log(t))).sum())
+                errors[(layer, g, n)] = abs(np.mean(kept) - k) / k
+    return errors
+
+
+@pytest.mark.parametrize("selection", ["head", "group"])
+@pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
+def test_layerwise_thresholds_keep_k_on_the_thresholded_forward(model, samples, placement, selection):  # noqa: F811
+    ts = _calibrate(model, samples, True, placement, selection)
+    assert ts.layerwise and ts.length_model is not None and ts.thresholds.shape[-1] == EXTEND
+    assert (ts.sdc_table is not None) == (placement == "pre_softmax")
+    oracle = [_oracle_logits(model, ids, _settings(ts)) for ids in samples]
+    errors = _kept_errors(ts, oracle)
+    assert len(errors) >= 3 * 10
+    worst = max(errors.values())
+    # one histogram bin of slack, as for the one-pass estimator on dense activations
+    assert worst <= 0.1 + 1e-9, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_one_pass_thresholds_drift_on_the_thresholded_forward(model, samples):  # noqa: F811
+    """Control: thresholds from dense activations do not keep k in the upper layers of the
+    thresholded forward (pre_softmax), so the test above can fail."""
+    ts = _calibrate(model, samples, False, "pre_softmax", "head")
+    oracle = [_oracle_logits(model, ids, _settings(ts)) for ids in samples]
+    errors = _kept_errors(ts, oracle)
+    assert max(e for (layer, _, _), e in errors.items() if layer == 0) <= 0.1 + 1e-9  # same inputs as dense
+    assert max(e for (layer, _, _), e in errors.items() if layer > 0) > 0.1
+
+
+def test_layerwise_applied_tables_are_the_saved_ones(model, samples, tmp_path):  # noqa: F811
+    """What a layer ran with during the pass is what the file holds (thresholds and the
+    offline SDC row), and the flag survives a save and load."""
+    from topth_ops.hf.calib_layerwise import LayerwiseCalibrator, run_layerwise
+    from topth_ops.threshold_file import load_threshold_sets, save_threshold_sets
+
+    layer_k = [DENSE, 6, 2]
+    cal = LayerwiseCalibrator(L, HQ, HKV, [int(s.numel()) for s in samples], layer_k, "pre_softmax", "head",
+                              EXTEND, sdc=True, vmc=True)
+    run_layerwise(model, samples, cal, TopthSettings(mode="dense"))
+    res = cal.result()
+    assert sorted(cal.applied) == [1, 2]
+    for layer, used in cal.applied.items():
+        torch.testing.assert_close(used["thresholds"], res.thresholds[layer], rtol=0, atol=0)
+        torch.testing.assert_close(used["sdc_table"], res.sdc_table[layer], rtol=0, atol=0)
+    assert torch.all(torch.isneginf(res.thresholds[0])) and torch.all(res.sdc_table[0] == 0)
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    ts = calibrate(model, text, [layer_k], ["pre_softmax"], model_name="tiny", progress=False, extend_to=EXTEND,
+                   layerwise=True)[(0, "pre_softmax", "head")]
+    torch.testing.assert_close(ts.thresholds, res.thresholds, rtol=0, atol=0)
+    path = save_threshold_sets(tmp_path / "lw.safetensors", [ts])
+    back = load_threshold_sets(path)[0]
+    assert back.layerwise and "layer-wise" in back.summary()
+    one = calibrate(model, text, [layer_k], ["post_softmax"], model_name="tiny", progress=False)
+    path = save_threshold_sets(tmp_path / "one.safetensors", [one[(0, "post_softmax", "head")]])
+    assert not load_threshold_sets(path)[0].layerwise
+
+
+def test_layerwise_padding_rows_are_not_recorded(model, samples):  # noqa: F811
+    """The shorter sample is right-padded in the batch: its padding rows must not reach the
+    histograms (rows recorded = rows of the samples with n > min k, thinned as usual)."""
+    from topth_ops.hf.calib_layerwise import LayerwiseCalibrator, run_layerwise
+
+    lengths = [int(s.numel()) for s in samples]
+    assert len(set(lengths)) > 1
+    cal = LayerwiseCalibrator(L, HQ, HKV, lengths, TARGET, "post_softmax", "head", EXTEND, sdc=False, vmc=True)
+    run_layerwise(model.model, samples, cal, TopthSettings(mode="dense"))
+    stride = cal.acc.row_stride
+    expect = np.zeros(max(lengths) + 1, dtype=np.int64)
+    for T in lengths:
+        for n in range(min(TARGET) + 1, T + 1):
+            if n % int(stride(torch.tensor([n]))[0]) == 0:
+                expect[n] += 1
+    for layer in range(L):
+        np.testing.assert_array_equal(cal.acc.rows_per_id[layer].numpy(), expect)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(estimator="mean"), "kept-count estimator"),
+    (dict(topk_at_calibration=True), "top-k at calibration"),
+])
+def test_layerwise_bad_combinations(model, samples, kwargs, match):  # noqa: F811
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    with pytest.raises(ValueError, match=match):
+        calibrate(model, text, [TARGET], ["pre_softmax"], progress=False, layerwise=True, **kwargs)
+
+
+def test_layerwise_refuses_a_foreign_batch():
+    from topth_ops.hf.calib_layerwise import LayerwiseCalibrator
+
+    cal = LayerwiseCalibrator(L, HQ, HKV, [8, 8], TARGET, "pre_softmax", "head", 64, sdc=False, vmc=False)
+    q = torch.zeros(3, HQ, 8, 16)
+    kv = torch.zeros(3, HKV, 8, 16)
+    with pytest.raises(ValueError, match="2 samples"):
+        cal.forward(0, q, kv, kv, torch.ones(3, 8, dtype=torch.int64), None, 0.25)
