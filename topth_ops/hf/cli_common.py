@@ -168,6 +168,16 @@ def check_alpha(alpha: float) -> None:
         raise ValueError(f"--alpha must be a finite number, got {alpha!r}")
 
 
+def check_layerwise(args) -> None:
+    """Raise ValueError when ``--layerwise-calibration`` is combined with what it cannot
+    take (before the model loads)."""
+    if getattr(args, "layerwise_calibration", False):
+        if args.estimator != "count":
+            raise ValueError("--layerwise-calibration needs the kept-count estimator (--estimator count)")
+        if args.topk_at_calibration:
+            raise ValueError("--layerwise-calibration replaces --topk-at-calibration: give one of them")
+
+
 def check_context(tokens: int, flag: str, max_context: int) -> None:
     """Raise ValueError when ``tokens`` exceeds the model's context (0: unknown)."""
     if max_context and tokens > max_context:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_backend,
-                         check_context, check_layer_k_syntax, check_output_dir, check_output_file,
+                         check_context, check_layer_k_syntax, check_layerwise, check_output_dir, check_output_file,
                          check_sizes, fail, flat_k, note_short_text, parse_k_list, show_progress)
 
 DEFAULT_KS = "16,32,96"
@@ -77,6 +77,7 @@ def _run(args) -> int:
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
         check_alpha(args.alpha)
+        check_layerwise(args)
         if args.estimator == "count" and args.alpha != 0:
             raise ValueError("--alpha applies to --estimator mean (algorithm 1)")
         if args.estimator == "mean" and any("group" in f for f in args.variants):
@@ -157,7 +158,7 @@ def _run(args) -> int:
                 thresholds[(ks[i], p, sel)] = ts
             calibration = dict(text=text.description, samples=len(samples), tokens=text.tokens,
                                alpha=args.alpha, layer_k=args.layer_k, topk_at_calibration=args.topk_at_calibration,
-                               layerwise=args.layerwise_calibration, pairs=wanted,
+                               layerwise=args.layerwise_calibration,
                                estimator=args.estimator, seconds=time.time() - t0,
                                files=sorted({ts.path for ts in sets.values()}))
             print(f"calibrated k={ks} ({', '.join(placements)}) on {text.tokens} tokens in "
