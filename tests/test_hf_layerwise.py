@@ -140,11 +140,26 @@ def test_layerwise_padding_rows_are_not_recorded(model, samples):  # noqa: F811
 @pytest.mark.parametrize("kwargs, match", [
     (dict(estimator="mean"), "kept-count estimator"),
     (dict(topk_at_calibration=True), "top-k at calibration"),
+    (dict(pairs={("pre", "head")}), r"pairs must .*\('pre', 'head'\)"),
+    (dict(pairs={("pre_softmax", "group")}), r"pairs must .*\('pre_softmax', 'group'\)"),  # not a selection asked for
+    (dict(pairs={("post_softmax", "head")}), "pairs must"),  # not a placement asked for
+    (dict(pairs=set()), "pairs must"),
+    (dict(targets=[[3, -2, 3]]), r"layer-k map values .* got -2"),
+    (dict(targets=[[3, 2.5, 3]]), r"layer-k map values .* got 2.5"),
 ])
 def test_layerwise_bad_combinations(model, samples, kwargs, match):  # noqa: F811
+    """Refused with a ValueError naming the argument, before any forward pass (a pairs
+    set that matches nothing used to return no thresholds at all; a negative k ran)."""
     text = CalibrationText(samples=list(samples), description="random token ids")
-    with pytest.raises(ValueError, match=match):
-        calibrate(model, text, [TARGET], ["pre_softmax"], progress=False, layerwise=True, **kwargs)
+    targets = kwargs.pop("targets", [TARGET])
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            calibrate(model, text, targets, ["pre_softmax"], progress=False, layerwise=True, **kwargs)
+    finally:
+        handle.remove()
+    assert not calls
 
 
 def test_layerwise_refuses_a_foreign_batch():

@@ -12,6 +12,7 @@ final thresholds (:class:`topth_ops.calibration.SdcAccumulator`).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -123,6 +124,8 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         variants do at inference).
     pairs : set of (placement, selection), optional
         With ``layerwise``: calibrate only these pairs (each is its own pass); default all.
+        Each must be in ``placements`` x ``selections`` (the one-pass calibration records
+        every pair anyway).
 
     Returns
     -------
@@ -132,7 +135,8 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     Raises
     ------
     ValueError
-        No samples, a target with k < 1 in a thresholded layer, no calibration row
+        No samples, a target with a k that is not an integer >= 1 (or DENSE), ``pairs``
+        empty or naming a pair outside placements x selections, no calibration row
         longer than some layer's k, a non-finite alpha, alpha != 0 with "count", group
         selection with "mean", ``layerwise`` with "mean" or with top-k at calibration, or a
         negative alpha that makes post_softmax thresholds
@@ -147,6 +151,12 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {sel!r}")
     if estimator == "mean" and list(selections) != ["head"]:
         raise ValueError("group selection needs the kept-count estimator (estimator='count')")
+    if pairs is not None:
+        allowed = [(p, sel) for p in placements for sel in selections]
+        bad = [pair for pair in pairs if tuple(pair) not in allowed]
+        if bad or not pairs:
+            raise ValueError(f"pairs must be a non-empty set of (placement, selection) from {allowed}, got "
+                             f"{sorted(map(tuple, pairs), key=repr)}")
     if layerwise and (estimator != "count" or topk_at_calibration):
         raise ValueError("layer-wise calibration needs the kept-count estimator (estimator='count') and "
                          "replaces top-k at calibration (give one of them)")
@@ -159,6 +169,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     for t in targets:
         if len(t) != L:
             raise ValueError(f"layer-k map must have {L} entries, got {len(t)}")
+        for k in t:
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+                raise ValueError(f"layer-k map values must be integers >= 1 or {DENSE} (dense), got {k!r} in {list(t)}")
         if all(k == DENSE for k in t):
             raise ValueError("every layer is dense in a layer-k map: nothing to calibrate")
     max_len = max(int(s.numel()) for s in text.samples)
