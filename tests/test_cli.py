@@ -102,3 +102,26 @@ def test_demo_prints_error_and_v_rows(capsys):
     assert main(["demo", "--seq-len", "256", "--batch", "2", "--k", "16"]) == 0
     text = capsys.readouterr().out
     assert "V rows read" in text and "rel. L2 error" in text
+
+
+@pytest.mark.parametrize("variants, needle", [
+    (["topth-post-vmc", "topth-post"], "variant topth-post runs post_softmax with sdc=none, vmc=False"),
+    (["topth-pre-vmc", "topth-pre-offline-vmc"], "variant topth-pre-vmc runs pre_softmax with sdc=none, vmc=True"),
+    (["topth-pre-exp-vmc"], "variant topth-pre-exp-vmc runs pre_softmax with sdc=exp_threshold"),
+])
+def test_evaluate_layerwise_refuses_variants_of_another_rule(variants, needle, tmp_path, capsys, monkeypatch):
+    """evaluate --layerwise-calibration calibrates one (placement, selection) pair once,
+    propagating with VMC (and, pre_softmax, the offline SDC when a variant uses it): a
+    variant that runs another rule would get thresholds calibrated on activations it never
+    produces, and which ones would depend on the other variants listed. Refused before the
+    model loads."""
+    import topth_ops.hf.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(topth_ops.hf.model, "load_model", no_model)
+    argv = ["evaluate", "--json", str(tmp_path / "e.json"), "--layerwise-calibration", "--variants", *variants]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

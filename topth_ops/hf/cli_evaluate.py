@@ -61,6 +61,27 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
 
 
+def _check_layerwise_variants(variants, no_sdc_table: bool) -> None:
+    """Raise ValueError for a variant whose inference rule is not the one the layer-wise
+    pass propagates with. The pass runs once per (placement, selection), with VMC and, for
+    pre_softmax, the offline SDC when some variant uses it (and the table is computed):
+    a variant with another rule would get thresholds calibrated on activations it never
+    produces, and which ones would depend on the other variants listed."""
+    from .evaluate import FAMILIES
+
+    offline = not no_sdc_table and any(FAMILIES[f]["sdc"] == "offline" for f in variants)
+    for f in variants:
+        s = FAMILIES[f]
+        if s["mode"] != "topth":
+            continue
+        sdc = "offline" if offline and s["placement"] == "pre_softmax" else "none"
+        if s["vmc"] and s["sdc"] == sdc:
+            continue
+        raise ValueError(f"--layerwise-calibration calibrates each layer under one rule per placement (here "
+                         f"{s['placement']} with sdc={sdc}, vmc=True), but variant {f} runs {s['placement']} "
+                         f"with sdc={s['sdc']}, vmc={s['vmc']}: evaluate it in a separate run")
+
+
 def _run(args) -> int:
     from .evaluate import DEFAULT_FAMILIES
 
@@ -90,6 +111,8 @@ def _run(args) -> int:
     for fam in args.variants:
         if fam not in FAMILIES:
             raise ValueError(f"unknown variant {fam!r}; known: {', '.join(FAMILIES)}")
+    if not args.thresholds and args.layerwise_calibration:
+        _check_layerwise_variants(args.variants, args.no_sdc_table)
     from tqdm.auto import tqdm
 
     from ..calibration import parse_layer_k
