@@ -170,3 +170,16 @@ def test_layerwise_refuses_a_foreign_batch():
     kv = torch.zeros(3, HKV, 8, 16)
     with pytest.raises(ValueError, match="2 samples"):
         cal.forward(0, q, kv, kv, torch.ones(3, 8, dtype=torch.int64), None, 0.25)
+
+
+def test_run_layerwise_refuses_samples_the_calibrator_was_not_built_for(model, samples):  # noqa: F811
+    """Same batch size and longest sample but another order of lengths: the padding rows
+    would be recorded as real rows (and real rows dropped) without this check."""
+    from topth_ops.hf.calib_layerwise import LayerwiseCalibrator, run_layerwise
+
+    lengths = [int(s.numel()) for s in samples]
+    assert lengths != lengths[::-1]
+    cal = LayerwiseCalibrator(L, HQ, HKV, lengths[::-1], TARGET, "post_softmax", "head", EXTEND, sdc=False, vmc=True)
+    with pytest.raises(ValueError, match="sample lengths"):
+        run_layerwise(model, samples, cal, TopthSettings(mode="dense"))
+    assert not cal.applied

@@ -56,6 +56,11 @@ class LayerwiseCalibrator:
     max_chunk_elems : int
         Score chunk bound of :func:`topth_ops.prefill.prefill_attention`.
 
+    Raises
+    ------
+    ValueError
+        ``layer_k`` without one entry per layer, or ``sdc`` with post_softmax.
+
     Notes
     -----
     Row ids follow :func:`topth_ops.hf.cache_view.rows_from_mask` (sliding-window layers:
@@ -181,8 +186,32 @@ class LayerwiseCalibrator:
 
 def run_layerwise(model, samples: Sequence[torch.Tensor], calibrator: LayerwiseCalibrator, settings) -> None:
     """Run the samples as one right-padded batch through the decoder with ``calibrator``
-    in charge of every attention layer (no LM head: only the layers are needed)."""
+    in charge of every attention layer (no LM head: only the layers are needed).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM (its ``base_model`` runs) or its decoder.
+    samples : sequence of torch.Tensor
+        1-D int64 token ids, the samples ``calibrator`` was built for (same order and
+        lengths); padded with id 0 and masked out.
+    calibrator : LayerwiseCalibrator
+        Updated in place; read the thresholds with :meth:`LayerwiseCalibrator.result`.
+    settings : TopthSettings
+        Settings of :func:`topth_ops.hf.enable` (``mode="dense"``: the calibrator takes
+        over every layer anyway).
+
+    Raises
+    ------
+    ValueError
+        Sample lengths other than the calibrator's (the padding rows would be recorded).
+    """
     from .attention import disable, enable
+
+    lengths = [int(s.numel()) for s in samples]
+    if lengths != calibrator.lengths.tolist():
+        raise ValueError(f"the calibrator was built for sample lengths {calibrator.lengths.tolist()}, got "
+                         f"{lengths}")
 
     dev = next(model.parameters()).device
     T = max(int(s.numel()) for s in samples)

@@ -49,8 +49,9 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
                         "sparsified activations (one pass per k)")
     p.add_argument("--layerwise-calibration", action="store_true",
                    help="calibrate each layer on the activations of the thresholded layers below it (one "
-                        "batched pass per k, placement and selection; VMC and the offline SDC applied while "
-                        "propagating): keeps k~/k near 1 in upper layers, where pre_softmax thresholds "
+                        "batched pass per k, placement and selection; VMC, and for pre_softmax the offline SDC "
+                        "unless --no-sdc-table, applied while propagating, so the thresholds fit inference with "
+                        "that rule): keeps k~/k near 1 in upper layers, where pre_softmax thresholds "
                         "calibrated on dense activations drift")
     p.add_argument("--no-sdc-table", action="store_true",
                    help="skip the second pass that computes the offline SDC table (pre_softmax)")
