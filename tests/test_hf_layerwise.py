@@ -183,3 +183,62 @@ def test_run_layerwise_refuses_samples_the_calibrator_was_not_built_for(model, s
     with pytest.raises(ValueError, match="sample lengths"):
         run_layerwise(model, samples, cal, TopthSettings(mode="dense"))
     assert not cal.applied
+
+
+@pytest.mark.parametrize("placement, selection", [("pre_softmax", "head"), ("post_softmax", "group")])
+def test_layerwise_batch_matches_each_sample_at_inference_sliding_window(placement, selection):
+    """Gemma 3 (sliding-window layers, 4 query / 1 KV head), samples of different lengths,
+    the last one short: each layer's attention output in the padded batch of the pass
+    equals, on every real row, what that sample alone produces at inference with the
+    calibrated thresholds (VMC; offline SDC for pre_softmax). So padding and the window's
+    row ids do not leak into the activations the upper layers are calibrated on."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from topth_ops.hf import disable, enable
+    from topth_ops.hf.calib_layerwise import LayerwiseCalibrator, run_layerwise
+    from topth_ops.threshold_file import ThresholdSet, attention_config_of
+
+    torch.manual_seed(1)
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=12,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           max_position_embeddings=256, query_pre_attn_scalar=16, attn_implementation="sdpa")
+    gemma = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in gemma.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    g = torch.Generator().manual_seed(5)
+    lengths = [48, 40, 20]
+    samples = [torch.randint(0, 96, (n,), generator=g) for n in lengths]
+
+    def run_captured(fn):
+        outs, hs = {}, []
+        for i, layer in enumerate(gemma.model.layers):
+            hs.append(layer.self_attn.o_proj.register_forward_pre_hook(
+                lambda mod, args, i=i: outs.__setitem__(i, args[0].detach().clone())))
+        try:
+            fn()
+        finally:
+            for h in hs:
+                h.remove()
+        return outs
+
+    cal = LayerwiseCalibrator(3, 4, 1, lengths, [3, 3, 3], placement, selection, 256,
+                              sdc=placement == "pre_softmax", vmc=True)
+    batch = run_captured(lambda: run_layerwise(gemma, samples, cal, TopthSettings(mode="dense")))
+    res = cal.result()
+    ts = ThresholdSet(thresholds=res.thresholds, counts=res.counts, layer_k=res.layer_k, placement=placement,
+                      model_name="tiny-gemma", attention_config=attention_config_of(cfg), alpha=None,
+                      sdc_table=res.sdc_table, selection=selection, estimator="count", length_model=res.length_model,
+                      sdc_length_model=res.sdc_length_model)
+    enable(gemma, _settings(ts))
+    try:
+        for b, s in enumerate(samples):
+            with torch.inference_mode():
+                alone = run_captured(lambda: gemma(input_ids=s.view(1, -1), use_cache=False))
+            for layer in range(3):
+                torch.testing.assert_close(batch[layer][b, :len(s)], alone[layer][0], rtol=1e-5, atol=1e-5)
+                assert torch.all(batch[layer][b, len(s):] == 0)  # padding rows: nothing attended
+    finally:
+        disable(gemma)
