@@ -43,6 +43,27 @@ def test_round_trip_keeps_tensors_and_metadata(tmp_path):
     assert back.max_calibrated_row_id == int(torch.nonzero(ts.counts.sum((0, 1))).max()) + 1
 
 
+def test_layerwise_flag_round_trip_and_absent_in_older_files(tmp_path):
+    """``layerwise`` survives a save and load; a set entry without the key (files written
+    before layer-wise calibration) loads as False."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    ts = dataclasses.replace(_set(), topk_at_calibration=False, layerwise=True)
+    path = ts.save(tmp_path / "lw.safetensors")
+    back = load_thresholds(path)
+    assert back.layerwise is True and "layer-wise" in back.summary()
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    sets = json.loads(meta["sets"])
+    assert sets[0].pop("layerwise") is True
+    _resave(tmp_path / "old.safetensors", tensors, dict(meta, sets=json.dumps(sets)))
+    old = load_thresholds(tmp_path / "old.safetensors")
+    assert old.layerwise is False and "layer-wise" not in old.summary()
+
+
 def test_post_softmax_round_trip_without_sdc(tmp_path):
     ts = _set("post_softmax", sdc=False)
     back = load_thresholds(ts.save(tmp_path / "p.safetensors"))
