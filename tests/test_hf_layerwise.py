@@ -113,6 +113,7 @@ def test_layerwise_applied_tables_are_the_saved_ones(model, samples, tmp_path): 
     path = save_threshold_sets(tmp_path / "lw.safetensors", [ts])
     back = load_threshold_sets(path)[0]
     assert back.layerwise and "layer-wise" in back.summary()
+    assert back.layerwise_rule == {"sdc": "offline", "vmc": True} and "sdc=offline, vmc=True" in back.summary()
     one = calibrate(model, text, [layer_k], ["post_softmax"], model_name="tiny", progress=False)
     path = save_threshold_sets(tmp_path / "one.safetensors", [one[(0, "post_softmax", "head")]])
     assert not load_threshold_sets(path)[0].layerwise
@@ -242,3 +243,40 @@ def test_layerwise_batch_matches_each_sample_at_inference_sliding_window(placeme
                 assert torch.all(batch[layer][b, len(s):] == 0)  # padding rows: nothing attended
     finally:
         disable(gemma)
+
+
+def test_layerwise_rule_is_recorded_and_a_mismatch_warns(model, samples, tmp_path):  # noqa: F811
+    """The file records the compensation its layers were calibrated under; running it with
+    another one warns (naming the file), running it as calibrated does not."""
+    import warnings
+
+    from topth_ops.hf import disable, enable
+    from topth_ops.threshold_file import ThresholdFileError, load_threshold_sets, save_threshold_sets
+
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    sets = calibrate(model, text, [TARGET], ["pre_softmax", "post_softmax"], model_name="tiny", progress=False,
+                     layerwise=True, layerwise_vmc=False, sdc_table=False)
+    pre, post = sets[(0, "pre_softmax", "head")], sets[(0, "post_softmax", "head")]
+    assert pre.layerwise_rule == {"sdc": "none", "vmc": False} == post.layerwise_rule and pre.sdc_table is None
+    path = save_threshold_sets(tmp_path / "post.safetensors", [post])
+    post = load_threshold_sets(path)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enable(model, TopthSettings(mode="topth", thresholds=post, vmc=False))
+    with pytest.warns(UserWarning, match=r"post\.safetensors.*calibrated layer-wise with sdc=none, vmc=False"):
+        enable(model, TopthSettings(mode="topth", thresholds=post, vmc=True))
+    disable(model)
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    entries = json.loads(meta["sets"])
+    entries[0]["layerwise_rule"] = {"sdc": 1}
+    meta["sets"] = json.dumps(entries)
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(ThresholdFileError, match="bad.safetensors.*layerwise_rule"):
+        load_threshold_sets(tmp_path / "bad.safetensors")

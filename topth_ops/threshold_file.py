@@ -27,7 +27,8 @@ Metadata: ``format`` = "topth-thresholds", ``format_version`` = "2", ``model_nam
 ``num_sets``, ``sets`` (JSON list, one object per set: ``layer_k`` (0 = dense layer),
 ``alpha``, ``estimator`` ("mean" = algorithm 1, "count" = kept-count), ``extend_to``,
 ``length_domain``, ``length_feature``, ``sdc_length_domain``, ``topk_at_calibration``, ``layerwise`` (each
-layer calibrated on the thresholded layers below; absent = false), ``calibration_text``,
+layer calibrated on the thresholded layers below; absent = false), ``layerwise_rule`` (with
+``layerwise``: the ``{"sdc", "vmc"}`` the layers below ran with; absent = unknown), ``calibration_text``,
 ``calibration_samples``, ``calibration_tokens``, ``source``), ``created_by``.
 
 Format version 1 (still read)
@@ -103,6 +104,9 @@ class ThresholdSet:
         theta (SDC table) as a function of the row id beyond the calibrated row ids.
     calibration_text, calibration_samples, calibration_tokens, topk_at_calibration, layerwise,
     source : metadata describing how the set was made.
+    layerwise_rule : dict or None
+        With ``layerwise``: ``{"sdc": str, "vmc": bool}``, the compensation the layers below
+        ran with during calibration (the inference rule the thresholds fit).
     path, set_index : where it was loaded from / saved to.
     """
 
@@ -119,6 +123,7 @@ class ThresholdSet:
     calibration_tokens: int = 0
     topk_at_calibration: bool = False
     layerwise: bool = False
+    layerwise_rule: Optional[dict] = None
     source: str = "calibrate"
     selection: str = "head"
     estimator: str = "mean"
@@ -164,6 +169,25 @@ class ThresholdSet:
         """The k of the thresholded layers (the most common non-dense value)."""
         return base_k(self.layer_k)
 
+    def rule_text(self) -> str:
+        """``"sdc=..., vmc=..."`` of ``layerwise_rule`` ("rule unknown" without one)."""
+        r = self.layerwise_rule
+        return f"sdc={r.get('sdc')}, vmc={r.get('vmc')}" if r else "rule unknown"
+
+    def check_rule(self, sdc: str, vmc: bool) -> None:
+        """Warn (UserWarning) when a layer-wise set runs with another compensation than the
+        one it was calibrated with: its upper layers then see other activations and keep
+        another count than k."""
+        r = self.layerwise_rule
+        if not (self.layerwise and r):
+            return
+        if (r.get("sdc"), bool(r.get("vmc"))) != (sdc, bool(vmc)):
+            import warnings
+
+            warnings.warn(f"{self.name()} was calibrated layer-wise with {self.rule_text()}, but runs with "
+                          f"sdc={sdc}, vmc={vmc}: its upper layers' kept counts will differ from k (calibrate "
+                          "again with the rule you run, or drop --layerwise-calibration)", UserWarning, stacklevel=3)
+
     def name(self) -> str:
         """How messages refer to this set: ``"thresholds file (PATH)"`` (with ``set i``
         when the file holds several), or ``"thresholds file"`` when it was neither loaded
@@ -179,7 +203,7 @@ class ThresholdSet:
                 f"[{format_layer_k(self.layer_k)}], estimator={self.estimator}, alpha={self.alpha}, "
                 f"calibrated row ids={self.calibrated_row_ids}{ext}, "
                 f"sdc_table={'yes' if self.sdc_table is not None else 'no'}, "
-                + ("calibrated layer-wise, " if self.layerwise else "")
+                + (f"calibrated layer-wise ({self.rule_text()}), " if self.layerwise else "")
                 + f"calibration: {self.calibration_text}"
                 + (f" ({self.calibration_samples} sample{'s' if self.calibration_samples != 1 else ''}, "
                    f"{self.calibration_tokens} tokens)" if self.calibration_samples else ""))
@@ -244,6 +268,7 @@ class ThresholdSet:
             "sdc_length_domain": self.sdc_length_model.domain if self.sdc_length_model is not None else None,
             "topk_at_calibration": bool(self.topk_at_calibration),
             "layerwise": bool(self.layerwise),
+            "layerwise_rule": dict(self.layerwise_rule) if self.layerwise_rule else None,
             "calibration_text": self.calibration_text,
             "calibration_samples": int(self.calibration_samples),
             "calibration_tokens": int(self.calibration_tokens),

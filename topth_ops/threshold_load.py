@@ -157,7 +157,8 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
                 calibration_samples=int(e.get("calibration_samples", 0)),
                 calibration_tokens=int(e.get("calibration_tokens", 0)),
                 topk_at_calibration=bool(e.get("topk_at_calibration", False)),
-                layerwise=bool(e.get("layerwise", False)), source=str(e.get("source", "")),
+                layerwise=bool(e.get("layerwise", False)), layerwise_rule=_rule(e.get("layerwise_rule"), w),
+                source=str(e.get("source", "")),
                 selection=selection, estimator=e["estimator"], length_model=lm, sdc_length_model=sm,
                 path=str(path), set_index=i)
         except (TypeError, ValueError) as ex:
@@ -233,3 +234,11 @@ def pick_set(sets: Sequence[ThresholdSet], index: Optional[int], path: str) -> T
     return sets[index]
 
 
+def _rule(value, where: str):
+    """A set's ``layerwise_rule`` entry: None, or ``{"sdc": str, "vmc": bool}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("sdc"), str) or not isinstance(value.get("vmc"), bool):
+        raise ThresholdFileError(f"{where}: malformed metadata: layerwise_rule must be "
+                                 f'{{"sdc": str, "vmc": bool}}, got {value!r}')
+    return {"sdc": value["sdc"], "vmc": value["vmc"]}

@@ -83,6 +83,7 @@ class TopthAttention:
             for ts in settings.sets:
                 ts.check_model(cfg, name or type(model).__name__, placement=settings.placement,
                                selection=settings.selection, compare_name=name is not None)
+                ts.check_rule(settings.sdc, settings.vmc)
         self.settings = settings.resolved(self.num_layers)
         self.prefill_stats = prefill_stats
         self.decode_stats = decode_stats

@@ -253,7 +253,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             model_name=model_name or model_display_name(model), attention_config=attention_config_of(cfg),
             alpha=r.alpha, sdc_table=r.sdc_table, calibration_text=text.description,
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
-            topk_at_calibration=topk_at_calibration, layerwise=layerwise, selection=r.selection, estimator=r.estimator,
+            topk_at_calibration=topk_at_calibration, layerwise=layerwise, selection=r.selection,
+            layerwise_rule=(dict(sdc="offline" if (sdc_table and key[1] == "pre_softmax") else "none",
+                                 vmc=bool(layerwise_vmc)) if layerwise else None), estimator=r.estimator,
             length_model=r.length_model, sdc_length_model=r.sdc_length_model,
         )
     return out
