@@ -125,3 +125,25 @@ def test_evaluate_layerwise_refuses_variants_of_another_rule(variants, needle, t
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys, monkeypatch):
+    """--layerwise-calibration with evaluate --thresholds or calibrate --import-reference
+    would be silently ignored: both are refused before the model (or config) loads."""
+    import topth_ops.hf.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(topth_ops.hf.model, "load_model", no_model)
+    monkeypatch.setattr(topth_ops.hf.model, "load_config", no_model)
+    (tmp_path / "th.txt").write_text("1 2 3\n")
+    for argv, needle in (
+        (["evaluate", "--thresholds", str(tmp_path / "x.safetensors"), "--json", str(tmp_path / "e.json"),
+          "--layerwise-calibration"], "--layerwise-calibration applies when evaluate calibrates"),
+        (["calibrate", "--import-reference", str(tmp_path / "th.txt"), "--placement", "post_softmax",
+          "--out", str(tmp_path / "o.safetensors"), "--layerwise-calibration"], "--import-reference only converts"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err

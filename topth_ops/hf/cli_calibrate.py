@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.import_reference:
+            if args.layerwise_calibration:
+                raise ValueError("--layerwise-calibration calibrates; --import-reference only converts a file")
             return _import(args)
         if args.k is None:
             raise ValueError("--k is required (unless --import-reference)")
@@ -90,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         note_short_text(samples, args.samples, args.max_tokens)
         text = CalibrationText(samples, f"{desc}; samples of <= {args.max_tokens} tokens")
         print(f"model {lm.name} loaded in {time.time() - t0:.1f} s; calibrating k={ks} "
-              f"({', '.join(placements)}) on {text.tokens} tokens of {desc}")
+              f"({', '.join(placements)}{', layer-wise' if args.layerwise_calibration else ''}) on "
+              f"{text.tokens} tokens of {desc}")
         t1 = time.time()
         sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
                          topk_at_calibration=args.topk_at_calibration, layerwise=args.layerwise_calibration,

@@ -95,6 +95,9 @@ def _run(args) -> int:
     check_output_file(args.json, "--json")
     if args.plots is not None:
         check_output_dir(args.plots, "--plots")
+    if args.thresholds and args.layerwise_calibration:
+        raise ValueError("--layerwise-calibration applies when evaluate calibrates; with --thresholds the files "
+                         "are used as they are (their summary says whether they were calibrated layer-wise)")
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
         check_alpha(args.alpha)
@@ -184,7 +187,8 @@ def _run(args) -> int:
                                layerwise=args.layerwise_calibration,
                                estimator=args.estimator, seconds=time.time() - t0,
                                files=sorted({ts.path for ts in sets.values()}))
-            print(f"calibrated k={ks} ({', '.join(placements)}) on {text.tokens} tokens in "
+            how = ", ".join(placements) + (", layer-wise" if args.layerwise_calibration else "")
+            print(f"calibrated k={ks} ({how}) on {text.tokens} tokens in "
                   f"{calibration['seconds']:.0f} s; files in {tdir}")
         variants = make_variants(args.variants, ks, thresholds, lambda k: parse_layer_k(args.layer_k, k, L))
 
