@@ -214,9 +214,8 @@ def run_layerwise(model, samples: Sequence[torch.Tensor], calibrator: LayerwiseC
                          f"{lengths}")
 
     dev = next(model.parameters()).device
-    T = max(int(s.numel()) for s in samples)
-    pad = 0
-    ids = torch.full((len(samples), T), pad, dtype=torch.int64)
+    T = max(lengths)
+    ids = torch.zeros((len(samples), T), dtype=torch.int64)  # padding id 0, masked out
     mask = torch.zeros((len(samples), T), dtype=torch.int64)
     for i, s in enumerate(samples):
         ids[i, :s.numel()] = s

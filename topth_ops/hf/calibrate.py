@@ -52,22 +52,26 @@ def _run(model, samples, settings: TopthSettings, hook, desc: str, progress: boo
 ESTIMATORS = ("count", "mean")
 
 
-def _calibrate_layerwise(model, text, targets, placements, selections, extend_to, *, sdc, vmc, progress,
+def _layerwise_rule(placement: str, sdc_table: bool, vmc: bool) -> dict:
+    """The compensation a layer-wise pass propagates with (and its file records)."""
+    return dict(sdc="offline" if (sdc_table and placement == "pre_softmax") else "none", vmc=bool(vmc))
+
+
+def _calibrate_layerwise(model, text, targets, placements, selections, extend_to, shape, *, sdc, vmc, progress,
                          pairs=None) -> dict:
     from tqdm.auto import tqdm
 
     from .calib_layerwise import LayerwiseCalibrator, run_layerwise
 
-    cfg = model.config
-    L, Hq = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
-    Hkv = int(getattr(cfg, "num_key_value_heads", None) or Hq)
+    L, Hq, Hkv = shape
     lengths = [int(s.numel()) for s in text.samples]
     jobs = [(i, p, s) for i in range(len(targets)) for p in placements for s in selections
             if pairs is None or (p, s) in pairs]
     out = {}
     for i, p, s in tqdm(jobs, desc="calibrate layer-wise", unit="pass", disable=not progress):
+        rule = _layerwise_rule(p, sdc, vmc)
         cal = LayerwiseCalibrator(L, Hq, Hkv, lengths, list(targets[i]), p, s, extend_to,
-                                  sdc=sdc and p == "pre_softmax", vmc=vmc)
+                                  sdc=rule["sdc"] == "offline", vmc=rule["vmc"])
         run_layerwise(model, text.samples, cal, TopthSettings(mode="dense"))
         out[(i, p, s)] = cal.result()
     return out
@@ -194,7 +198,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     extend_to = max(int(extend_to), max_len)
     results: dict[tuple[int, str, str], CalibrationResult] = {}
     if layerwise:
-        results = _calibrate_layerwise(model, text, targets, placements, selections, extend_to,
+        results = _calibrate_layerwise(model, text, targets, placements, selections, extend_to, (L, Hq, Hkv),
                                        sdc=sdc_table, vmc=layerwise_vmc, progress=progress, pairs=pairs)
     passes = [] if layerwise else [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
     for idx in passes:
@@ -254,8 +258,8 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             alpha=r.alpha, sdc_table=r.sdc_table, calibration_text=text.description,
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
             topk_at_calibration=topk_at_calibration, layerwise=layerwise, selection=r.selection,
-            layerwise_rule=(dict(sdc="offline" if (sdc_table and key[1] == "pre_softmax") else "none",
-                                 vmc=bool(layerwise_vmc)) if layerwise else None), estimator=r.estimator,
+            layerwise_rule=_layerwise_rule(key[1], sdc_table, layerwise_vmc) if layerwise else None,
+            estimator=r.estimator,
             length_model=r.length_model, sdc_length_model=r.sdc_length_model,
         )
     return out
