@@ -128,8 +128,8 @@ def test_evaluate_layerwise_refuses_variants_of_another_rule(variants, needle, t
 
 
 def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys, monkeypatch):
-    """--layerwise-calibration with evaluate --thresholds or calibrate --import-reference
-    would be silently ignored: both are refused before the model (or config) loads."""
+    """--layerwise-calibration (or --calib-align / --align) with evaluate --thresholds or
+    calibrate --import-reference would be silently ignored: both are refused before the model (or config) loads."""
     import topth_ops.hf.model
 
     def no_model(*args, **kwargs):
@@ -143,6 +143,10 @@ def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys,
           "--layerwise-calibration"], "--layerwise-calibration applies when evaluate calibrates"),
         (["calibrate", "--import-reference", str(tmp_path / "th.txt"), "--placement", "post_softmax",
           "--out", str(tmp_path / "o.safetensors"), "--layerwise-calibration"], "--import-reference only converts"),
+        (["evaluate", "--thresholds", str(tmp_path / "x.safetensors"), "--json", str(tmp_path / "e.json"),
+          "--calib-align", "document"], "--calib-align applies when evaluate calibrates"),
+        (["calibrate", "--import-reference", str(tmp_path / "th.txt"), "--placement", "post_softmax",
+          "--out", str(tmp_path / "o.safetensors"), "--align", "document"], "--align chooses calibration samples"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err

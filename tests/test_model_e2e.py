@@ -229,22 +229,24 @@ def test_calibrate_writes_threshold_sets_per_placement_and_selection(tmp_path, c
 
 def test_layerwise_calibration_through_evaluate_and_calibrate(tmp_path, capsys):
     """--layerwise-calibration: evaluate calibrates only the (placement, selection) pairs
-    its variants use, records the flag in the JSON and the files; calibrate refuses it
+    its variants use, records the flag (and --calib-align document) in the JSON and the files; calibrate refuses it
     with the mean estimator (named in the message) before loading the model."""
     from topth_ops.threshold_file import load_threshold_sets
 
     assert main(["evaluate", "--k", "16", "--variants", "topth-pre-offline-vmc", "--problems", "2",
                  "--agreement-problems", "1", "--agreement-tokens", "2", "--long-docs", "0", "--calib-samples", "2",
                  "--calib-max-tokens", "96", "--layer-k", "0:dense,1:dense", "--layerwise-calibration",
+                 "--calib-align", "document",
                  "--json", str(tmp_path / "e.json"), "--thresholds-dir", str(tmp_path / "th"), "--quiet"]) == 0
     res = json.loads((tmp_path / "e.json").read_text())
     assert res["calibration"]["layerwise"] is True
+    assert res["calibration"]["text"].endswith("each from a document start")
     (rec,) = res["records"]
     assert rec["variant"] == "topth-pre-offline-vmc" and rec["ppl"] > 1 and 0 < rec["v_rows_frac"] < 1
     files = sorted((tmp_path / "th").glob("*.safetensors"))
     assert [f.name.split("Q4_1_")[1] for f in files] == ["pre_softmax_head.safetensors"]
     (ts,) = load_threshold_sets(files[0])
-    assert ts.layerwise and ts.sdc_table is not None
+    assert ts.layerwise and ts.sdc_table is not None and "document start" in ts.calibration_text
     capsys.readouterr()
     assert main(["calibrate", "--k", "16", "--estimator", "mean", "--layerwise-calibration", "--out",
                  str(tmp_path / "x.safetensors"), "--quiet"]) == 2

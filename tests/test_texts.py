@@ -67,6 +67,24 @@ def test_token_samples_cut_windows_in_order():
         token_samples(tok, ["abc"], samples=1, max_tokens=1)
 
 
+def test_document_aligned_samples_start_at_document_starts():
+    tok = CharTokenizer()
+    docs = ["A" * 50, "b" * 8, "C" * 30, "d" * 5, "E" * 12]
+    out = token_samples(tok, docs, samples=10, max_tokens=20, align="document")
+    text = ["".join(chr(int(i)) for i in s) for s in out]
+    # each window starts where a document starts (the first document not reached before);
+    # a short document runs on into the next ones (joined by a blank line); the last window
+    # is kept only with >= 16 tokens
+    assert text == ["A" * 20, "b" * 8 + "\n\n" + "C" * 10, "d" * 5 + "\n\n" + "E" * 12]
+    # the stream cut of the same text starts its second window inside the first document
+    assert "".join(chr(int(i)) for i in token_samples(tok, docs, 2, 20)[1]) == "A" * 20
+    assert len(token_samples(tok, docs, samples=1, max_tokens=20, align="document")) == 1
+    with pytest.raises(ValueError, match="align"):
+        token_samples(tok, docs, samples=1, max_tokens=20, align="documents")
+    with pytest.raises(ValueError, match="no tokens"):
+        token_samples(tok, ["", ""], samples=1, max_tokens=20, align="document")
+
+
 def test_stdlib_exclude_bad_input_is_an_error_not_a_silent_no_op():
     import sysconfig
     from pathlib import Path

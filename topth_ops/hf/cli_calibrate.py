@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         if args.import_reference:
             if args.layerwise_calibration:
                 raise ValueError("--layerwise-calibration calibrates; --import-reference only converts a file")
+            if args.align != "stream":
+                raise ValueError("--align chooses calibration samples; --import-reference only converts a file")
             return _import(args)
         if args.k is None:
             raise ValueError("--k is required (unless --import-reference)")
@@ -88,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
         check_context(args.max_tokens, "--max-tokens", lm.max_context)
         L = int(lm.config.num_hidden_layers)
         targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
-        samples = token_samples(lm.tokenizer, docs, args.samples, args.max_tokens)
+        samples = token_samples(lm.tokenizer, docs, args.samples, args.max_tokens, align=args.align)
         note_short_text(samples, args.samples, args.max_tokens)
-        text = CalibrationText(samples, f"{desc}; samples of <= {args.max_tokens} tokens")
+        text = CalibrationText(samples, f"{desc}; samples of <= {args.max_tokens} tokens"
+                               + ("" if args.align == "stream" else ", each from a document start"))
         print(f"model {lm.name} loaded in {time.time() - t0:.1f} s; calibrating k={ks} "
               f"({', '.join(placements)}{', layer-wise' if args.layerwise_calibration else ''}) on "
               f"{text.tokens} tokens of {desc}")

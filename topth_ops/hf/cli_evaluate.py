@@ -98,6 +98,8 @@ def _run(args) -> int:
     if args.thresholds and args.layerwise_calibration:
         raise ValueError("--layerwise-calibration applies when evaluate calibrates; with --thresholds the files "
                          "are used as they are (their summary says whether they were calibrated layer-wise)")
+    if args.thresholds and args.calib_align != "stream":
+        raise ValueError("--calib-align applies when evaluate calibrates; with --thresholds nothing is calibrated")
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
         check_alpha(args.alpha)
@@ -161,9 +163,11 @@ def _run(args) -> int:
             from .texts import calibration_documents, token_samples
 
             docs, desc = calibration_documents(args.calib_text, exclude=[name for name, _ in long_docs])
-            samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens)
+            samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens,
+                                    align=args.calib_align)
             note_short_text(samples, args.calib_samples, args.calib_max_tokens)
-            text = CalibrationText(samples, f"{desc}; samples of <= {args.calib_max_tokens} tokens")
+            text = CalibrationText(samples, f"{desc}; samples of <= {args.calib_max_tokens} tokens"
+                                   + ("" if args.calib_align == "stream" else ", each from a document start"))
             targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
             need_sdc = any(FAMILIES[f]["sdc"] == "offline" for f in args.variants) and not args.no_sdc_table
             t0 = time.time()
