@@ -48,6 +48,8 @@ def test_evaluate_writes_records_table_and_plots(evaluated, capsys):
         assert 0 < r["v_rows_frac"] < 1 and 0 < r["attn_kept_frac"] <= r["v_rows_frac"]
         assert 0 <= r["token_agreement"] <= 1 and r["agreement_tokens"] == 4
         assert r["k_tilde_over_k_by_bucket"]
+        for b in r["k_tilde_over_k_by_bucket"].values():  # no long documents: HumanEval is every row
+            assert b["by_text"] == {"humaneval": dict(k_tilde_over_k=b["k_tilde_over_k"], rows=b["rows"])}
     topk = recs[2]
     assert topk["k_tilde_over_k"] == pytest.approx(1.0, abs=1e-3)  # exact top-k keeps k (ties aside)
     group, head = recs[3], recs[0]

@@ -300,13 +300,17 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
     layer_k = ctl.settings.layer_k
     sparse_layers = [i for i, k in enumerate(layer_k) if k == variant.k]
     allrows = _merge(he, dec, long)
+    by_text = {"humaneval": _merge(he, dec), "long_documents": long}
     calib_max = variant.thresholds.max_calibrated_row_id if variant.thresholds is not None else None
     buckets = {}
     for lo, hi in bucket_edges(allrows.R):
         r, rows = allrows.k_tilde_over_k(layer_k, lo, hi)
         if rows:
+            parts = {name: c.k_tilde_over_k(layer_k, lo, hi) for name, c in by_text.items()}
             buckets[f"({lo},{hi}]"] = dict(lo=lo, hi=hi, k_tilde_over_k=r, rows=rows,
-                                           beyond_calibration=bool(calib_max is not None and hi > calib_max))
+                                           beyond_calibration=bool(calib_max is not None and hi > calib_max),
+                                           by_text={name: dict(k_tilde_over_k=v, rows=n)
+                                                    for name, (v, n) in parts.items() if n})
     ktk, _ = allrows.k_tilde_over_k(layer_k)
     s = variant.spec
     rec = dict(
