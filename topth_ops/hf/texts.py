@@ -238,6 +238,8 @@ def _document_windows(tokenizer, docs, samples: int, per: int, bos: list, sep: l
         while i < len(docs) and len(chunk) < per:
             if chunk:
                 chunk.extend(sep)
+                if len(chunk) >= per:  # full within the blank line: docs[i] starts the next window
+                    break
             chunk.extend(tokenizer(docs[i], add_special_tokens=False).input_ids)
             i += 1
         chunk = chunk[:per]
