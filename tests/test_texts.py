@@ -85,6 +85,16 @@ def test_document_aligned_samples_start_at_document_starts():
         token_samples(tok, ["", ""], samples=1, max_tokens=20, align="document")
 
 
+@pytest.mark.parametrize("n", [18, 19])
+def test_document_aligned_window_full_within_the_separator_skips_no_document(n):
+    """A window that fills inside the blank line after a document has not reached the
+    next document: that document starts the next window instead of being dropped."""
+    tok = CharTokenizer()
+    out = token_samples(tok, ["a" * n, "B" * 30, "c" * 20], samples=3, max_tokens=20, align="document")
+    text = ["".join(chr(int(i)) for i in s) for s in out]
+    assert text == [("a" * n + "\n\n")[:20], "B" * 20, "c" * 20]
+
+
 def test_stdlib_exclude_bad_input_is_an_error_not_a_silent_no_op():
     import sysconfig
     from pathlib import Path

@@ -173,7 +173,10 @@ def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int,
     Parameters
     ----------
     tokenizer : transformers tokenizer
+        Called as ``tokenizer(text, add_special_tokens=False).input_ids``; its BOS (see
+        :func:`bos_ids`) starts every window.
     docs : sequence of str
+        Documents, tokenized one by one and joined by the tokens of a blank line.
     samples : int
         Number of windows (>= 1).
     max_tokens : int
@@ -183,7 +186,8 @@ def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int,
         BOS) usually starts inside a document. "document": every window starts at the
         start of a document (and runs on into the next ones when that document is
         shorter); the next window starts at the first document the previous one did not
-        reach. Then row id n of a sample sits n tokens into a text, as it does at
+        reach (a window that fills inside the blank line after a document has not reached
+        the next one), so the rest of a document longer than a window is not used. Then row id n of a sample sits n tokens into a text, as it does at
         inference, where a prompt starts a text; calibrating the short row ids on
         mid-document windows made SmolLM2's pre-softmax thresholds keep 1.16 x k on
         HumanEval prompts (1.10 with document starts; docs/model.md).
@@ -238,6 +242,8 @@ def _document_windows(tokenizer, docs, samples: int, per: int, bos: list, sep: l
         while i < len(docs) and len(chunk) < per:
             if chunk:
                 chunk.extend(sep)
+                if len(chunk) >= per:  # full within the blank line: docs[i] starts the next window
+                    break
             chunk.extend(tokenizer(docs[i], add_special_tokens=False).input_ids)
             i += 1
         chunk = chunk[:per]
