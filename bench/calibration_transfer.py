@@ -3,7 +3,7 @@
 
 Calibrates one layer-wise threshold set (k, placement, per-head selection; offline SDC and
 VMC for pre_softmax, VMC for post_softmax) on ``python-stdlib`` without the evaluation's two
-long documents, then counts k~/k (kept / k, per head, thresholded layers, prefill rows)
+long documents (``evaluate``'s defaults), then counts k~/k (kept / k, per head, thresholded layers, prefill rows)
 on: the calibration samples, held-out standard-library text (stream windows and, with
 ``--align document``, document starts) and HumanEval prompts + canonical solutions.
 
@@ -65,13 +65,14 @@ def main(argv=None) -> None:
 
     from topth_ops.hf.calibrate import CalibrationText, calibrate
     from topth_ops.hf.model import load_model
-    from topth_ops.hf.texts import calibration_documents, humaneval_problems, token_samples
+    from topth_ops.hf.texts import calibration_documents, humaneval_problems, stdlib_documents, token_samples
     from topth_ops.layer_k import parse_layer_k
 
     torch.set_num_threads(2)
     lm = load_model(None, progress=False)
     L = int(lm.model.config.num_hidden_layers)
-    docs, _ = calibration_documents("python-stdlib", exclude=["aifc.py", "argparse.py"])
+    long_docs = stdlib_documents(lm.tokenizer, 2, 2304, 3072)  # what evaluate holds out (its defaults)
+    docs, _ = calibration_documents("python-stdlib", exclude=[name for name, _ in long_docs])
     if args.align == "stream":
         windows = token_samples(lm.tokenizer, docs, 48, 1024)
         calib, held = windows[:args.samples], {"held-out stdlib windows": windows[32:48]}
