@@ -42,7 +42,7 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
     p.add_argument(f"--{prefix}align", choices=("stream", "document"), default="stream",
                    help="where calibration samples start: stream (default) cuts the joined text into "
                         "consecutive windows; document starts every sample at a document's start, so row id "
-                        "n sits n tokens into a text as at inference (closer k~/k on prompts, pre_softmax)")
+                        "n holds a text's first tokens as at inference (closer k~/k on prompts, pre_softmax)")
     p.add_argument(f"--{prefix}text", metavar="PATH", default=None,
                    help="calibration text: a .txt / .jsonl file or a folder of them, or "
                         "'python-stdlib' (standard-library sources: code, as evaluated; evaluate leaves "
