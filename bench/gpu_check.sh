@@ -103,6 +103,13 @@ if "$PY" -c "import pytest" 2>/dev/null && [ "$t" -gt 20 ]; then
 else
     echo "== [5] tests skipped (pytest missing or $(left)s left)" | tee "$RESULTS_DIR/pytest.txt"
 fi
+# 6. calibration accumulators fed from CUDA tensors (a few seconds)
+if "$PY" -c "import pytest" 2>/dev/null && [ "$(left)" -gt 10 ]; then
+    echo "== [6] pytest tests/test_calibration_device.py"
+    timeout -s INT "$(left)" "$PY" -m pytest -q -p no:cacheprovider tests/test_calibration_device.py 2>&1 \
+        | tee "$RESULTS_DIR/pytest_calibration_device.txt" | tail -5
+    [ "${PIPESTATUS[0]}" -eq 1 ] && status=1
+fi
 
 echo "gpu_check: done in $(( $(date +%s) - T0 ))s, status $status; results in $RESULTS_DIR"
 if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then

@@ -50,7 +50,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .calibration import DENSE, LayerK, no_long_rows_error, row_log_z
+from .calibration import DENSE, LayerK, no_long_rows_error, row_log_z, to_host
 from .contract import PLACEMENTS, SELECTIONS
 from .length_model import (DEFAULT_FIT_OCTAVES, FEATURES, MIN_FIT_POINTS, LengthModel, fit_length_model,
                            fit_table_model, from_domain, to_domain)
@@ -186,6 +186,7 @@ class CountAccumulator:
         ValueError
             A row id exceeds ``max_row_id``.
         """
+        scores, row_ids, m, log_z = to_host(scores, row_ids, m, log_z)
         B, H, C, S = scores.shape
         n = row_ids.to(torch.int64)
         if int(n.max()) > self.max_row_id:

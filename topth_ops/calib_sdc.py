@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .calibration import CalibrationResult, _dense_rows, fill_unsampled, row_max
+from .calibration import CalibrationResult, _dense_rows, fill_unsampled, row_max, to_host
 from .layer_k import DENSE
 from .length_model import fit_table_model
 
@@ -82,6 +82,7 @@ class SdcAccumulator:
             Rows with n <= k add nothing; rows beyond a result's calibrated row ids are
             skipped for that result.
         """
+        scores, row_ids = to_host(scores, row_ids)
         B, H, C, S = scores.shape
         n = row_ids.to(torch.int64)
         valid = scores != float("-inf")  # -inf marks positions that are not valid keys

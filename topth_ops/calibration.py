@@ -57,6 +57,13 @@ def row_log_z(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m, torch.log(torch.exp(scores - m).sum(-1, keepdim=True))
 
 
+def to_host(*tensors: Optional[torch.Tensor]) -> tuple:
+    """The tensors on the CPU (None stays None): the calibration accumulators keep their
+    histograms, sums and tables in host memory, so a chunk recorded from a GPU or NPU
+    forward pass is copied over once instead of mixing devices in index operations."""
+    return tuple(None if t is None else t.detach().cpu() for t in tensors)
+
+
 def no_long_rows_error(k: int, layer: int) -> ValueError:
     """The error of a thresholded layer without a calibration row longer than its k."""
     return ValueError(
@@ -225,6 +232,7 @@ class ThresholdAccumulator:
             A row id in ``row_ids`` exceeds ``max_row_id`` (the accumulator has no slot
             for it; size it with the longest calibration sample).
         """
+        scores, row_ids, m, log_z = to_host(scores, row_ids, m, log_z)
         B, H, C, S = scores.shape
         ks = sorted({t[layer] for t in self.targets if t[layer] != DENSE})
         if not ks:
