@@ -186,9 +186,8 @@ class CountAccumulator:
         ValueError
             A row id exceeds ``max_row_id``.
         """
-        scores, row_ids, m, log_z = to_host(scores, row_ids, m, log_z)
         B, H, C, S = scores.shape
-        n = row_ids.to(torch.int64)
+        n = row_ids.detach().cpu().to(torch.int64)
         if int(n.max()) > self.max_row_id:
             raise ValueError(f"calibration row id {int(n.max())} exceeds the accumulator's max_row_id "
                              f"{self.max_row_id}")
@@ -197,17 +196,18 @@ class CountAccumulator:
             return
         bi, ci = keep.nonzero(as_tuple=True)
         nl = n[bi, ci]
+        dev_b, dev_c = bi.to(scores.device), ci.to(scores.device)  # only the recorded rows leave the device
         b_idx = (torch.bucketize(nl, self._edges_t, right=False) - 1).clamp(0, self.NB - 1)
         self.rows[layer].index_add_(0, b_idx, torch.ones_like(nl))
         self.log_n[layer].index_add_(0, b_idx, torch.log(nl.to(torch.float64)))
         self.rows_per_id[layer].index_add_(0, nl, torch.ones_like(nl))
-        x_all = scores[bi, :, ci, :]  # [R, H, S]
+        x_all, = to_host(scores[dev_b, :, dev_c, :])  # [R, H, S]
         if "post_softmax" in self.placements:
             if m is None or log_z is None:
                 m_row, log_z_row = row_log_z(x_all)
                 lse = m_row + log_z_row
             else:
-                lse = (m + log_z)[bi, :, ci, :]
+                lse, = to_host((m + log_z)[dev_b, :, dev_c, :])
         G = self.Hq // self.Hkv
         R = x_all.shape[0]
         for p in self.placements:

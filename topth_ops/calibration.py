@@ -59,8 +59,9 @@ def row_log_z(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def to_host(*tensors: Optional[torch.Tensor]) -> tuple:
     """The tensors on the CPU (None stays None): the calibration accumulators keep their
-    histograms, sums and tables in host memory, so a chunk recorded from a GPU or NPU
-    forward pass is copied over once instead of mixing devices in index operations."""
+    histograms, sums and tables in host memory, so what they record from a GPU or NPU
+    forward pass (the recorded rows, or a row's top values) is copied over instead of
+    mixing devices in index operations."""
     return tuple(None if t is None else t.detach().cpu() for t in tensors)
 
 
@@ -232,12 +233,11 @@ class ThresholdAccumulator:
             A row id in ``row_ids`` exceeds ``max_row_id`` (the accumulator has no slot
             for it; size it with the longest calibration sample).
         """
-        scores, row_ids, m, log_z = to_host(scores, row_ids, m, log_z)
         B, H, C, S = scores.shape
         ks = sorted({t[layer] for t in self.targets if t[layer] != DENSE})
         if not ks:
             return
-        n = row_ids.to(torch.int64)
+        n = row_ids.detach().cpu().to(torch.int64)
         if int(n.max()) > self.max_row_id:
             raise ValueError(
                 f"calibration row id {int(n.max())} exceeds the accumulator's max_row_id "
@@ -247,6 +247,7 @@ class ThresholdAccumulator:
         top = torch.topk(scores, kk, dim=-1).values  # [B, H, C, kk], descending
         if "post_softmax" in self.placements and (m is None or log_z is None):
             m, log_z = row_log_z(scores)
+        top, m, log_z = to_host(top, m, log_z)  # only the kk largest values of a row leave its device
         heads = torch.arange(H).view(1, H, 1)
         for ti, t in enumerate(self.targets):
             k = t[layer]

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         from ..threshold_file import save_threshold_sets
         from .calibrate import CalibrationText, calibrate
         from .model import load_model
-        from .texts import calibration_documents, token_samples
+        from .texts import calibration_documents, describe_samples, token_samples
 
         docs, desc = calibration_documents(args.text)
         t0 = time.time()
@@ -92,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
         targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
         samples = token_samples(lm.tokenizer, docs, args.samples, args.max_tokens, align=args.align)
         note_short_text(samples, args.samples, args.max_tokens)
-        text = CalibrationText(samples, f"{desc}; samples of <= {args.max_tokens} tokens"
-                               + ("" if args.align == "stream" else ", each from a document start"))
+        text = CalibrationText(samples, describe_samples(desc, args.max_tokens, args.align))
         print(f"model {lm.name} loaded in {time.time() - t0:.1f} s; calibrating k={ks} "
               f"({', '.join(placements)}{', layer-wise' if args.layerwise_calibration else ''}) on "
               f"{text.tokens} tokens of {desc}")

@@ -160,14 +160,13 @@ def _run(args) -> int:
         wanted = {(f["placement"], f["selection"]) for f in topth}  # calibrate computes every pair
         if placements:
             from .calibrate import CalibrationText, calibrate
-            from .texts import calibration_documents, token_samples
+            from .texts import calibration_documents, describe_samples, token_samples
 
             docs, desc = calibration_documents(args.calib_text, exclude=[name for name, _ in long_docs])
             samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens,
                                     align=args.calib_align)
             note_short_text(samples, args.calib_samples, args.calib_max_tokens)
-            text = CalibrationText(samples, f"{desc}; samples of <= {args.calib_max_tokens} tokens"
-                                   + ("" if args.calib_align == "stream" else ", each from a document start"))
+            text = CalibrationText(samples, describe_samples(desc, args.calib_max_tokens, args.calib_align))
             targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
             need_sdc = any(FAMILIES[f]["sdc"] == "offline" for f in args.variants) and not args.no_sdc_table
             t0 = time.time()

@@ -299,8 +299,8 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
         disable(model)
     layer_k = ctl.settings.layer_k
     sparse_layers = [i for i, k in enumerate(layer_k) if k == variant.k]
-    allrows = _merge(he, dec, long)
     by_text = {"humaneval": _merge(he, dec), "long_documents": long}
+    allrows = _merge(*by_text.values())
     calib_max = variant.thresholds.max_calibrated_row_id if variant.thresholds is not None else None
     buckets = {}
     for lo, hi in bucket_edges(allrows.R):

@@ -233,6 +233,14 @@ def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int,
     return out
 
 
+def describe_samples(source: str, max_tokens: int, align: str) -> str:
+    """The calibration text's description as files and evaluate records carry it: the
+    source (from :func:`calibration_documents`), the window length and, for
+    ``align="document"``, that every sample starts at a document's start."""
+    where = "" if align == "stream" else ", each from a document start"
+    return f"{source}; samples of <= {max_tokens} tokens{where}"
+
+
 def _document_windows(tokenizer, docs, samples: int, per: int, bos: list, sep: list) -> list[torch.Tensor]:
     """token_samples(align="document"): windows of ``per`` tokens after BOS, each starting
     at the start of the first document not yet reached."""
