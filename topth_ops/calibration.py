@@ -61,7 +61,19 @@ def to_host(*tensors: Optional[torch.Tensor]) -> tuple:
     """The tensors on the CPU (None stays None): the calibration accumulators keep their
     histograms, sums and tables in host memory, so what they record from a GPU or NPU
     forward pass (the recorded rows, or a row's top values) is copied over instead of
-    mixing devices in index operations."""
+    mixing devices in index operations.
+
+    Parameters
+    ----------
+    *tensors : torch.Tensor or None
+        Any shape and dtype, on any device.
+
+    Returns
+    -------
+    tuple
+        The same number of entries: detached CPU tensors (same shape and dtype; the
+        tensor itself when it is already on the CPU), None where None was given.
+    """
     return tuple(None if t is None else t.detach().cpu() for t in tensors)
 
 

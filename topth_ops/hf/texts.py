@@ -234,9 +234,23 @@ def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int,
 
 
 def describe_samples(source: str, max_tokens: int, align: str) -> str:
-    """The calibration text's description as files and evaluate records carry it: the
-    source (from :func:`calibration_documents`), the window length and, for
-    ``align="document"``, that every sample starts at a document's start."""
+    """The calibration text's description as files and evaluate records carry it.
+
+    Parameters
+    ----------
+    source : str
+        The description :func:`calibration_documents` returns.
+    max_tokens : int
+        Tokens per sample (BOS included), as given to :func:`token_samples`.
+    align : {"stream", "document"}
+        As given to :func:`token_samples`; "document" adds that every sample starts at a
+        document's start.
+
+    Returns
+    -------
+    str
+        e.g. ``"<source>; samples of <= 1024 tokens, each from a document start"``.
+    """
     where = "" if align == "stream" else ", each from a document start"
     return f"{source}; samples of <= {max_tokens} tokens{where}"
 
