@@ -71,8 +71,8 @@ def to_host(*tensors: Optional[torch.Tensor]) -> tuple:
     Returns
     -------
     tuple
-        The same number of entries: detached CPU tensors (same shape and dtype; the
-        tensor itself when it is already on the CPU), None where None was given.
+        The same number of entries: detached CPU tensors (same shape and dtype; sharing
+        storage with the input when it is already on the CPU), None where None was given.
     """
     return tuple(None if t is None else t.detach().cpu() for t in tensors)
 
