@@ -128,8 +128,9 @@ def test_evaluate_layerwise_refuses_variants_of_another_rule(variants, needle, t
 
 
 def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys, monkeypatch):
-    """--layerwise-calibration (or --calib-align / --align) with evaluate --thresholds or
-    calibrate --import-reference would be silently ignored: both are refused before the model (or config) loads."""
+    """--layerwise-calibration (or --calib-align / --align / --calib-text) with evaluate --thresholds or
+    calibrate --import-reference would be silently ignored: both are refused before the model (or config) loads;
+    so are fewer calibration samples than calibration texts and a text given twice."""
     import topth_ops.hf.model
 
     def no_model(*args, **kwargs):
@@ -147,6 +148,14 @@ def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys,
           "--calib-align", "document"], "--calib-align applies when evaluate calibrates"),
         (["calibrate", "--import-reference", str(tmp_path / "th.txt"), "--placement", "post_softmax",
           "--out", str(tmp_path / "o.safetensors"), "--align", "document"], "--align chooses calibration samples"),
+        (["evaluate", "--thresholds", str(tmp_path / "x.safetensors"), "--json", str(tmp_path / "e.json"),
+          "--calib-text", "humaneval"], "--calib-text applies when evaluate calibrates"),
+        (["evaluate", "--json", str(tmp_path / "e.json"), "--calib-text", "python-stdlib", "humaneval",
+          "--calib-samples", "1"], "--calib-samples must be >= the number of --calib-text sources (2), got 1"),
+        (["calibrate", "--k", "16", "--out", str(tmp_path / "o.safetensors"), "--text", "python-stdlib",
+          "humaneval", "--samples", "1"], "--samples must be >= the number of --text sources (2), got 1"),
+        (["calibrate", "--k", "16", "--out", str(tmp_path / "o.safetensors"), "--text", "humaneval",
+          "humaneval"], "humaneval given more than once"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err

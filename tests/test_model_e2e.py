@@ -238,11 +238,15 @@ def test_layerwise_calibration_through_evaluate_and_calibrate(tmp_path, capsys):
     assert main(["evaluate", "--k", "16", "--variants", "topth-pre-offline-vmc", "--problems", "2",
                  "--agreement-problems", "1", "--agreement-tokens", "2", "--long-docs", "0", "--calib-samples", "2",
                  "--calib-max-tokens", "96", "--layer-k", "0:dense,1:dense", "--layerwise-calibration",
-                 "--calib-align", "document",
+                 "--calib-align", "document", "--calib-text", "python-stdlib", "humaneval",
                  "--json", str(tmp_path / "e.json"), "--thresholds-dir", str(tmp_path / "th"), "--quiet"]) == 0
     res = json.loads((tmp_path / "e.json").read_text())
     assert res["calibration"]["layerwise"] is True
     assert res["calibration"]["text"].endswith("each from a document start")
+    # a mix: one sample from each text, the evaluated problems (0, 1) left out of the HumanEval one
+    assert res["calibration"]["text"].startswith("1 from python-stdlib (")
+    assert " + 1 from humaneval (HumanEval prompts + canonical solutions, reverse file order from HumanEval/163, " \
+           "without HumanEval/0-1); samples of <= 96 tokens" in res["calibration"]["text"]
     (rec,) = res["records"]
     assert rec["variant"] == "topth-pre-offline-vmc" and rec["ppl"] > 1 and 0 < rec["v_rows_frac"] < 1
     files = sorted((tmp_path / "th").glob("*.safetensors"))

@@ -116,3 +116,56 @@ def test_stdlib_exclude_bad_input_is_an_error_not_a_silent_no_op():
     first = all_desc.split("reverse name order from ")[1].split(")")[0]  # the first module taken
     docs, desc = calibration_documents(STDLIB_SOURCE, exclude=(first,))
     assert len(docs) == len(all_docs) - 1 and f"without {first}" in desc and docs[0] != all_docs[0]
+
+
+def test_humaneval_source_is_held_out_problems_last_first():
+    """``"humaneval"``: prompt + canonical solution per problem, from the end of the file,
+    without the excluded task ids (evaluate leaves out the problems it evaluates)."""
+    from topth_ops.hf.texts import HUMANEVAL_SOURCE, humaneval_problems
+
+    probs = humaneval_problems()
+    docs, desc = calibration_documents(HUMANEVAL_SOURCE)
+    assert docs == [q["prompt"] + q["canonical_solution"] for q in reversed(probs)]
+    assert "reverse file order from HumanEval/163" in desc and "without" not in desc
+    held = [q["task_id"] for q in probs[:32]] + ["HumanEval/40", "HumanEval/163"]
+    docs, desc = calibration_documents(HUMANEVAL_SOURCE, exclude=held + ["argparse.py"])  # other kind: ignored
+    evaluated = {q["prompt"] + q["canonical_solution"] for q in probs[:32]}
+    assert len(docs) == len(probs) - 34 and not evaluated & set(docs)
+    assert docs[0] == probs[162]["prompt"] + probs[162]["canonical_solution"]
+    assert "from HumanEval/162, without HumanEval/0-31, 40, 163)" in desc
+    # the stdlib text ignores task ids (one exclude list serves a mix)
+    assert calibration_documents(STDLIB_SOURCE, exclude=["HumanEval/3"]) == calibration_documents(STDLIB_SOURCE)
+
+
+def test_humaneval_exclude_bad_input_is_an_error():
+    from topth_ops.hf.texts import HUMANEVAL_SOURCE
+
+    for bad in ("HumanEval/164", "HumanEval/x"):
+        with pytest.raises(ValueError, match=f"{bad!r} is not a HumanEval task id"):
+            calibration_documents(HUMANEVAL_SOURCE, exclude=[bad])
+    with pytest.raises(ValueError, match="leaves out every HumanEval problem"):
+        calibration_documents(HUMANEVAL_SOURCE, exclude=[f"HumanEval/{i}" for i in range(164)])
+
+
+def test_mixed_samples_divide_the_samples_among_the_texts(tmp_path):
+    from topth_ops.hf.texts import calibration_texts, describe_samples, mixed_samples
+
+    for c in "ab":  # five documents of 30 characters each
+        (tmp_path / f"{c}.jsonl").write_text("".join(f'"{c}{i}{c * 28}"\n' for i in range(5)))
+    tok = CharTokenizer()
+    one = calibration_texts(str(tmp_path / "a.jsonl"))
+    got, desc = mixed_samples(tok, one, 3, 20, align="stream")
+    assert desc == describe_samples(one[0][1], 20, "stream")  # one text: described as before mixes existed
+    assert [t.tolist() for t in got] == [t.tolist() for t in token_samples(tok, one[0][0], 3, 20)]
+    two = calibration_texts([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
+    got, desc = mixed_samples(tok, two, 5, 20, align="document")
+    text = [bytes(t.tolist()).decode() for t in got]
+    assert [t[:2] for t in text] == ["a0", "a1", "a2", "b0", "b1"]  # 3 + 2, each text from its start
+    assert desc.startswith(f"3 from {two[0][1]} + 2 from {two[1][1]}; samples of <= 20 tokens")
+    assert desc.endswith("each from a document start")
+    with pytest.raises(ValueError, match=r"samples must be >= the number of calibration texts \(2\), got 1"):
+        mixed_samples(tok, two, 1, 20)
+    with pytest.raises(ValueError, match="given more than once"):
+        calibration_texts([str(tmp_path / "a.jsonl"), str(tmp_path / "a.jsonl")])
+    with pytest.raises(ValueError, match="at least one source"):
+        calibration_texts([])

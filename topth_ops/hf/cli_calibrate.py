@@ -82,17 +82,19 @@ def run(args: argparse.Namespace) -> int:
         from ..threshold_file import save_threshold_sets
         from .calibrate import CalibrationText, calibrate
         from .model import load_model
-        from .texts import calibration_documents, describe_samples, token_samples
+        from .texts import calibration_texts, mixed_samples
 
-        docs, desc = calibration_documents(args.text)
+        sources = calibration_texts(args.text)
+        if args.samples < len(sources):
+            raise ValueError(f"--samples must be >= the number of --text sources ({len(sources)}), got {args.samples}")
         t0 = time.time()
         lm = load_model(args.model, progress=show_progress(args))
         check_context(args.max_tokens, "--max-tokens", lm.max_context)
         L = int(lm.config.num_hidden_layers)
         targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
-        samples = token_samples(lm.tokenizer, docs, args.samples, args.max_tokens, align=args.align)
+        samples, desc = mixed_samples(lm.tokenizer, sources, args.samples, args.max_tokens, align=args.align)
         note_short_text(samples, args.samples, args.max_tokens)
-        text = CalibrationText(samples, describe_samples(desc, args.max_tokens, args.align))
+        text = CalibrationText(samples, desc)
         print(f"model {lm.name} loaded in {time.time() - t0:.1f} s; calibrating k={ks} "
               f"({', '.join(placements)}{', layer-wise' if args.layerwise_calibration else ''}) on "
               f"{text.tokens} tokens of {desc}")

@@ -43,10 +43,12 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
                    help="where calibration samples start: stream (default) cuts the joined text into "
                         "consecutive windows; document starts every sample at a document's start, so row id "
                         "n holds a text's first tokens as at inference (closer k~/k on prompts, pre_softmax)")
-    p.add_argument(f"--{prefix}text", metavar="PATH", default=None,
-                   help="calibration text: a .txt / .jsonl file or a folder of them, or "
+    p.add_argument(f"--{prefix}text", metavar="TEXT", nargs="+", default=None,
+                   help="calibration text: a .txt / .jsonl file or a folder of them, "
                         "'python-stdlib' (standard-library sources: code, as evaluated; evaluate leaves "
-                        "its long documents out; a path of that name is ./python-stdlib) "
+                        "its long documents out; a path of that name is ./python-stdlib), or 'humaneval' "
+                        "(HumanEval problems from the last; evaluate leaves its problems out); several "
+                        "texts mix, the samples divided among them "
                         "(default: Python's English documentation, pydoc_data.topics)")
     p.add_argument("--topk-at-calibration", action="store_true",
                    help="keep each row's exact top-k while calibrating, so later layers see "

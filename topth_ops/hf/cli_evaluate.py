@@ -100,8 +100,13 @@ def _run(args) -> int:
                          "are used as they are (their summary says whether they were calibrated layer-wise)")
     if args.thresholds and args.calib_align != "stream":
         raise ValueError("--calib-align applies when evaluate calibrates; with --thresholds nothing is calibrated")
+    if args.thresholds and args.calib_text:
+        raise ValueError("--calib-text applies when evaluate calibrates; with --thresholds nothing is calibrated")
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
+        if args.calib_text and args.calib_samples < len(args.calib_text):
+            raise ValueError(f"--calib-samples must be >= the number of --calib-text sources "
+                             f"({len(args.calib_text)}), got {args.calib_samples}")
         check_alpha(args.alpha)
         check_layerwise(args)
         if args.estimator == "count" and args.alpha != 0:
@@ -160,13 +165,13 @@ def _run(args) -> int:
         wanted = {(f["placement"], f["selection"]) for f in topth}  # calibrate computes every pair
         if placements:
             from .calibrate import CalibrationText, calibrate
-            from .texts import calibration_documents, describe_samples, token_samples
+            from .texts import calibration_texts, mixed_samples
 
-            docs, desc = calibration_documents(args.calib_text, exclude=[name for name, _ in long_docs])
-            samples = token_samples(lm.tokenizer, docs, args.calib_samples, args.calib_max_tokens,
-                                    align=args.calib_align)
+            held = [name for name, _ in long_docs] + [q["task_id"] for q in humaneval_problems(cfg.problems)]
+            samples, desc = mixed_samples(lm.tokenizer, calibration_texts(args.calib_text, exclude=held),
+                                          args.calib_samples, args.calib_max_tokens, align=args.calib_align)
             note_short_text(samples, args.calib_samples, args.calib_max_tokens)
-            text = CalibrationText(samples, describe_samples(desc, args.calib_max_tokens, args.calib_align))
+            text = CalibrationText(samples, desc)
             targets = [parse_layer_k(args.layer_k, k, L) for k in ks]
             need_sdc = any(FAMILIES[f]["sdc"] == "offline" for f in args.variants) and not args.no_sdc_table
             t0 = time.time()

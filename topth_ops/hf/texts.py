@@ -5,8 +5,10 @@
 - Calibration (another domain, as the paper calibrates on ARC-C and evaluates on
   HumanEval): Python's own English documentation (``pydoc_data.topics``); or
   ``"python-stdlib"``, standard-library module sources (code, the evaluation's domain),
-  taken from the end of the name order and never the long-document modules; or a file /
-  folder of .txt / .jsonl given by the user.
+  taken from the end of the name order and never the long-document modules; or
+  ``"humaneval"``, HumanEval problems from the end of the file, never the evaluated ones
+  (in-domain held-out calibration); or a file / folder of .txt / .jsonl given by the
+  user; or a mix of these (:func:`mixed_samples` divides the samples among them).
 - Long-context evaluation: Python standard-library module sources (real code and
   docstrings), truncated to a token budget.
 """
@@ -54,6 +56,8 @@ def humaneval_problems(n: Optional[int] = None) -> list[dict]:
 
 
 STDLIB_SOURCE = "python-stdlib"  # calibration_documents' name for standard-library code
+HUMANEVAL_SOURCE = "humaneval"  # calibration_documents' name for held-out HumanEval problems
+HUMANEVAL_ID = "HumanEval/"  # how a HumanEval task id starts (exclude tells the two kinds of names apart)
 
 
 def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] = ()) -> tuple[list[str], str]:
@@ -66,14 +70,17 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
         (``pydoc_data.topics``). ``"python-stdlib"`` (:data:`STDLIB_SOURCE`): standard-
         library module sources of at least 20 kB in reverse name order (code, like
         HumanEval and the long documents; a path of that name is written
-        ``./python-stdlib``). Otherwise a .txt file (one document), a .jsonl file
+        ``./python-stdlib``). ``"humaneval"`` (:data:`HUMANEVAL_SOURCE`): HumanEval
+        prompts + canonical solutions in reverse file order (HumanEval/163 first), one
+        document per problem. Otherwise a .txt file (one document), a .jsonl file
         (one document per line: the "text" field, else the first string field, or the
         line itself when it is a JSON string), or a folder searched recursively for both.
     exclude : list, tuple or set of str
-        ``"python-stdlib"`` only: module file names to leave out (the evaluation's long
-        documents, so calibration and evaluation text stay disjoint); each must name a
-        ``*.py`` file of the standard-library folder (``"argparse.py"``). Ignored for
-        other sources.
+        What to leave out of the built-in texts, so calibration and evaluation text stay
+        disjoint: task ids (``"HumanEval/3"``) for ``"humaneval"``, each an id of the
+        file; every other name for ``"python-stdlib"``, each the name of a ``*.py`` file
+        of the standard-library folder (``"argparse.py"``). Each text ignores the other
+        kind of name (so one list serves a mix); files ignore the list.
 
     Raises
     ------
@@ -82,8 +89,8 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
     FileNotFoundError
         ``source`` does not exist.
     ValueError
-        No text at all (for ``"python-stdlib"``: ``exclude`` leaves nothing), a name in
-        ``exclude`` that is not a standard-library module file, a file that is not UTF-8,
+        No text at all (for the built-in texts: ``exclude`` leaves nothing), a name in
+        ``exclude`` that is not a standard-library module file or HumanEval task id, a file that is not UTF-8,
         or a .jsonl line that is not JSON (the message names the file and line).
     """
     if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple, set, frozenset)) \
@@ -94,9 +101,11 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
 
         docs = [topics.topics[k] for k in sorted(topics.topics)]
         desc = f"pydoc_data.topics (Python {platform.python_version()} English documentation, {len(docs)} topics)"
+    elif source == HUMANEVAL_SOURCE:
+        docs, desc = _humaneval_documents({n for n in exclude if n.startswith(HUMANEVAL_ID)})
     elif source == STDLIB_SOURCE:
         stdlib, modules = _stdlib_modules()
-        skip = set(exclude)
+        skip = {n for n in exclude if not n.startswith(HUMANEVAL_ID)}
         unknown = sorted(skip - {f.name for f in modules})
         if unknown:
             raise ValueError(f"exclude: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
@@ -140,6 +149,103 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
         raise ValueError(f"calibration text is empty: {source or 'pydoc_data.topics'} holds no text "
                          "(give a .txt / .jsonl file or a folder of them)")
     return docs, desc
+
+
+def _humaneval_documents(skip: set) -> tuple[list[str], str]:
+    """calibration_documents("humaneval"): every problem but ``skip``, last first."""
+    rows = humaneval_problems()
+    unknown = sorted(skip - {r["task_id"] for r in rows})
+    if unknown:
+        raise ValueError(f"exclude: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+                         f"a HumanEval task id (HumanEval/0 .. HumanEval/{len(rows) - 1})")
+    kept = [r for r in reversed(rows) if r["task_id"] not in skip]
+    if not kept:
+        raise ValueError(f"calibration text is empty: exclude leaves out every HumanEval problem ({len(rows)})")
+    nums = sorted(int(t[len(HUMANEVAL_ID):]) for t in skip)
+    spans = []  # "0-31, 40"
+    for n in nums:
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    without = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    desc = (f"{HUMANEVAL_SOURCE} (HumanEval prompts + canonical solutions, reverse file order from "
+            f"{kept[0]['task_id']}" + (f", without HumanEval/{without}" if spans else "") + ")")
+    return [r["prompt"] + r["canonical_solution"] for r in kept], desc
+
+
+def calibration_texts(sources, exclude: Sequence[str] = ()) -> list[tuple[list[str], str]]:
+    """:func:`calibration_documents` of one text or of each text of a mix.
+
+    Parameters
+    ----------
+    sources : None, str, or list / tuple of str
+        One source (None is the default text) or several, as :func:`calibration_documents`
+        takes them; each at most once.
+    exclude : list, tuple or set of str
+        Passed to every source (each uses the names of its kind).
+
+    Returns
+    -------
+    list of (list of str, str)
+        Per source, its documents and description, in the order given.
+
+    Raises
+    ------
+    ValueError
+        An empty list, a source given twice, or what :func:`calibration_documents` raises.
+    """
+    if sources is None or isinstance(sources, str):
+        sources = [sources]
+    sources = list(sources)
+    if not sources:
+        raise ValueError("calibration text: give at least one source")
+    twice = sorted({str(s) for s in sources if sources.count(s) > 1})
+    if twice:
+        raise ValueError(f"calibration text: {', '.join(twice)} given more than once")
+    return [calibration_documents(s, exclude) for s in sources]
+
+
+def mixed_samples(tokenizer, texts: Sequence[tuple[list[str], str]], samples: int, max_tokens: int, *,
+                  align: str = "stream") -> tuple[list[torch.Tensor], str]:
+    """Calibration samples from one or several texts, ``samples`` divided among them.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+        As :func:`token_samples` takes it.
+    texts : sequence of (list of str, str)
+        What :func:`calibration_texts` returns.
+    samples : int
+        Samples in all; text i gets ``samples // len(texts)``, the first
+        ``samples % len(texts)`` texts one more (so each >= 1).
+    max_tokens : int
+        Tokens per sample, BOS included.
+    align : {"stream", "document"}
+        As in :func:`token_samples`, for every text.
+
+    Returns
+    -------
+    samples : list of torch.Tensor
+        1-D int64 token ids, text by text in the order given.
+    description : str
+        One text: :func:`describe_samples` of its description (as before mixes existed);
+        several: "<n> from <description> + <n> from ...", then the sample size.
+
+    Raises
+    ------
+    ValueError
+        ``samples`` below the number of texts, or what :func:`token_samples` raises.
+    """
+    if samples < len(texts):
+        raise ValueError(f"samples must be >= the number of calibration texts ({len(texts)}), got {samples}")
+    out, parts = [], []
+    for i, (docs, desc) in enumerate(texts):
+        got = token_samples(tokenizer, docs, samples // len(texts) + (i < samples % len(texts)), max_tokens,
+                            align=align)
+        out.extend(got)
+        parts.append(f"{len(got)} from {desc}")
+    return out, describe_samples(texts[0][1] if len(texts) == 1 else " + ".join(parts), max_tokens, align)
 
 
 def _jsonl_text(obj, f: Path) -> str:
