@@ -21,6 +21,9 @@ def test_default_source_is_english_documentation():
     docs, desc = calibration_documents(None)
     assert "pydoc_data.topics" in desc and len(docs) > 10
     assert all(isinstance(d, str) and d.strip() for d in docs)
+    from topth_ops.hf.texts import PYDOC_SOURCE
+
+    assert calibration_documents(PYDOC_SOURCE) == (docs, desc)  # its name, for a mix
 
 
 def test_stdlib_source_is_code_and_leaves_the_long_documents_out():

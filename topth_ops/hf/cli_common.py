@@ -47,9 +47,9 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
                    help="calibration text: a .txt / .jsonl file or a folder of them, "
                         "'python-stdlib' (standard-library sources: code, as evaluated; evaluate leaves "
                         "its long documents out; a path of that name is ./python-stdlib), or 'humaneval' "
-                        "(HumanEval problems from the last; evaluate leaves its problems out); several "
-                        "texts mix, the samples divided among them "
-                        "(default: Python's English documentation, pydoc_data.topics)")
+                        "(HumanEval problems from the last; evaluate leaves its problems out), or "
+                        "'pydoc-topics' (the default: Python's English documentation, pydoc_data.topics); "
+                        "several texts mix, the samples divided among them (e.g. python-stdlib pydoc-topics)")
     p.add_argument("--topk-at-calibration", action="store_true",
                    help="keep each row's exact top-k while calibrating, so later layers see "
                         "sparsified activations (one pass per k)")

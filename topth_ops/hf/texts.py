@@ -56,6 +56,7 @@ def humaneval_problems(n: Optional[int] = None) -> list[dict]:
 
 
 STDLIB_SOURCE = "python-stdlib"  # calibration_documents' name for standard-library code
+PYDOC_SOURCE = "pydoc-topics"  # calibration_documents' name for the default English text (None)
 HUMANEVAL_SOURCE = "humaneval"  # calibration_documents' name for held-out HumanEval problems
 HUMANEVAL_ID = "HumanEval/"  # how a HumanEval task id starts (exclude tells the two kinds of names apart)
 
@@ -66,8 +67,8 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
     Parameters
     ----------
     source : str, optional
-        None: the English documentation topics that ship with Python
-        (``pydoc_data.topics``). ``"python-stdlib"`` (:data:`STDLIB_SOURCE`): standard-
+        None or ``"pydoc-topics"`` (:data:`PYDOC_SOURCE`, the name a mix needs): the
+        English documentation topics that ship with Python (``pydoc_data.topics``). ``"python-stdlib"`` (:data:`STDLIB_SOURCE`): standard-
         library module sources of at least 20 kB in reverse name order (code, like
         HumanEval and the long documents; a path of that name is written
         ``./python-stdlib``). ``"humaneval"`` (:data:`HUMANEVAL_SOURCE`): HumanEval
@@ -96,7 +97,7 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
     if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple, set, frozenset)) \
             or not all(isinstance(n, str) for n in exclude):
         raise TypeError(f"exclude must be a list of module file names (str), such as ['aifc.py'], got {exclude!r}")
-    if source is None:
+    if source is None or source == PYDOC_SOURCE:
         import pydoc_data.topics as topics
 
         docs = [topics.topics[k] for k in sorted(topics.topics)]
