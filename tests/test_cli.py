@@ -156,6 +156,12 @@ def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys,
           "humaneval", "--samples", "1"], "--samples must be >= the number of --text sources (2), got 1"),
         (["calibrate", "--k", "16", "--out", str(tmp_path / "o.safetensors"), "--text", "humaneval",
           "humaneval"], "humaneval given more than once"),
+        (["evaluate", "--json", str(tmp_path / "e.json"), "--calib-text", "humaneval", "humaneval"],
+         "humaneval given more than once"),
+        (["evaluate", "--json", str(tmp_path / "e.json"), "--calib-text", str(tmp_path / "missing.txt")],
+         "missing.txt' does not exist"),
+        (["evaluate", "--json", str(tmp_path / "e.json"), "--calib-text", "humaneval", "--problems", "164"],
+         "--problems 164 takes all 164: give fewer --problems"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err

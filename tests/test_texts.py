@@ -172,3 +172,32 @@ def test_mixed_samples_divide_the_samples_among_the_texts(tmp_path):
         calibration_texts([str(tmp_path / "a.jsonl"), str(tmp_path / "a.jsonl")])
     with pytest.raises(ValueError, match="at least one source"):
         calibration_texts([])
+
+
+def test_one_text_spelled_twice_is_refused(tmp_path, monkeypatch):
+    """A mix must not hold one text twice under two spellings (it would get twice the
+    samples, silently): the default text by None and by name, one file by two paths, and a
+    file inside a folder that is also given."""
+    from topth_ops.hf.texts import PYDOC_SOURCE, calibration_texts
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("some text\n")
+    monkeypatch.chdir(tmp_path)
+    for sources in ([None, PYDOC_SOURCE], ["d/a.txt", "./d/a.txt"], ["d/a.txt", str(tmp_path / "d" / "a.txt")],
+                    ["d", "d/"], ["d", "d/a.txt"], ["d/a.txt", "d"]):
+        with pytest.raises(ValueError, match="more than once|also in"):
+            calibration_texts(sources)
+
+
+def test_unknown_source_name_lists_the_built_in_texts():
+    """A misspelt built-in name is not a path that exists: the error says which names are built in."""
+    for name in ("HumanEval", "python_stdlib", "pydoc"):
+        with pytest.raises(FileNotFoundError, match="pydoc-topics, python-stdlib, humaneval"):
+            calibration_documents(name)
+
+
+def test_exclude_type_error_names_both_kinds():
+    from topth_ops.hf.texts import HUMANEVAL_SOURCE
+
+    with pytest.raises(TypeError, match=r"module file names or HumanEval task ids"):
+        calibration_documents(HUMANEVAL_SOURCE, exclude="HumanEval/3")

@@ -104,6 +104,16 @@ def _run(args) -> int:
         raise ValueError("--calib-text applies when evaluate calibrates; with --thresholds nothing is calibrated")
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
+        if args.calib_text:  # what calibration_texts refuses after the model loads, refused before it
+            from .texts import HUMANEVAL_SOURCE, check_sources, humaneval_problems
+
+            check_sources(args.calib_text)
+            if HUMANEVAL_SOURCE in args.calib_text:  # the evaluated problems are left out: some must remain
+                evaluated = [q["task_id"] for q in humaneval_problems(args.problems)]
+                if len(evaluated) == len(humaneval_problems()):
+                    raise ValueError(f"--calib-text {HUMANEVAL_SOURCE} leaves out the problems evaluate evaluates, "
+                                     f"and --problems {args.problems} takes all {len(evaluated)}: give fewer "
+                                     "--problems or another calibration text")
         if args.calib_text and args.calib_samples < len(args.calib_text):
             raise ValueError(f"--calib-samples must be >= the number of --calib-text sources "
                              f"({len(args.calib_text)}), got {args.calib_samples}")

@@ -59,6 +59,7 @@ STDLIB_SOURCE = "python-stdlib"  # calibration_documents' name for standard-libr
 PYDOC_SOURCE = "pydoc-topics"  # calibration_documents' name for the default English text (None)
 HUMANEVAL_SOURCE = "humaneval"  # calibration_documents' name for held-out HumanEval problems
 HUMANEVAL_ID = "HumanEval/"  # how a HumanEval task id starts (exclude tells the two kinds of names apart)
+BUILT_IN_SOURCES = (PYDOC_SOURCE, STDLIB_SOURCE, HUMANEVAL_SOURCE)
 
 
 def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] = ()) -> tuple[list[str], str]:
@@ -96,7 +97,8 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
     """
     if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple, set, frozenset)) \
             or not all(isinstance(n, str) for n in exclude):
-        raise TypeError(f"exclude must be a list of module file names (str), such as ['aifc.py'], got {exclude!r}")
+        raise TypeError("exclude must be a list of standard-library module file names or HumanEval task ids "
+                        f"(str), such as ['aifc.py', 'HumanEval/3'], got {exclude!r}")
     if source is None or source == PYDOC_SOURCE:
         import pydoc_data.topics as topics
 
@@ -123,7 +125,8 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
     else:
         p = Path(source)
         if not p.exists():
-            raise FileNotFoundError(f"calibration text {source!r} does not exist")
+            raise FileNotFoundError(f"calibration text {source!r} does not exist (neither a file, a folder nor "
+                                    f"a built-in text: {', '.join(BUILT_IN_SOURCES)})")
         files = [p] if p.is_file() else sorted(
             f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".jsonl"))
         docs = []
@@ -194,17 +197,62 @@ def calibration_texts(sources, exclude: Sequence[str] = ()) -> list[tuple[list[s
     Raises
     ------
     ValueError
-        An empty list, a source given twice, or what :func:`calibration_documents` raises.
+        What :func:`check_sources` raises, or what :func:`calibration_documents` raises.
+    FileNotFoundError
+        A source that is neither a built-in text nor an existing path.
+    """
+    sources = check_sources(sources)
+    return [calibration_documents(s, exclude) for s in sources]
+
+
+def check_sources(sources) -> list:
+    """Check a list of calibration sources without reading them (before a model loads).
+
+    Parameters
+    ----------
+    sources : None, str, or list / tuple of str
+        As :func:`calibration_texts` takes them.
+
+    Returns
+    -------
+    list
+        The sources as a list (a single one wrapped).
+
+    Raises
+    ------
+    ValueError
+        An empty list, or one text given twice: the same name twice, None and
+        ``"pydoc-topics"`` (both the default text), one file or folder under two paths,
+        or a file or folder inside a folder that is also given (its text would count twice).
+    FileNotFoundError
+        A source that is neither a built-in name (:data:`BUILT_IN_SOURCES`) nor an existing
+        file or folder.
     """
     if sources is None or isinstance(sources, str):
         sources = [sources]
     sources = list(sources)
     if not sources:
         raise ValueError("calibration text: give at least one source")
-    twice = sorted({str(s) for s in sources if sources.count(s) > 1})
-    if twice:
-        raise ValueError(f"calibration text: {', '.join(twice)} given more than once")
-    return [calibration_documents(s, exclude) for s in sources]
+    keys = []  # (built-in name or resolved path, as given)
+    for s in sources:
+        if s is None or s in BUILT_IN_SOURCES:
+            keys.append((s or PYDOC_SOURCE, s))
+            continue
+        p = Path(s)
+        if not p.exists():
+            raise FileNotFoundError(f"calibration text {s!r} does not exist (neither a file, a folder nor a "
+                                    f"built-in text: {', '.join(BUILT_IN_SOURCES)})")
+        keys.append((p.resolve(), s))
+    for i, (a, sa) in enumerate(keys):
+        for b, sb in keys[:i]:
+            if a == b:
+                same = sa if sa == sb else f"{sb!r} and {sa!r} (one text)"
+                raise ValueError(f"calibration text: {same} given more than once")
+            if isinstance(a, Path) and isinstance(b, Path) and (b in a.parents or a in b.parents):
+                inner, outer = (sa, sb) if b in a.parents else (sb, sa)
+                raise ValueError(f"calibration text: {inner!r} is also in the folder {outer!r} (its text would "
+                                 "count twice)")
+    return sources
 
 
 def mixed_samples(tokenizer, texts: Sequence[tuple[list[str], str]], samples: int, max_tokens: int, *,
