@@ -46,10 +46,12 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
     p.add_argument(f"--{prefix}text", metavar="TEXT", nargs="+", default=None,
                    help="calibration text: a .txt / .jsonl file or a folder of them, "
                         "'python-stdlib' (standard-library sources: code, as evaluated; evaluate leaves "
-                        "its long documents out; a path of that name is ./python-stdlib), or 'humaneval' "
-                        "(HumanEval problems from the last; evaluate leaves its problems out), or "
-                        "'pydoc-topics' (the default: Python's English documentation, pydoc_data.topics); "
-                        "several texts mix, the samples divided among them (e.g. python-stdlib pydoc-topics)")
+                        "its long documents out), 'humaneval' (HumanEval problems from the last; evaluate leaves "
+                        "its problems out, calibrate uses them all), or 'pydoc-topics' (the default: "
+                        "Python's English documentation, pydoc_data.topics); a path named like one of "
+                        "these is written ./NAME; several texts mix, the samples divided among them (e.g. "
+                        "python-stdlib pydoc-topics; a text that runs out gives fewer, the others do not "
+                        "make up for it)")
     p.add_argument("--topk-at-calibration", action="store_true",
                    help="keep each row's exact top-k while calibrating, so later layers see "
                         "sparsified activations (one pass per k)")

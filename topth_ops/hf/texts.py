@@ -71,12 +71,12 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
         None or ``"pydoc-topics"`` (:data:`PYDOC_SOURCE`, the name a mix needs): the
         English documentation topics that ship with Python (``pydoc_data.topics``). ``"python-stdlib"`` (:data:`STDLIB_SOURCE`): standard-
         library module sources of at least 20 kB in reverse name order (code, like
-        HumanEval and the long documents; a path of that name is written
-        ``./python-stdlib``). ``"humaneval"`` (:data:`HUMANEVAL_SOURCE`): HumanEval
+        HumanEval and the long documents). ``"humaneval"`` (:data:`HUMANEVAL_SOURCE`): HumanEval
         prompts + canonical solutions in reverse file order (HumanEval/163 first), one
         document per problem. Otherwise a .txt file (one document), a .jsonl file
         (one document per line: the "text" field, else the first string field, or the
-        line itself when it is a JSON string), or a folder searched recursively for both.
+        line itself when it is a JSON string), or a folder searched recursively for both
+        (a path named like a built-in text is written ``./python-stdlib``).
     exclude : list, tuple or set of str
         What to leave out of the built-in texts, so calibration and evaluation text stay
         disjoint: task ids (``"HumanEval/3"``) for ``"humaneval"``, each an id of the
@@ -266,8 +266,9 @@ def mixed_samples(tokenizer, texts: Sequence[tuple[list[str], str]], samples: in
     texts : sequence of (list of str, str)
         What :func:`calibration_texts` returns.
     samples : int
-        Samples in all; text i gets ``samples // len(texts)``, the first
-        ``samples % len(texts)`` texts one more (so each >= 1).
+        Samples asked for in all; text i gets ``samples // len(texts)``, the first
+        ``samples % len(texts)`` texts one more (so each >= 1). A text that runs out
+        gives fewer (see :func:`token_samples`); the others do not make up for it.
     max_tokens : int
         Tokens per sample, BOS included.
     align : {"stream", "document"}
@@ -276,10 +277,12 @@ def mixed_samples(tokenizer, texts: Sequence[tuple[list[str], str]], samples: in
     Returns
     -------
     samples : list of torch.Tensor
-        1-D int64 token ids, text by text in the order given.
+        1-D int64 token ids, text by text in the order given (fewer than ``samples`` when
+        a text ran out).
     description : str
         One text: :func:`describe_samples` of its description (as before mixes existed);
-        several: "<n> from <description> + <n> from ...", then the sample size.
+        several: "<n> from <description> + <n> from ...", n the samples each text gave,
+        then the sample size.
 
     Raises
     ------
