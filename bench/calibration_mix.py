@@ -37,7 +37,8 @@ def main(argv=None) -> None:
     from topth_ops.hf.calibrate import CalibrationText, calibrate
     from topth_ops.hf.evaluate import _collector
     from topth_ops.hf.model import load_model
-    from topth_ops.hf.texts import calibration_texts, humaneval_problems, mixed_samples, stdlib_documents
+    from topth_ops.hf.calib_sources import calibration_texts, mixed_samples
+    from topth_ops.hf.texts import humaneval_problems, stdlib_documents
     from topth_ops.layer_k import parse_layer_k
 
     torch.set_num_threads(2)

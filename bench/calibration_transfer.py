@@ -65,7 +65,8 @@ def main(argv=None) -> None:
 
     from topth_ops.hf.calibrate import CalibrationText, calibrate
     from topth_ops.hf.model import load_model
-    from topth_ops.hf.texts import calibration_documents, humaneval_problems, stdlib_documents, token_samples
+    from topth_ops.hf.calib_sources import calibration_documents
+    from topth_ops.hf.texts import humaneval_problems, stdlib_documents, token_samples
     from topth_ops.layer_k import parse_layer_k
 
     torch.set_num_threads(2)

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from topth_ops.hf.texts import STDLIB_SOURCE, calibration_documents, stdlib_documents, token_samples
+from topth_ops.hf.calib_sources import STDLIB_SOURCE, calibration_documents
+from topth_ops.hf.texts import stdlib_documents, token_samples
 
 
 class CharTokenizer:
@@ -21,7 +22,7 @@ def test_default_source_is_english_documentation():
     docs, desc = calibration_documents(None)
     assert "pydoc_data.topics" in desc and len(docs) > 10
     assert all(isinstance(d, str) and d.strip() for d in docs)
-    from topth_ops.hf.texts import PYDOC_SOURCE
+    from topth_ops.hf.calib_sources import PYDOC_SOURCE
 
     assert calibration_documents(PYDOC_SOURCE) == (docs, desc)  # its name, for a mix
 
@@ -124,7 +125,8 @@ def test_stdlib_exclude_bad_input_is_an_error_not_a_silent_no_op():
 def test_humaneval_source_is_held_out_problems_last_first():
     """``"humaneval"``: prompt + canonical solution per problem, from the end of the file,
     without the excluded task ids (evaluate leaves out the problems it evaluates)."""
-    from topth_ops.hf.texts import HUMANEVAL_SOURCE, humaneval_problems
+    from topth_ops.hf.calib_sources import HUMANEVAL_SOURCE
+    from topth_ops.hf.texts import humaneval_problems
 
     probs = humaneval_problems()
     docs, desc = calibration_documents(HUMANEVAL_SOURCE)
@@ -141,7 +143,7 @@ def test_humaneval_source_is_held_out_problems_last_first():
 
 
 def test_humaneval_exclude_bad_input_is_an_error():
-    from topth_ops.hf.texts import HUMANEVAL_SOURCE
+    from topth_ops.hf.calib_sources import HUMANEVAL_SOURCE
 
     for bad in ("HumanEval/164", "HumanEval/x"):
         with pytest.raises(ValueError, match=f"{bad!r} is not a HumanEval task id"):
@@ -151,7 +153,8 @@ def test_humaneval_exclude_bad_input_is_an_error():
 
 
 def test_mixed_samples_divide_the_samples_among_the_texts(tmp_path):
-    from topth_ops.hf.texts import calibration_texts, describe_samples, mixed_samples
+    from topth_ops.hf.calib_sources import calibration_texts, mixed_samples
+    from topth_ops.hf.texts import describe_samples
 
     for c in "ab":  # five documents of 30 characters each
         (tmp_path / f"{c}.jsonl").write_text("".join(f'"{c}{i}{c * 28}"\n' for i in range(5)))
@@ -178,7 +181,7 @@ def test_one_text_spelled_twice_is_refused(tmp_path, monkeypatch):
     """A mix must not hold one text twice under two spellings (it would get twice the
     samples, silently): the default text by None and by name, one file by two paths, and a
     file inside a folder that is also given."""
-    from topth_ops.hf.texts import PYDOC_SOURCE, calibration_texts
+    from topth_ops.hf.calib_sources import PYDOC_SOURCE, calibration_texts
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("some text\n")
@@ -197,7 +200,7 @@ def test_unknown_source_name_lists_the_built_in_texts():
 
 
 def test_exclude_type_error_names_both_kinds():
-    from topth_ops.hf.texts import HUMANEVAL_SOURCE
+    from topth_ops.hf.calib_sources import HUMANEVAL_SOURCE
 
     with pytest.raises(TypeError, match=r"module file names or HumanEval task ids"):
         calibration_documents(HUMANEVAL_SOURCE, exclude="HumanEval/3")

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         from ..threshold_file import save_threshold_sets
         from .calibrate import CalibrationText, calibrate
         from .model import load_model
-        from .texts import calibration_texts, mixed_samples
+        from .calib_sources import calibration_texts, mixed_samples
 
         sources = calibration_texts(args.text)
         if args.samples < len(sources):

@@ -105,7 +105,8 @@ def _run(args) -> int:
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
         if args.calib_text:  # what calibration_texts refuses after the model loads, refused before it
-            from .texts import HUMANEVAL_SOURCE, check_sources, humaneval_problems
+            from .calib_sources import HUMANEVAL_SOURCE, check_sources
+            from .texts import humaneval_problems
 
             check_sources(args.calib_text)
             if HUMANEVAL_SOURCE in args.calib_text:  # the evaluated problems are left out: some must remain
@@ -175,7 +176,7 @@ def _run(args) -> int:
         wanted = {(f["placement"], f["selection"]) for f in topth}  # calibrate computes every pair
         if placements:
             from .calibrate import CalibrationText, calibrate
-            from .texts import calibration_texts, mixed_samples
+            from .calib_sources import calibration_texts, mixed_samples
 
             held = [name for name, _ in long_docs] + [q["task_id"] for q in humaneval_problems(cfg.problems)]
             samples, desc = mixed_samples(lm.tokenizer, calibration_texts(args.calib_text, exclude=held),
