@@ -166,3 +166,34 @@ def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys,
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err
+
+
+def test_evaluate_refuses_a_file_calibrated_on_the_problems_it_evaluates(tmp_path, capsys, monkeypatch):
+    """A threshold file whose calibration text read HumanEval problems that evaluate --thresholds
+    would score is refused before the model loads, naming the file; one that left them out is not."""
+    import topth_ops.hf.model
+    from topth_ops.calibration import DENSE
+    import torch
+
+    from topth_ops.threshold_file import ThresholdSet, save_threshold_sets
+
+    def no_model(*args, **kwargs):
+        raise RuntimeError("model loading reached")
+
+    monkeypatch.setattr(topth_ops.hf.model, "load_model", no_model)
+    cfg = dict(model_type="llama", num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    text = ("8 from humaneval (HumanEval prompts + canonical solutions, reverse file order from HumanEval/163, "
+            "without HumanEval/0-3); samples of <= 1024 tokens")
+    path = tmp_path / "th.safetensors"
+    th = torch.full((2, 2, 6), 0.1)
+    th[0] = -torch.inf
+    th[1, :, :2] = -torch.inf  # rows with n <= k keep every key
+    save_threshold_sets(path, [ThresholdSet(thresholds=th, counts=torch.full((2, 2, 6), 2), layer_k=[DENSE, 2],
+                                            placement="post_softmax", model_name="tiny", attention_config=cfg,
+                                            alpha=0.0, estimator="count", calibration_text=text)])
+    argv = ["evaluate", "--thresholds", str(path), "--json", str(tmp_path / "e.json"), "--variants", "topth-post-vmc"]
+    assert main(argv + ["--problems", "6"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "calibrated on HumanEval problems this evaluation uses (HumanEval/4 and 1 more)" in err
+    with pytest.raises(RuntimeError, match="model loading reached"):  # problems 0-3 were left out: accepted
+        main(argv + ["--problems", "4"])

@@ -204,3 +204,19 @@ def test_exclude_type_error_names_both_kinds():
 
     with pytest.raises(TypeError, match=r"module file names or HumanEval task ids"):
         calibration_documents(HUMANEVAL_SOURCE, exclude="HumanEval/3")
+
+
+def test_humaneval_overlap_reads_what_a_calibration_text_left_out():
+    """Which evaluated problems a file's calibration text may have read, from its recorded
+    description (written by the code under test; the expected sets are counted here)."""
+    from topth_ops.hf.calib_sources import HUMANEVAL_SOURCE, humaneval_overlap
+
+    ids = [f"HumanEval/{i}" for i in range(40)]
+    _, none = calibration_documents(HUMANEVAL_SOURCE)  # every problem
+    _, some = calibration_documents(HUMANEVAL_SOURCE, exclude=[f"HumanEval/{i}" for i in range(32)] + ["HumanEval/35"])
+    assert humaneval_overlap(none, ids) == ids
+    assert humaneval_overlap(some, ids) == [f"HumanEval/{i}" for i in (32, 33, 34, 36, 37, 38, 39)]
+    assert humaneval_overlap(some, ids[:32]) == []
+    assert humaneval_overlap(f"8 from python-stdlib (x) + 8 from {some[:-1]}); samples of <= 1024 tokens",
+                             ids[30:34]) == ["HumanEval/32", "HumanEval/33"]
+    assert humaneval_overlap("pydoc_data.topics (...); samples of <= 1024 tokens", ids) == []

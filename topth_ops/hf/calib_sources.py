@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -274,3 +275,31 @@ def _jsonl_text(obj, f: Path) -> str:
             if isinstance(v, str):
                 return v
     raise ValueError(f"{f}: a .jsonl line must be a JSON string or an object with a 'text' field")
+
+
+def humaneval_overlap(description: str, task_ids: Sequence[str]) -> list[str]:
+    """The task ids among ``task_ids`` that a calibration text may have used.
+
+    Parameters
+    ----------
+    description : str
+        A calibration text's description as threshold files record it
+        (``ThresholdSet.calibration_text``).
+    task_ids : sequence of str
+        HumanEval task ids an evaluation uses (``"HumanEval/0"``).
+
+    Returns
+    -------
+    list of str
+        Empty when the description has no ``humaneval`` text; else the ids of
+        ``task_ids`` that its "without HumanEval/..." list does not leave out (the
+        problems calibration may have read, in the order given).
+    """
+    if f"{HUMANEVAL_SOURCE} (HumanEval prompts + canonical solutions" not in description:
+        return []
+    m = re.search(r"without HumanEval/([0-9, -]+)\)", description)
+    held: set = set()
+    for part in (m.group(1).split(",") if m else []):
+        a, _, b = part.strip().partition("-")
+        held.update(range(int(a), int(b or a) + 1))
+    return [t for t in task_ids if int(t[len(HUMANEVAL_ID):]) not in held]

@@ -148,6 +148,16 @@ def _run(args) -> int:
     if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
     files = [ts for f in args.thresholds for ts in load_threshold_sets(f)] if args.thresholds else []
+    if files:
+        from .calib_sources import humaneval_overlap
+
+        ids = [q["task_id"] for q in humaneval_problems(cfg.problems)]
+        for ts in files:
+            seen = humaneval_overlap(ts.calibration_text, ids)
+            if seen:
+                raise ValueError(f"{ts.path}: calibrated on HumanEval problems this evaluation uses ({seen[0]}"
+                                 f"{f' and {len(seen) - 1} more' if len(seen) > 1 else ''}); let evaluate calibrate "
+                                 "(it leaves its problems out) or use a calibration text without humaneval")
     variants = _file_variants(files, args.variants) if files else None  # checked before the model loads
     bars = show_progress(args)
     t_start = time.time()
