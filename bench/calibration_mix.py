@@ -32,10 +32,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     import torch
+    from calibration_transfer import prefill_stats  # bench/ is on sys.path when run as a script
 
-    from topth_ops.hf.attention import TopthSettings, disable, enable
     from topth_ops.hf.calibrate import CalibrationText, calibrate
-    from topth_ops.hf.evaluate import _collector
     from topth_ops.hf.model import load_model
     from topth_ops.hf.calib_sources import calibration_texts, mixed_samples
     from topth_ops.hf.texts import humaneval_problems, stdlib_documents
@@ -51,16 +50,8 @@ def main(argv=None) -> None:
                            for q in problems],
              "long documents": [ids[:1024] for _, ids in long_docs]}
 
-    def ktk(ts, seqs, placement):
-        col = _collector(lm.model)
-        sdc = "offline" if placement == "pre_softmax" else "none"
-        enable(lm.model, TopthSettings(mode="topth", thresholds=ts, sdc=sdc, vmc=True), prefill_stats=col)
-        try:
-            with torch.no_grad():
-                for ids in seqs:
-                    lm.model(ids.view(1, -1))
-        finally:
-            disable(lm.model)
+    def ktk(ts, seqs):
+        col = prefill_stats(lm, ts, seqs)
         return " ".join(f"{col.k_tilde_over_k(ts.layer_k, lo, hi)[0]:.2f}" for lo, hi in BUCKETS)
 
     print(f"buckets {' '.join(f'({lo},{hi}]' for lo, hi in BUCKETS)} (nan: no rows)")
@@ -75,7 +66,7 @@ def main(argv=None) -> None:
             ts = sets[(0, placement, "head")]
             print(f"{mix} {placement} k={args.k} ({len(samples)} samples, {time.time() - t0:.0f} s)", flush=True)
             for name, seqs in evals.items():
-                print(f"  {name:15s} {ktk(ts, seqs, placement)}", flush=True)
+                print(f"  {name:15s} {ktk(ts, seqs)}", flush=True)
 
 
 if __name__ == "__main__":

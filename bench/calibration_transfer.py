@@ -25,8 +25,9 @@ import time
 LAYER_RANGES = ((2, 5), (6, 9), (10, 14), (15, 19), (20, 24), (25, 29))
 
 
-def _ktk(lm, ts, seqs, num_layers: int) -> str:
-    """k~/k of every thresholded layer, and per layer range, over the prefill rows of ``seqs``."""
+def prefill_stats(lm, ts, seqs):
+    """Run ``seqs`` (1-D token ids) through the model with thresholds ``ts`` (offline SDC for
+    pre_softmax, VMC) and return the kept-count statistics of their prefill rows."""
     import torch
 
     from topth_ops.hf.attention import TopthSettings, disable, enable
@@ -41,6 +42,12 @@ def _ktk(lm, ts, seqs, num_layers: int) -> str:
                 lm.model(ids.view(1, -1))
     finally:
         disable(lm.model)
+    return col
+
+
+def _ktk(lm, ts, seqs, num_layers: int) -> str:
+    """k~/k of every thresholded layer, and per layer range, over the prefill rows of ``seqs``."""
+    col = prefill_stats(lm, ts, seqs)
     parts = []
     for lo, hi in LAYER_RANGES:
         if lo >= num_layers:
