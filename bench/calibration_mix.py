@@ -7,8 +7,9 @@ starts per text, leaving out what ``evaluate`` evaluates (its two long documents
 first 32 HumanEval problems), then counts k~/k (kept / k, per head, thresholded layers,
 prefill rows) per row-length bucket on 32 HumanEval prompts + canonical solutions and on
 the first 1024 tokens of the two long documents. These are the prefill rows behind
-``evaluate``'s per-text buckets (``by_text``); with ``python-stdlib`` alone they match
-its records to the digit.
+``evaluate``'s per-text buckets (``by_text``, which add the decode rows); with
+``python-stdlib`` alone they match its records to the digit pre-softmax and within 0.01
+post-softmax (SmolLM2).
 
 Usage (SmolLM2-135M, CPU; 1-3 minutes per mix and placement)::
 
