@@ -18,13 +18,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from .texts import stdlib_modules, describe_samples, humaneval_problems, token_samples
+from .texts import describe_samples, humaneval_problems, stdlib_modules, token_samples
 
 STDLIB_SOURCE = "python-stdlib"  # calibration_documents' name for standard-library code
 PYDOC_SOURCE = "pydoc-topics"  # calibration_documents' name for the default English text (None)
 HUMANEVAL_SOURCE = "humaneval"  # calibration_documents' name for held-out HumanEval problems
 HUMANEVAL_ID = "HumanEval/"  # how a HumanEval task id starts (exclude tells the two kinds of names apart)
 BUILT_IN_SOURCES = (PYDOC_SOURCE, STDLIB_SOURCE, HUMANEVAL_SOURCE)
+_HUMANEVAL_DESC = f"{HUMANEVAL_SOURCE} (HumanEval prompts + canonical solutions"  # written and read back (overlap)
 
 
 def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] = ()) -> tuple[list[str], str]:
@@ -34,11 +35,12 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
     ----------
     source : str, optional
         None or ``"pydoc-topics"`` (:data:`PYDOC_SOURCE`, the name a mix needs): the
-        English documentation topics that ship with Python (``pydoc_data.topics``). ``"python-stdlib"`` (:data:`STDLIB_SOURCE`): standard-
-        library module sources of at least 20 kB in reverse name order (code, like
-        HumanEval and the long documents). ``"humaneval"`` (:data:`HUMANEVAL_SOURCE`): HumanEval
-        prompts + canonical solutions in reverse file order (HumanEval/163 first), one
-        document per problem. Otherwise a .txt file (one document), a .jsonl file
+        English documentation topics that ship with Python (``pydoc_data.topics``).
+        ``"python-stdlib"`` (:data:`STDLIB_SOURCE`): standard-library module sources of
+        at least 20 kB in reverse name order (code, like HumanEval and the long
+        documents). ``"humaneval"`` (:data:`HUMANEVAL_SOURCE`): HumanEval prompts +
+        canonical solutions in reverse file order (HumanEval/163 first), one document
+        per problem. Otherwise a .txt file (one document), a .jsonl file
         (one document per line: the "text" field, else the first string field, or the
         line itself when it is a JSON string), or a folder searched recursively for both
         (a path named like a built-in text is written ``./python-stdlib``).
@@ -57,7 +59,8 @@ def calibration_documents(source: Optional[str] = None, exclude: Sequence[str] =
         ``source`` does not exist.
     ValueError
         No text at all (for the built-in texts: ``exclude`` leaves nothing), a name in
-        ``exclude`` that is not a standard-library module file or HumanEval task id, a file that is not UTF-8,
+        ``exclude`` that is not a standard-library module file or HumanEval task id, a
+        file that is not UTF-8,
         or a .jsonl line that is not JSON (the message names the file and line).
     """
     if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple, set, frozenset)) \
@@ -138,8 +141,7 @@ def _humaneval_documents(skip: set) -> tuple[list[str], str]:
         else:
             spans.append([n, n])
     without = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-    desc = (f"{HUMANEVAL_SOURCE} (HumanEval prompts + canonical solutions, reverse file order from "
-            f"{kept[0]['task_id']}" + (f", without HumanEval/{without}" if spans else "") + ")")
+    desc = (f"{_HUMANEVAL_DESC}, reverse file order from {kept[0]['task_id']}" + (f", without HumanEval/{without}" if spans else "") + ")")
     return [r["prompt"] + r["canonical_solution"] for r in kept], desc
 
 
@@ -295,7 +297,7 @@ def humaneval_overlap(description: str, task_ids: Sequence[str]) -> list[str]:
         ``task_ids`` that its "without HumanEval/..." list does not leave out (the
         problems calibration may have read, in the order given).
     """
-    if f"{HUMANEVAL_SOURCE} (HumanEval prompts + canonical solutions" not in description:
+    if _HUMANEVAL_DESC not in description:
         return []
     m = re.search(r"without HumanEval/([0-9, -]+)\)", description)
     held: set = set()

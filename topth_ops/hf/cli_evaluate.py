@@ -110,14 +110,14 @@ def _run(args) -> int:
 
             check_sources(args.calib_text)
             if HUMANEVAL_SOURCE in args.calib_text:  # the evaluated problems are left out: some must remain
-                evaluated = [q["task_id"] for q in humaneval_problems(args.problems)]
-                if len(evaluated) == len(humaneval_problems()):
+                every = len(humaneval_problems())
+                if args.problems >= every:
                     raise ValueError(f"--calib-text {HUMANEVAL_SOURCE} leaves out the problems evaluate evaluates, "
-                                     f"and --problems {args.problems} takes all {len(evaluated)}: give fewer "
+                                     f"and --problems {args.problems} takes all {every}: give fewer "
                                      "--problems or another calibration text")
-        if args.calib_text and args.calib_samples < len(args.calib_text):
-            raise ValueError(f"--calib-samples must be >= the number of --calib-text sources "
-                             f"({len(args.calib_text)}), got {args.calib_samples}")
+            if args.calib_samples < len(args.calib_text):
+                raise ValueError(f"--calib-samples must be >= the number of --calib-text sources "
+                                 f"({len(args.calib_text)}), got {args.calib_samples}")
         check_alpha(args.alpha)
         check_layerwise(args)
         if args.estimator == "count" and args.alpha != 0:
@@ -147,13 +147,14 @@ def _run(args) -> int:
                      long_tokens=args.long_tokens, long_min_row=args.long_min_row, backend=args.backend)
     if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
+    problems = humaneval_problems(cfg.problems)  # read once: checked against, held out of calibration, scored
+    problem_ids = [q["task_id"] for q in problems]
     files = [ts for f in args.thresholds for ts in load_threshold_sets(f)] if args.thresholds else []
     if files:
         from .calib_sources import humaneval_overlap
 
-        ids = [q["task_id"] for q in humaneval_problems(cfg.problems)]
         for ts in files:
-            seen = humaneval_overlap(ts.calibration_text, ids)
+            seen = humaneval_overlap(ts.calibration_text, problem_ids)
             if seen:
                 raise ValueError(f"{ts.path}: calibrated on HumanEval problems this evaluation uses ({seen[0]}"
                                  f"{f' and {len(seen) - 1} more' if len(seen) > 1 else ''}); let evaluate calibrate "
@@ -188,7 +189,7 @@ def _run(args) -> int:
             from .calibrate import CalibrationText, calibrate
             from .calib_sources import calibration_texts, mixed_samples
 
-            held = [name for name, _ in long_docs] + [q["task_id"] for q in humaneval_problems(cfg.problems)]
+            held = [name for name, _ in long_docs] + problem_ids
             samples, desc = mixed_samples(lm.tokenizer, calibration_texts(args.calib_text, exclude=held),
                                           args.calib_samples, args.calib_max_tokens, align=args.calib_align)
             note_short_text(samples, args.calib_samples, args.calib_max_tokens)
@@ -221,7 +222,7 @@ def _run(args) -> int:
                   f"{calibration['seconds']:.0f} s; files in {tdir}")
         variants = make_variants(args.variants, ks, thresholds, lambda k: parse_layer_k(args.layer_k, k, L))
 
-    texts = tokenize_texts(lm.tokenizer, cfg, humaneval_problems(cfg.problems), long_docs)
+    texts = tokenize_texts(lm.tokenizer, cfg, problems, long_docs)
     t0 = time.time()
     dense = dense_reference(lm, texts, cfg, progress)
     print(f"dense: HumanEval ppl {dense['ppl']:.4f} over {dense['tokens']} solution tokens"
