@@ -107,9 +107,9 @@ def test_result_layout_dense_rows_and_length_model():
     assert np.isnan(model.anchor_n[0]).all() and (model.anchor_n[1:] <= T).all()
     # beyond the anchor, theta follows the model exactly
     n = np.arange(100, 257)
-    assert model.feature == "log_log_n_over_k" and list(model.k) == [DENSE, 4, 4]
+    assert model.feature == "inverse_n_over_k" and list(model.k) == [DENSE, 4, 4]
     np.testing.assert_allclose(np.log(th[2, 1, 99:]), model.anchor_value[2, 1] + model.slope[2, 1] *
-                               (np.log(np.log(n / 4)) - np.log(np.log(model.anchor_n[2, 1] / 4))), rtol=1e-9)
+                               (4 / model.anchor_n[2, 1] - 4 / n), rtol=1e-9)
     with pytest.raises(ValueError, match="no calibration row longer than k=64 in layer 1"):
         acc.result("post_softmax", "head", [DENSE, 64, 4])
 
@@ -121,9 +121,16 @@ def test_fit_length_model_recovers_a_log_linear_law():
     assert sl == pytest.approx(0.75) and an == 226.0 and av == pytest.approx(v[-1])
     m = LengthModel("logit", np.array([[an]]), np.array([[av]]), np.array([[sl]]))
     assert m.theta(np.array([1000.0]))[0, 0, 0] == pytest.approx(1.5 + 0.75 * math.log(1000))
-    # the default feature: log log(n / k)
+    # the default feature: -k / n, a law that levels off at its limit (here -2.0)
+    u = -2.0 - 3.0 * 4 / c
+    an, av, sl = fit_length_model(c, u, np.full(c.size, 7), k=4, domain="log_prob")
+    assert sl == pytest.approx(3.0)
+    m = LengthModel("log_prob", np.array([[an]]), np.array([[av]]), np.array([[sl]]), "inverse_n_over_k", np.array([4]))
+    assert m.theta(np.array([5000.0]))[0, 0, 0] == pytest.approx(math.exp(-2.0 - 12.0 / 5000))
+    assert m.theta(np.array([1e12]))[0, 0, 0] == pytest.approx(math.exp(-2.0))
+    # log log(n / k), what files written before 2026-12-01 hold
     w = -2.0 + 0.5 * np.log(np.log(c / 4))
-    an, av, sl = fit_length_model(c, w, np.full(c.size, 7), k=4, domain="log_prob")
+    an, av, sl = fit_length_model(c, w, np.full(c.size, 7), k=4, domain="log_prob", feature="log_log_n_over_k")
     assert sl == pytest.approx(0.5)
     m = LengthModel("log_prob", np.array([[an]]), np.array([[av]]), np.array([[sl]]), "log_log_n_over_k", np.array([4]))
     assert m.theta(np.array([5000.0]))[0, 0, 0] == pytest.approx(math.exp(-2.0 + 0.5 * math.log(math.log(1250))))
@@ -155,25 +162,27 @@ def test_row_thinning_keeps_rows_per_octave_and_the_estimate():
     np.testing.assert_allclose(vt[:, uf], vf[:, uf], atol=0.25)  # log-probability units
 
 
-def test_sdc_table_model_grows_at_most_linearly():
-    """The offline SDC table's extension beyond the calibrated row ids: E (a sum of at most
-    n - 1 terms exp(a - m) <= 1) must not be extrapolated faster than linearly in n, even
-    where the calibrated values rise steeply just above k (a layer at k = 256 on rows of
-    up to 1024: the regression that gave +12,000% long-document perplexity)."""
-    from topth_ops.calib_sdc import SDC_MAX_SLOPE
-    from topth_ops.length_model import fit_table_model
+def test_sdc_table_continues_as_its_last_octave_mean():
+    """The offline SDC table beyond the calibrated row ids holds the sample-weighted mean of
+    its last calibrated octave (rows n > k), whatever the trend inside: a fitted growth
+    (even n^3 just above a large k, the regression that once gave +12,000% long-document
+    perplexity) is not continued."""
+    from topth_ops.length_model import constant_table_model
 
     R, k = 1024, 256
     n = np.arange(1, R + 1, dtype=np.float64)
-    steep = np.where(n > k, ((n - k) / 64.0) ** 3, 0.0)  # grows like n^3 over the calibrated ids
-    flat = np.where(n > 8, 0.5 * np.sqrt(n), 0.0)  # grows like n^0.5: kept as fitted
-    table = np.stack([steep, flat]).reshape(1, 2, R)
+    steep = np.where(n > k, ((n - k) / 64.0) ** 3, 0.0)
+    flat = np.where(n > 8, 0.5 * np.sqrt(n), 0.0)
+    table = np.stack([steep, flat, np.zeros(R)]).reshape(1, 3, R)
     counts = np.ones_like(table, dtype=np.int64)
-    far = np.array([2048.0, 4096.0, 8192.0])
-    free = fit_table_model(table, counts, [k], "log")
-    assert free.theta(far)[0, 0, -1] / steep[-1] > 64  # without the cap it explodes (the test can fail)
-    capped = fit_table_model(table, counts, [k], "log", max_slope=SDC_MAX_SLOPE)
-    ext = capped.theta(far)[0]
-    assert np.all(ext[0] <= far) and ext[0, -1] / ext[0, 0] == pytest.approx(4.0, rel=1e-6)  # slope exactly 1
-    assert capped.slope[0, 1] == pytest.approx(0.5, abs=0.02)  # a slope under the cap is unchanged
-    assert ext[1, -1] == pytest.approx(0.5 * np.sqrt(8192), rel=0.05)
+    counts[0, 1, 900:] = 0  # unsampled row ids carry no weight
+    counts[0, 1, 600:700] = 3
+    m = constant_table_model(table, counts, [k])
+    ext = m.theta(np.array([1025.0, 4096.0, 1e6]))[0]
+    last = n >= 512
+    assert ext[0] == pytest.approx(np.full(3, steep[last].mean()))
+    w = counts[0, 1] * ((n >= 899 / 2) & (n > k))
+    assert ext[1] == pytest.approx(np.full(3, np.average(flat, weights=w)))
+    assert np.all(ext[2] == 0)  # no dropped mass calibrated: no compensation
+    dense = constant_table_model(table, counts, [0])
+    assert np.all(dense.theta(np.array([2000.0])) == -np.inf)  # dense layer: extended as 0 by the SDC extension

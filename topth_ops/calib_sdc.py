@@ -19,11 +19,9 @@ import torch
 
 from .calibration import CalibrationResult, _dense_rows, fill_unsampled, row_max, to_host
 from .layer_k import DENSE
-from .length_model import fit_table_model
+from .length_model import constant_table_model
 
 
-# E of a row is a sum of at most n - 1 terms exp(a_j - m) <= 1: it grows at most linearly in n
-SDC_MAX_SLOPE = 1.0
 
 
 class SdcAccumulator:
@@ -47,8 +45,8 @@ class SdcAccumulator:
     the mean of E per (layer, head, row id) over the calibrated row ids
     (``counts.shape[-1]``); rows n <= k hold 0; unsampled row ids take the nearest
     sampled one. When a result has a length model (its table extends beyond the
-    calibrated row ids), the SDC table gets one too (:func:`topth_ops.length_model.
-    fit_table_model`, log domain) and is extended the same way.
+    calibrated row ids), the SDC table is continued too: its mean over the last calibrated
+    octave, held constant (:func:`topth_ops.length_model.constant_table_model`).
     """
 
     def __init__(self, results: Sequence[CalibrationResult], num_q_heads: Optional[int] = None):
@@ -126,7 +124,7 @@ class SdcAccumulator:
             table = _dense_rows(table, r.layer_k, 0.0).astype(np.float32)
             R, Rc = r.thresholds.shape[-1], table.shape[-1]
             if R > Rc:
-                model = fit_table_model(table.astype(np.float64), cnt, r.layer_k, "log", max_slope=SDC_MAX_SLOPE)
+                model = constant_table_model(table.astype(np.float64), cnt, r.layer_k)
                 ext = model.theta(np.arange(Rc + 1, R + 1, dtype=np.float64)).astype(np.float32)
                 table = np.concatenate([table, np.where(np.isinf(ext), 0.0, ext).astype(np.float32)], axis=-1)
                 r.sdc_length_model = model

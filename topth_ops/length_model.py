@@ -1,9 +1,10 @@
 """Length models: theta (or the offline SDC table) as a function of the row id beyond the
-calibrated row ids, a line in a log feature of n fitted by weighted least squares.
+calibrated row ids, a line in a feature of n fitted by weighted least squares.
 
 Kept-count calibration (:mod:`topth_ops.calib_count`) fits one per (layer, head) on its
-bucket values in log log(n / k) (:func:`fit_length_model`); the offline SDC table gets one
-in log n (:func:`fit_table_model`). Threshold files store them
+bucket values in -k / n (:func:`fit_length_model`; files written before 2026-12-01 used
+log log(n / k) and still load with it); the offline SDC table is held constant
+(:func:`constant_table_model`; older files hold a line in log n, which still loads). Threshold files store them
 (:mod:`topth_ops.threshold_file`) and extend their tables with them when loaded. Why these
 features: see :mod:`topth_ops.calib_count` and docs/model.md.
 """
@@ -20,7 +21,32 @@ from .layer_k import DENSE
 
 DEFAULT_FIT_OCTAVES = 3.0
 MIN_FIT_POINTS = 3
-FEATURES = ("log_n", "log_log_n_over_k")
+FEATURES = ("log_n", "log_log_n_over_k", "inverse_n_over_k")
+THRESHOLD_FEATURE = "inverse_n_over_k"  # what calibration fits now (docs/model.md, "Rows 2-8 x beyond")
+
+
+def feature_of(n: np.ndarray, feature: str, k=None) -> np.ndarray:
+    """x(n) of a length-model feature (float64; NaN where k <= 0, i.e. dense layers).
+
+    Parameters
+    ----------
+    n : array_like
+        Row ids (> k for the k features).
+    feature : {"log_n", "log_log_n_over_k", "inverse_n_over_k"}
+        log n; log log(n / k); or -k / n (a saturating law: theta approaches a limit,
+        its rise halving with every doubling of n).
+    k : array_like, optional
+        k, broadcast against ``n``; needed by the two k features.
+    """
+    n = np.asarray(n, dtype=np.float64)
+    if feature == "log_n":
+        return np.log(n)
+    if feature not in FEATURES:
+        raise ValueError(f"feature must be one of {FEATURES}, got {feature!r}")
+    k = np.asarray(k, dtype=np.float64)
+    kk = np.where(k > 0, k, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.log(np.log(n / kk)) if feature == "log_log_n_over_k" else -kk / n
 
 
 @dataclass
@@ -28,8 +54,9 @@ class LengthModel:
     """theta as a function of the row id beyond the calibrated buckets.
 
     ``domain(theta)(n) = anchor_value + slope * (x(n) - x(anchor_n))`` with the feature
-    x(n) = log log(n / k) (thresholds: the growth of theta slows down as rows get longer,
-    measured in docs/model.md) or x(n) = log n (the offline SDC table).
+    x(n) = -k / n (thresholds: theta rises ever more slowly towards a limit as rows get
+    longer, because far keys rarely pass it; measured in docs/model.md), x(n) = log log(n / k)
+    (thresholds of files written before 2026-12-01) or x(n) = log n (the offline SDC table).
 
     Attributes
     ----------
@@ -44,9 +71,9 @@ class LengthModel:
         ``[num_layers, H]``: the domain value there (the calibrated bucket value).
     slope : numpy.ndarray
         ``[num_layers, H]``: d domain(theta) / d x.
-    feature : {"log_n", "log_log_n_over_k"}
+    feature : {"log_n", "log_log_n_over_k", "inverse_n_over_k"}
     k : numpy.ndarray or None
-        ``[num_layers]`` k per layer (0 = dense), needed by "log_log_n_over_k".
+        ``[num_layers]`` k per layer (0 = dense), needed by the two k features.
     """
 
     domain: str
@@ -59,20 +86,14 @@ class LengthModel:
     def x(self, n: np.ndarray) -> np.ndarray:
         """Feature ``[L, 1, len(n)]`` (or ``[1, 1, len(n)]``) of row ids ``n``."""
         n = np.asarray(n, dtype=np.float64).reshape(1, 1, -1)
-        if self.feature == "log_n":
-            return np.log(n)
-        k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1, 1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.log(np.log(n / np.where(k > 0, k, np.nan)))
+        k = None if self.feature == "log_n" else np.asarray(self.k, dtype=np.float64).reshape(-1, 1, 1)
+        return feature_of(n, self.feature, k)
 
     def value(self, n: np.ndarray) -> np.ndarray:
         """Domain value ``[L, H, len(n)]`` at row ids ``n`` (any n >= anchor_n)."""
+        k = None if self.feature == "log_n" else np.asarray(self.k, dtype=np.float64).reshape(-1, 1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            if self.feature == "log_n":
-                x0 = np.log(self.anchor_n)
-            else:
-                k = np.asarray(self.k, dtype=np.float64).reshape(-1, 1)
-                x0 = np.log(np.log(self.anchor_n / np.where(k > 0, k, np.nan)))
+            x0 = feature_of(self.anchor_n, self.feature, k)
             return self.anchor_value[..., None] + self.slope[..., None] * (self.x(n) - x0[..., None])
 
     def theta(self, n: np.ndarray) -> np.ndarray:
@@ -109,7 +130,7 @@ def _weighted_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, 
 
 
 def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, k: int, domain: str,
-                     fit_octaves: float = DEFAULT_FIT_OCTAVES, feature: str = "log_log_n_over_k"
+                     fit_octaves: float = DEFAULT_FIT_OCTAVES, feature: str = THRESHOLD_FEATURE
                      ) -> tuple[float, float, float]:
     """Fit the log-linear length model of one (layer, head).
 
@@ -122,7 +143,7 @@ def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, 
     domain : str
     fit_octaves : float
         Fit on the centres within this many octaves of the last one.
-    feature : {"log_log_n_over_k", "log_n"}
+    feature : {"inverse_n_over_k", "log_log_n_over_k", "log_n"}
         x of the model (see :class:`LengthModel`).
 
     Returns
@@ -140,53 +161,52 @@ def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, 
         sel = c > k
     slope = 0.0
     if sel.sum() >= 2:
-        x = np.log(c[sel]) if feature == "log_n" else np.log(np.log(c[sel] / k))
+        x = feature_of(c[sel], feature, k)
         y, ww = v[sel], w[sel]
         slope = _weighted_line(x, y, ww)[2]
     return float(last), float(v[-1]), slope
 
 
-def fit_table_model(table: np.ndarray, counts: np.ndarray, layer_k, domain: str = "log",
-                    fit_octaves: float = DEFAULT_FIT_OCTAVES, max_slope: Optional[float] = None) -> LengthModel:
-    """Log-linear model of a per-row-id table (e.g. the offline SDC table) for row ids
-    beyond it: per (layer, head), weighted least squares (weights: ``counts``) of
-    domain(value) on log n over the row ids of the last ``fit_octaves`` octaves with
-    samples and value > 0; the model is the regression line (anchored at its weighted
-    mean point). Dense layers get NaN (extended as 0 by the SDC extension).
+def constant_table_model(table: np.ndarray, counts: np.ndarray, layer_k, octaves: float = 1.0) -> LengthModel:
+    """Constant continuation of a per-row-id table (the offline SDC table) beyond its last
+    row id: per (layer, head), the sample-weighted mean of the table over the row ids of its
+    last ``octaves`` octaves with samples (rows n > k), held for every longer row.
+
+    Why constant: on SmolLM2-135M the mean dropped mass E per row id keeps growing beyond
+    the calibration samples, but compensating longer rows by more of it (continued in log n,
+    or even the exact dense mean of the document itself) made the later layers keep
+    1.3-3 x k at rows 4-8 x beyond the samples and raised perplexity there by up to +364%;
+    the constant continuation kept 0.97-0.98 x k and gave the smallest perplexity change
+    (docs/model.md, "Rows 2-8 x beyond the calibration samples").
 
     Parameters
     ----------
     table, counts : numpy.ndarray
         ``[L, H, R]`` values and samples per row id (column c = row id c + 1).
     layer_k : sequence of int
-    domain : {"log", "logit"}
-    max_slope : float, optional
-        Upper bound of the fitted slope d domain(value) / d log n. The offline SDC table
-        uses 1: its entries are sums of at most n - 1 dropped terms exp(a_j - m) <= 1, so
-        they grow at most linearly in n; a steeper fit comes from the onset of dropping
-        just above k (layers at a large k) and would extrapolate to a compensation that
-        swamps every kept weight on long rows.
+        k per layer (:data:`~topth_ops.layer_k.DENSE` layers get NaN: extended as 0).
+    octaves : float
+
+    Returns
+    -------
+    LengthModel
+        domain "log", feature "log_n", slope 0, anchored at row id R; a head without
+        samples above k gets -inf (extended as 0).
     """
     L, H, R = table.shape
-    an, av, sl = np.full((L, H), np.nan), np.full((L, H), np.nan), np.zeros((L, H))
+    an, av = np.full((L, H), np.nan), np.full((L, H), np.nan)
     n = np.arange(1, R + 1, dtype=np.float64)
     for layer, k in enumerate(layer_k):
         if k == DENSE:
             continue
         for h in range(H):
-            v, w = table[layer, h], counts[layer, h].astype(np.float64)
-            ok = (w > 0) & (n > k) & (v > 0 if domain == "log" else np.isfinite(v))
+            w = counts[layer, h].astype(np.float64)
+            ok = (w > 0) & (n > k)
+            an[layer, h] = float(R)
             if not ok.any():
-                an[layer, h], av[layer, h] = float(R), (0.0 if domain == "logit" else -np.inf)
+                av[layer, h] = -np.inf
                 continue
-            last = n[ok][-1]
-            sel = ok & (n >= last / 2.0 ** fit_octaves)
-            if (sel & (n > 2 * k)).sum() >= MIN_FIT_POINTS:  # past the onset of dropping, as the threshold model
-                sel &= n > 2 * k
-            x, ww = np.log(n[sel]), w[sel]
-            y = np.log(v[sel]) if domain == "log" else v[sel]
-            xm, ym, sl[layer, h] = _weighted_line(x, y, ww)
-            if max_slope is not None and sl[layer, h] > max_slope:
-                sl[layer, h] = max_slope
-            an[layer, h], av[layer, h] = math.exp(xm), ym
-    return LengthModel(domain, an, av, sl)
+            sel = ok & (n >= n[ok][-1] / 2.0 ** octaves)
+            mean = float(np.average(table[layer, h, sel], weights=w[sel]))
+            av[layer, h] = math.log(mean) if mean > 0 else -np.inf
+    return LengthModel("log", an, av, np.zeros((L, H)))

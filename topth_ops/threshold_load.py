@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .length_model import LengthModel
+from .length_model import FEATURES, LengthModel
 from .threshold_file import ThresholdSet
 from .threshold_format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, fingerprint
 from .threshold_validate import extend_sdc, extend_table, validate_set
@@ -99,14 +99,14 @@ def _load_model(t: Optional[torch.Tensor], domain: Optional[str], L: int, H: int
                 feature: Optional[str] = None, layer_k=None):
     if t is None and domain is None:
         return None
-    if (feature or "log_n") not in ("log_n", "log_log_n_over_k"):
+    if (feature or "log_n") not in FEATURES:
         raise ThresholdFileError(f"{where}: unknown {what} feature {feature!r}")
     if t is None or domain is None or t.dtype != torch.float64 or tuple(t.shape) != (3, L, H):
         raise ThresholdFileError(f"{where}: {what} must be float64 [3, {L}, {H}] with a domain, got "
                                  f"{None if t is None else (str(t.dtype), list(t.shape))}, domain {domain!r}")
     a = t.numpy()
     k = np.array(layer_k, dtype=np.int64) if isinstance(layer_k, list) and len(layer_k) == L else None
-    if feature == "log_log_n_over_k" and k is None:
+    if feature not in (None, "log_n") and k is None:
         raise ThresholdFileError(f"{where}: {what} needs the set's layer_k")
     return LengthModel(domain, a[0].copy(), a[1].copy(), a[2].copy(), feature or "log_n", k)
 

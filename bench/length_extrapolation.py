@@ -1,0 +1,147 @@
+"""k~/k on rows 2-8 x longer than the calibration samples (docs/model.md, "Rows 2-8 x beyond
+the calibration samples").
+
+Two measurements on SmolLM2-135M (8k context), both on held-out code: the first ``--docs``
+standard-library modules of at least 8192 tokens (aifc.py, argparse.py, ...; left out of
+calibration), truncated to 8192 tokens.
+
+``op``: calibrates layer-wise threshold sets (the library's own length model beyond the
+calibrated row ids; layers 0-1 at 256; offline SDC and VMC for pre_softmax, VMC for
+post_softmax) on ``--samples`` document starts of ``--calib-tokens`` tokens from
+python-stdlib + pydoc-topics, then counts k~/k (kept / k, per head, thresholded layers,
+prefill rows, every layer thresholded) and the perplexity change against dense attention
+by row-length range on the held-out documents.
+
+``dense``: one pass of dense attention records kept-count histograms (as calibration does)
+of 8 document starts of 8192 tokens of the same mix and of the held-out documents; then, per
+truncation T, thresholds calibrated on row ids <= T are continued beyond T by each length
+model (theta constant, log log(n / k), -k / n) and their kept counts read off the recorded
+rows (layers 2-29, every layer dense, so this isolates the length model). Histograms are
+cached in ``--cache``.
+
+Usage (CPU, 2 cores: ``op`` ~40 minutes at --calib-tokens 1024, ``dense`` ~12 minutes)::
+
+    python bench/length_extrapolation.py op --calib-tokens 1024
+    python bench/length_extrapolation.py dense --cache /tmp/lx
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+LONG = 8192
+
+
+def _ranges(t: int) -> list:
+    return [(lo, hi) for lo, hi in ((t // 2, t), (t, 2 * t), (2 * t, 4 * t), (4 * t, 8 * t)) if hi <= LONG]
+
+
+def _setup(docs: int):
+    import torch
+
+    from topth_ops.hf.model import load_model
+    from topth_ops.hf.texts import stdlib_documents
+
+    torch.set_num_threads(2)
+    lm = load_model(None, progress=False)
+    held = stdlib_documents(lm.tokenizer, docs, LONG, LONG)
+    return lm, held
+
+
+def _mix(lm, held, samples: int, tokens: int):
+    from topth_ops.hf.calib_sources import calibration_texts, mixed_samples
+    from topth_ops.hf.texts import stdlib_documents
+
+    excl = {n for n, _ in held} | {n for n, _ in stdlib_documents(lm.tokenizer, 2, 2304, 3072)}  # + evaluate's
+    return mixed_samples(lm.tokenizer, calibration_texts(["python-stdlib", "pydoc-topics"], exclude=sorted(excl)),
+                         samples, tokens, align="document")
+
+
+def _nll(model, ids):
+    """Per-position negative log-likelihood of ``ids`` (position i predicts token i + 1)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(ids.view(1, -1)).logits[0, :-1].float()
+    return -torch.log_softmax(logits, -1).gather(-1, ids[1:].view(-1, 1)).squeeze(-1)
+
+
+def _mean(nll, lo: int, hi: int) -> float:
+    """Mean NLL of the tokens predicted by rows n in (lo, hi] (row n sits at position n - 1)."""
+    import torch
+
+    return float(torch.cat([x[lo - 1:hi - 1] for x in nll]).mean())
+
+
+def run_op(args) -> None:
+
+    from topth_ops.hf.attention import TopthSettings, disable, enable
+    from topth_ops.hf.calibrate import CalibrationText, calibrate
+    from topth_ops.hf.evaluate import _collector
+    from topth_ops.layer_k import parse_layer_k
+
+    lm, held = _setup(args.docs)
+    L = int(lm.model.config.num_hidden_layers)
+    samples, desc = _mix(lm, held, args.samples, args.calib_tokens)
+    ranges = _ranges(args.calib_tokens)
+    print(f"# calibration: {desc}\n# held out: {', '.join(n for n, _ in held)} (first {LONG} tokens)")
+    print(f"# by row range {' '.join(f'({lo},{hi}]' for lo, hi in ranges)} (x the sample length: "
+          f"{' '.join(f'{lo / args.calib_tokens:g}-{hi / args.calib_tokens:g}' for lo, hi in ranges)}): k~/k, "
+          f"then the perplexity change against dense attention of the tokens those rows predict", flush=True)
+    dense = [_nll(lm.model, ids) for _, ids in held]
+    targets = [parse_layer_k("0:256,1:256", k, L) for k in args.k]
+    for p, s in (("pre_softmax", "head"), ("post_softmax", "head"), ("post_softmax", "group")):
+        t0 = time.time()
+        sets = calibrate(lm.model, CalibrationText(samples, desc), targets, [p], selections=[s],
+                         sdc_table=p == "pre_softmax", layerwise=True, progress=False, pairs={(p, s)})
+        for i, k in enumerate(args.k):
+            ts = sets[(i, p, s)]
+            col = _collector(lm.model)
+            sdc = "offline" if p == "pre_softmax" else "none"
+            enable(lm.model, TopthSettings(mode="topth", thresholds=ts, sdc=sdc, vmc=True), prefill_stats=col)
+            try:
+                sparse = [_nll(lm.model, ids) for _, ids in held]
+            finally:
+                disable(lm.model)
+            ktk = " ".join(f"{col.k_tilde_over_k(ts.layer_k, lo, hi)[0]:.2f}" for lo, hi in ranges)
+            ppl = " ".join(f"{100 * (math.exp(_mean(sparse, lo, hi) - _mean(dense, lo, hi)) - 1):+.1f}%"
+                           for lo, hi in ranges)
+            print(f"{p} {s} k={k}: k~/k {ktk} | ppl {ppl}   ({time.time() - t0:.0f} s)", flush=True)
+
+
+def run_dense(args) -> None:
+    import os
+
+    from length_extrapolation_dense import collect, compare
+
+    paths = {name: os.path.join(args.cache, f"{name}_{LONG}.pt") for name in ("calib", "heldout")}
+    if not all(os.path.exists(p) for p in paths.values()):
+        lm, held = _setup(args.docs)
+        samples, desc = _mix(lm, held, 8, LONG)
+        os.makedirs(args.cache, exist_ok=True)
+        print(f"# calibration text: {desc}\n# held out: {', '.join(n for n, _ in held)}", flush=True)
+        collect(lm.model, samples, [16, 32, 64, 96], paths["calib"])
+        collect(lm.model, [ids for _, ids in held], [16, 32, 64, 96], paths["heldout"])
+    for t in (1024, 2048):
+        compare(paths["calib"], paths["heldout"], t, _ranges(t), args.k)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=("op", "dense"))
+    p.add_argument("--calib-tokens", type=int, default=1024, help="op: calibration sample length (<= 4096)")
+    p.add_argument("--samples", type=int, default=16, help="op: calibration samples (8 per text)")
+    p.add_argument("--k", type=int, nargs="+", default=[16, 32, 96])
+    p.add_argument("--docs", type=int, default=2,
+                   help="held-out documents of >= 8192 tokens (the recorded dense run: 4)")
+    p.add_argument("--cache", default="out/length_extrapolation", help="dense: histogram files")
+    args = p.parse_args(argv)
+    if not 64 <= args.calib_tokens <= LONG // 2:
+        p.error(f"--calib-tokens must lie in [64, {LONG // 2}], got {args.calib_tokens}")
+    (run_op if args.mode == "op" else run_dense)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Dense-activation half of bench/length_extrapolation.py: record kept-count histograms of long
+rows once, then judge each length model on them (no model run per candidate)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+KS = (16, 32, 64, 96)
+MODELS = (("theta constant", None), ("log log(n / k)", "log_log_n_over_k"), ("-k / n", "inverse_n_over_k"))
+TARGETS = (("pre_softmax", "head"), ("post_softmax", "head"), ("post_softmax", "group"))
+
+
+def collect(model, seqs, ks, path) -> None:
+    """One dense forward pass per sequence; save the CountAccumulator's histograms to ``path``."""
+    import torch
+
+    from topth_ops.calib_count import CountAccumulator
+    from topth_ops.hf.attention import TopthSettings
+    from topth_ops.hf.calibrate import _run
+
+    c = model.config
+    T = max(int(s.numel()) for s in seqs)
+    acc = CountAccumulator(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, T, ks,
+                           ("pre_softmax", "post_softmax"), ("head", "group"))
+    _run(model, seqs, TopthSettings(mode="dense"), lambda layer, a, n, m, lz: acc.record(layer, a, n, m, lz),
+         "record", False)
+    torch.save({"shape": (acc.L, acc.Hq, acc.Hkv, T), "hist": acc.hist, "range": acc.range, "rows": acc.rows,
+                "log_n": acc.log_n}, path)
+
+
+def _load(path):
+    import torch
+
+    from topth_ops.calib_count import CountAccumulator
+
+    d = torch.load(path, weights_only=False)
+    acc = CountAccumulator(*d["shape"], KS, ("pre_softmax", "post_softmax"), ("head", "group"))
+    acc.hist, acc.range, acc.rows, acc.log_n = d["hist"], d["range"], d["rows"], d["log_n"]
+    return acc
+
+
+def _above(acc, p, s, layer, b, theta) -> float:
+    """Values above theta (domain values, one per head) in bucket b, all heads (uniform within a bin)."""
+    hist = acc.hist[(p, s)][layer, :, b].numpy().astype(np.float64)
+    rng = acc.range[(p, s)][layer].numpy()
+    pos = (theta - rng[:, 0]) / rng[:, 1]
+    total = 0.0
+    for h in range(hist.shape[0]):
+        i = int(np.floor(pos[h]))
+        if i < 0:
+            total += hist[h].sum()
+        elif i < hist.shape[1]:
+            total += hist[h, i + 1:].sum() + hist[h, i] * (i + 1 - pos[h])
+    return total
+
+
+def compare(calib_path, held_path, t, ranges, ks, first_layer: int = 2) -> None:
+    """Print k~/k by row range (calibration text | held-out) of each length model, fitted on row ids <= t."""
+    from topth_ops.length_model import feature_of, fit_length_model
+
+    A, B = _load(calib_path), _load(held_path)
+    edges = A.edges
+    print(f"== calibrated row ids <= {t}; k~/k by row range {' '.join(f'({lo},{hi}]' for lo, hi in ranges)}")
+    for p, s in TARGETS:
+        dom = "logit" if p == "pre_softmax" else "log_prob"
+        for k in ks:
+            for name, feature in MODELS:
+                tot = {"calib": np.zeros((len(ranges), 2)), "held": np.zeros((len(ranges), 2))}
+                for layer in range(first_layer, A.L):
+                    cen, vals, rows, usable = A.bucket_thetas(p, s, layer, k)
+                    cal = usable & (edges[1:] <= t)
+                    H = vals.shape[0]
+                    fits = [fit_length_model(cen[cal], vals[h, cal], rows[cal], k, dom, feature=feature or
+                                             "log_n") for h in range(H)]
+                    for b in np.flatnonzero(usable):
+                        ri = [i for i, (lo, hi) in enumerate(ranges) if edges[b] >= lo and edges[b + 1] <= hi]
+                        if not ri:
+                            continue
+                        if edges[b + 1] <= t or feature is None:
+                            theta = vals[:, b] if edges[b + 1] <= t else np.array([f[1] for f in fits])
+                        else:
+                            theta = np.array([av + sl * (feature_of(cen[b], feature, k) - feature_of(an, feature, k))
+                                              for an, av, sl in fits])
+                        for key, acc in (("calib", A), ("held", B)):
+                            r = float(acc.rows[layer, b])
+                            if r:
+                                tot[key][ri[0]] += (_above(acc, p, s, layer, b, theta), k * r * H)
+                f = {key: " ".join(f"{x:.2f}" for x in v[:, 0] / np.maximum(v[:, 1], 1)) for key, v in tot.items()}
+                print(f"{p} {s} k={k:<3d} {name:15s} calibration text {f['calib']} | held-out {f['held']}",
+                      flush=True)

@@ -1,0 +1,68 @@
+"""bench/length_extrapolation_dense.py: kept counts read off recorded histograms equal a brute-force
+count (to within the values of the bin that holds theta), and the model comparison runs on them."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import torch
+
+from topth_ops.calib_count import CountAccumulator
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "length_extrapolation_dense.py"
+L, HQ, HKV, T = 2, 4, 2, 256
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("length_extrapolation_dense", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _acc_file(tmp_path, name, seed):
+    acc = CountAccumulator(L, HQ, HKV, T, (16, 32, 64, 96), ("pre_softmax", "post_softmax"), ("head", "group"),
+                           rows_per_octave=0)
+    g = torch.Generator().manual_seed(seed)
+    logits = []
+    for _ in range(2):
+        a = torch.randn(1, HQ, T, T, generator=g) * 2.0
+        a = a.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        logits.append(a)
+        for layer in range(L):
+            acc.record(layer, a, torch.arange(1, T + 1).view(1, T))
+    path = tmp_path / f"{name}.pt"
+    torch.save({"shape": (L, HQ, HKV, T), "hist": acc.hist, "range": acc.range, "rows": acc.rows,
+                "log_n": acc.log_n}, path)
+    return path, acc, logits
+
+
+def test_counts_from_histograms_match_brute_force(tmp_path):
+    mod = _module()
+    path, acc, logits = _acc_file(tmp_path, "a", 0)
+    back = mod._load(str(path))
+    b = int(np.searchsorted(back.edges, 200)) - 1  # the bucket holding row id 200
+    lo, hi = int(back.edges[b]), int(back.edges[b + 1])
+    theta = np.array([0.5, 1.0, 1.5, 2.0])
+    got = mod._above(back, "pre_softmax", "head", 1, b, theta)
+    x = torch.cat([a[0, :, lo:hi, :] for a in logits], dim=1).double()  # [HQ, rows, T], rows n in (lo, hi]
+    exact = sum(float((x[h] > theta[h]).sum()) for h in range(HQ))
+    rng = back.range[("pre_softmax", "head")][1].numpy()
+    in_bin = sum(float(((x[h] > theta[h] - rng[h, 1]) & (x[h] <= theta[h] + rng[h, 1])).sum()) for h in range(HQ))
+    assert abs(got - exact) <= in_bin and exact > 0
+
+
+def test_compare_prints_every_model_and_keeps_k_inside_the_calibration(tmp_path, capsys):
+    mod = _module()
+    pa, _, _ = _acc_file(tmp_path, "calib", 1)
+    pb, _, _ = _acc_file(tmp_path, "held", 2)
+    mod.compare(str(pa), str(pb), 64, [(32, 64), (64, 128), (128, 256)], [16], first_layer=0)
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith(("pre_softmax", "post_softmax"))]
+    assert len(rows) == 3 * len(mod.MODELS)
+    for line in rows:
+        calib = [float(v) for v in line.split("calibration text")[1].split("|")[0].split()]
+        assert abs(calib[0] - 1.0) < 0.02  # calibrated range, calibration text: k kept by construction
+        assert all(0.2 < v < 5 for v in calib)
