@@ -32,6 +32,8 @@ import math
 import time
 
 LONG = 8192
+FIRST_K = 256  # op: the k of layers 0 and 1
+DENSE_KS = (16, 32, 64, 96)  # dense: the k whose row-length buckets the recorded histograms have
 
 
 def _ranges(t: int) -> list:
@@ -72,11 +74,10 @@ def _mean(nll, lo: int, hi: int) -> float:
     """Mean NLL of the tokens predicted by rows n in (lo, hi] (row n sits at position n - 1)."""
     import torch
 
-    return float(torch.cat([x[lo - 1:hi - 1] for x in nll]).mean())
+    return float(torch.cat([x[lo:hi] for x in nll]).mean())  # positions lo .. hi - 1 (the last row predicts none)
 
 
 def run_op(args) -> None:
-
     from topth_ops.hf.attention import TopthSettings, disable, enable
     from topth_ops.hf.calibrate import CalibrationText, calibrate
     from topth_ops.hf.evaluate import _collector
@@ -91,7 +92,7 @@ def run_op(args) -> None:
           f"{' '.join(f'{lo / args.calib_tokens:g}-{hi / args.calib_tokens:g}' for lo, hi in ranges)}): k~/k, "
           f"then the perplexity change against dense attention of the tokens those rows predict", flush=True)
     dense = [_nll(lm.model, ids) for _, ids in held]
-    targets = [parse_layer_k("0:256,1:256", k, L) for k in args.k]
+    targets = [parse_layer_k(f"0:{FIRST_K},1:{FIRST_K}", k, L) for k in args.k]
     for p, s in (("pre_softmax", "head"), ("post_softmax", "head"), ("post_softmax", "group")):
         t0 = time.time()
         sets = calibrate(lm.model, CalibrationText(samples, desc), targets, [p], selections=[s],
@@ -122,8 +123,8 @@ def run_dense(args) -> None:
         samples, desc = _mix(lm, held, 8, LONG)
         os.makedirs(args.cache, exist_ok=True)
         print(f"# calibration text: {desc}\n# held out: {', '.join(n for n, _ in held)}", flush=True)
-        collect(lm.model, samples, [16, 32, 64, 96], paths["calib"])
-        collect(lm.model, [ids for _, ids in held], [16, 32, 64, 96], paths["heldout"])
+        collect(lm.model, samples, list(DENSE_KS), paths["calib"])
+        collect(lm.model, [ids for _, ids in held], list(DENSE_KS), paths["heldout"])
     for t in (1024, 2048):
         compare(paths["calib"], paths["heldout"], t, _ranges(t), args.k)
 
@@ -131,15 +132,21 @@ def run_dense(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=("op", "dense"))
-    p.add_argument("--calib-tokens", type=int, default=1024, help="op: calibration sample length (<= 4096)")
+    p.add_argument("--calib-tokens", type=int, default=1024, help="op: calibration sample length (257-4096)")
     p.add_argument("--samples", type=int, default=16, help="op: calibration samples (8 per text)")
     p.add_argument("--k", type=int, nargs="+", default=[16, 32, 96])
     p.add_argument("--docs", type=int, default=2,
                    help="held-out documents of >= 8192 tokens (the recorded dense run: 4)")
     p.add_argument("--cache", default="out/length_extrapolation", help="dense: histogram files")
     args = p.parse_args(argv)
-    if not 64 <= args.calib_tokens <= LONG // 2:
-        p.error(f"--calib-tokens must lie in [64, {LONG // 2}], got {args.calib_tokens}")
+    if not FIRST_K < args.calib_tokens <= LONG // 2:  # layers 0-1 need calibration rows longer than their k
+        p.error(f"--calib-tokens must lie in [{FIRST_K + 1}, {LONG // 2}], got {args.calib_tokens}")
+    if args.mode == "op" and not all(1 <= k < args.calib_tokens for k in args.k):
+        p.error(f"op: --k must lie in [1, {args.calib_tokens - 1}] (calibration rows longer than k), got {args.k}")
+    if args.mode == "dense" and not set(args.k) <= set(DENSE_KS):
+        p.error(f"dense: --k must be among the recorded {' '.join(map(str, DENSE_KS))}, got {args.k}")
+    if args.docs < 1 or args.samples < 2:
+        p.error(f"--docs must be >= 1 and --samples >= 2 (one per text), got {args.docs} and {args.samples}")
     (run_op if args.mode == "op" else run_dense)(args)
 
 

@@ -7,6 +7,7 @@ import importlib.util
 import pathlib
 
 import numpy as np
+import pytest
 import torch
 
 from topth_ops.calib_count import CountAccumulator
@@ -66,3 +67,49 @@ def test_compare_prints_every_model_and_keeps_k_inside_the_calibration(tmp_path,
         calib = [float(v) for v in line.split("calibration text")[1].split("|")[0].split()]
         assert abs(calib[0] - 1.0) < 0.02  # calibrated range, calibration text: k kept by construction
         assert all(0.2 < v < 5 for v in calib)
+
+
+def _main_module():
+    path = BENCH.with_name("length_extrapolation.py")
+    spec = importlib.util.spec_from_file_location("length_extrapolation", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_mean_takes_the_tokens_that_rows_in_the_range_predict():
+    # nll[i] is the loss of the token position i predicts; row n sits at position n - 1
+    mod = _main_module()
+    nll = [torch.arange(8, dtype=torch.float64), torch.arange(8, dtype=torch.float64) + 100]
+    assert mod._mean(nll, 2, 4) == (2 + 3 + 102 + 103) / 4  # rows 3, 4 -> positions 2, 3
+    assert mod._mean(nll[:1], 4, 9) == (4 + 5 + 6 + 7) / 4  # row 9 (the last) predicts no token
+    assert mod._ranges(1024) == [(512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
+    assert mod._ranges(4096) == [(2048, 4096), (4096, 8192)]
+
+
+@pytest.mark.parametrize("argv", [["op", "--calib-tokens", "256"], ["op", "--k", "0"], ["op", "--k", "16", "1024"],
+                                  ["dense", "--k", "-4"], ["dense", "--k", "1024"], ["dense", "--k", "48"],
+                                  ["op", "--docs", "0"], ["op", "--samples", "1"]])
+def test_argument_errors_come_before_the_model_loads(argv, tmp_path, monkeypatch):
+    mod = _main_module()
+
+    def no_model(*a, **kw):
+        raise AssertionError("loaded the model before checking the arguments")
+
+    monkeypatch.setattr(mod, "_setup", no_model)
+    monkeypatch.setattr(mod, "run_dense", no_model)
+    with pytest.raises(SystemExit):
+        mod.main(argv + ["--cache", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv", [["op"], ["op", "--calib-tokens", "512", "--k", "16", "96"], ["dense", "--k", "16"]])
+def test_valid_arguments_reach_the_run(argv, tmp_path, monkeypatch):
+    mod = _main_module()
+
+    def reached(*a, **kw):
+        raise RuntimeError("reached")
+
+    monkeypatch.setattr(mod, "_setup", reached)
+    monkeypatch.setattr(mod, "run_dense", reached)
+    with pytest.raises(RuntimeError, match="reached"):
+        mod.main(argv + ["--cache", str(tmp_path)])
