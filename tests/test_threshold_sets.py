@@ -182,3 +182,50 @@ def test_unknown_length_feature_is_a_clear_error():
 
     with pytest.raises(ValueError, match="feature must be one of"):
         feature_of(np.array([10.0]), "sqrt_n", 4)
+
+
+def _rewrite_set0(path, out, **entries):
+    """Copy of a format-2 file with set 0's metadata entries replaced."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    sets = json.loads(meta["sets"])
+    sets[0].update(entries)
+    meta["sets"] = json.dumps(sets)
+    save_file(tensors, str(out), metadata=meta)
+    return out
+
+
+_BAD_LENGTH_METADATA = [{"length_feature": "sqrt_n"}, {"length_feature": ""}, {"length_feature": ["inverse_n_over_k"]},
+                        {"layer_k": ["a", 2, 3]}, {"layer_k": [None, 2, 3]}, {"layer_k": [0, 2]}, {"layer_k": 3}]
+
+
+@pytest.mark.parametrize("feature, entries",
+                         [(f, e) for f in ("inverse_n_over_k", "log_n") for e in _BAD_LENGTH_METADATA]
+                         + [("inverse_n_over_k", {"layer_k": [10 ** 30, 2, 3]})])
+def test_bad_length_metadata_is_a_file_error_naming_the_file(tmp_path, feature, entries):
+    Rc, R = 5, 16
+    an, av = np.full((3, 4), 5.0), np.full((3, 4), 1.25)
+    an[0], av[0] = np.nan, np.nan
+    m = LengthModel("logit", an, av, np.full((3, 4), 0.8), feature, np.array(LAYER_K))
+    ts = ThresholdSet(thresholds=extend_table(_table(4, Rc, "pre_softmax"), m, R),
+                      counts=torch.ones(3, 4, Rc, dtype=torch.int64), layer_k=list(LAYER_K), placement="pre_softmax",
+                      model_name="tiny", attention_config=dict(CFG), alpha=None, estimator="count", length_model=m)
+    bad = _rewrite_set0(ts.save(tmp_path / "good.safetensors"), tmp_path / "bad.safetensors", **entries)
+    with pytest.raises(ThresholdFileError, match="bad.safetensors"):
+        load_thresholds(bad)
+
+
+def test_k_features_need_k():
+    from topth_ops.length_model import feature_of
+
+    for feature in ("inverse_n_over_k", "log_log_n_over_k"):
+        with pytest.raises(ValueError, match="needs k"):
+            feature_of(np.array([10.0]), feature)
+        m = LengthModel("logit", np.array([[5.0]]), np.array([[1.0]]), np.array([[1.0]]), feature)
+        with pytest.raises(ValueError, match="needs k"):
+            m.theta(np.array([10.0]))
+    assert feature_of(np.array([np.e]), "log_n") == pytest.approx(1.0)

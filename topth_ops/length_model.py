@@ -43,6 +43,8 @@ def feature_of(n: np.ndarray, feature: str, k=None) -> np.ndarray:
         return np.log(n)
     if feature not in FEATURES:
         raise ValueError(f"feature must be one of {FEATURES}, got {feature!r}")
+    if k is None:
+        raise ValueError(f"feature {feature!r} needs k")
     k = np.asarray(k, dtype=np.float64)
     kk = np.where(k > 0, k, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -86,12 +88,12 @@ class LengthModel:
     def x(self, n: np.ndarray) -> np.ndarray:
         """Feature ``[L, 1, len(n)]`` (or ``[1, 1, len(n)]``) of row ids ``n``."""
         n = np.asarray(n, dtype=np.float64).reshape(1, 1, -1)
-        k = None if self.feature == "log_n" else np.asarray(self.k, dtype=np.float64).reshape(-1, 1, 1)
+        k = None if self.k is None else np.asarray(self.k, dtype=np.float64).reshape(-1, 1, 1)
         return feature_of(n, self.feature, k)
 
     def value(self, n: np.ndarray) -> np.ndarray:
         """Domain value ``[L, H, len(n)]`` at row ids ``n`` (any n >= anchor_n)."""
-        k = None if self.feature == "log_n" else np.asarray(self.k, dtype=np.float64).reshape(-1, 1)
+        k = None if self.k is None else np.asarray(self.k, dtype=np.float64).reshape(-1, 1)
         with np.errstate(invalid="ignore", divide="ignore"):
             x0 = feature_of(self.anchor_n, self.feature, k)
             return self.anchor_value[..., None] + self.slope[..., None] * (self.x(n) - x0[..., None])

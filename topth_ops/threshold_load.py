@@ -99,16 +99,19 @@ def _load_model(t: Optional[torch.Tensor], domain: Optional[str], L: int, H: int
                 feature: Optional[str] = None, layer_k=None):
     if t is None and domain is None:
         return None
-    if (feature or "log_n") not in FEATURES:
+    feature = "log_n" if feature is None else feature
+    if not isinstance(feature, str) or feature not in FEATURES:
         raise ThresholdFileError(f"{where}: unknown {what} feature {feature!r}")
     if t is None or domain is None or t.dtype != torch.float64 or tuple(t.shape) != (3, L, H):
         raise ThresholdFileError(f"{where}: {what} must be float64 [3, {L}, {H}] with a domain, got "
                                  f"{None if t is None else (str(t.dtype), list(t.shape))}, domain {domain!r}")
     a = t.numpy()
-    k = np.array(layer_k, dtype=np.int64) if isinstance(layer_k, list) and len(layer_k) == L else None
-    if feature not in (None, "log_n") and k is None:
-        raise ThresholdFileError(f"{where}: {what} needs the set's layer_k")
-    return LengthModel(domain, a[0].copy(), a[1].copy(), a[2].copy(), feature or "log_n", k)
+    ok = isinstance(layer_k, list) and len(layer_k) == L and all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63 for v in layer_k)
+    k = np.array(layer_k, dtype=np.int64) if ok else None  # a malformed layer_k: validate_set says so
+    if feature != "log_n" and k is None:
+        raise ThresholdFileError(f"{where}: {what} needs the set's layer_k ({L} integers >= 0), got {layer_k!r}")
+    return LengthModel(domain, a[0].copy(), a[1].copy(), a[2].copy(), feature, k)
 
 
 def _load_v2(meta, tensors, cfg, where, path) -> list:

@@ -91,7 +91,8 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
     Rc = counts.shape[2]
     if bool((counts < 0).any()):
         bad("'sample_counts' has negative entries")
-    if len(ts.layer_k) != L or any((not isinstance(k, int)) or isinstance(k, bool) or k < 0 for k in ts.layer_k):
+    if not isinstance(ts.layer_k, (list, tuple)) or len(ts.layer_k) != L \
+            or any((not isinstance(k, int)) or isinstance(k, bool) or k < 0 for k in ts.layer_k):
         bad(f"'layer_k' must list {L} integers >= 0 (0 = dense layer), got {ts.layer_k!r}")
     if bool(torch.isnan(th).any()):
         bad("'thresholds' contains NaN")
