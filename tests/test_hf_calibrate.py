@@ -299,5 +299,5 @@ def test_hf_group_offline_sdc_table_uses_the_group_kept_set(counted, oracle):
     assert len(sums) == HQ * (max(LENGTHS) - 6 + max(LENGTHS) - 2)
     for (layer, h, n), v in sums.items():
         np.testing.assert_allclose(table[layer, h, n - 1], np.mean(v), rtol=1e-3, atol=1e-5)
-    # beyond the calibrated row ids the table follows its log-linear model (positive, finite)
+    # beyond the calibrated row ids the table holds its last-octave mean (positive, finite)
     assert ts.sdc_length_model is not None and np.all(np.isfinite(table[1:, :, Rc:])) and np.all(table[1:, :, Rc:] > 0)

@@ -39,10 +39,10 @@ the calibrated values are used inside the calibrated range and the model only be
 Why this law: theta must rise with n (more keys compete for the same k places) but far
 keys rarely pass it, so the kept count at a fixed theta levels off and so does theta.
 Measured on SmolLM2-135M (dense activations, rows to 8192 of calibration text and of
-held-out code, docs/model.md "Rows 2-8 x beyond the calibration samples"): a fixed theta
-keeps 1.04-1.23 x k at 2-8 x the calibrated length, log log(n / k) (used before
-2026-12-01; older files keep it) 0.76-1.04, -k / n 0.94-1.08 from 2048-token samples
-and 0.85-1.17 from 1024-token samples.
+held-out code, docs/model.md "Rows 2-8 x beyond the calibration samples"), on rows 1-8 x
+beyond 1024-token samples a fixed theta keeps 0.91-1.23 x k, log log(n / k) (used before
+2026-12-01; older files keep it) 0.76-1.04, -k / n 0.85-1.17 (0.94-1.08 from 2048-token
+samples).
 """
 
 from __future__ import annotations

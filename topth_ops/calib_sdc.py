@@ -22,8 +22,6 @@ from .layer_k import DENSE
 from .length_model import constant_table_model
 
 
-
-
 class SdcAccumulator:
     """Second calibration pass: mean dropped exponent mass at the calibrated thresholds.
 

@@ -1,12 +1,13 @@
 """Length models: theta (or the offline SDC table) as a function of the row id beyond the
-calibrated row ids, a line in a feature of n fitted by weighted least squares.
+calibrated row ids, a line in a feature of n.
 
-Kept-count calibration (:mod:`topth_ops.calib_count`) fits one per (layer, head) on its
-bucket values in -k / n (:func:`fit_length_model`; files written before 2026-12-01 used
-log log(n / k) and still load with it); the offline SDC table is held constant
-(:func:`constant_table_model`; older files hold a line in log n, which still loads). Threshold files store them
-(:mod:`topth_ops.threshold_file`) and extend their tables with them when loaded. Why these
-features: see :mod:`topth_ops.calib_count` and docs/model.md.
+Kept-count calibration (:mod:`topth_ops.calib_count`) fits one per (layer, head) by
+weighted least squares on its bucket values in -k / n (:func:`fit_length_model`; files
+written before 2026-12-01 used log log(n / k) and still load with it); the offline SDC
+table is held constant, slope 0 (:func:`constant_table_model`; older files hold a line in
+log n, which still loads). Threshold files store them (:mod:`topth_ops.threshold_file`)
+and extend their tables with them when loaded. Why these laws: see
+:mod:`topth_ops.calib_count`, :func:`constant_table_model` and docs/model.md.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def feature_of(n: np.ndarray, feature: str, k=None) -> np.ndarray:
         its rise halving with every doubling of n).
     k : array_like, optional
         k, broadcast against ``n``; needed by the two k features.
+
+    Returns
+    -------
+    numpy.ndarray
+        x(n), float64, ``n`` and ``k`` broadcast.
+
+    Raises
+    ------
+    ValueError
+        An unknown feature, or a k feature without ``k``.
     """
     n = np.asarray(n, dtype=np.float64)
     if feature == "log_n":
@@ -68,7 +79,8 @@ class LengthModel:
         a cap (the offline SDC table).
     anchor_n : numpy.ndarray
         ``[num_layers, H]`` float64: row id (mean log n of the last bucket, as a real
-        number) where the model starts; NaN for dense layers.
+        number; the offline SDC table: its last row id) where the model starts; NaN for
+        dense layers.
     anchor_value : numpy.ndarray
         ``[num_layers, H]``: the domain value there (the calibrated bucket value).
     slope : numpy.ndarray
@@ -134,7 +146,7 @@ def _weighted_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, 
 def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, k: int, domain: str,
                      fit_octaves: float = DEFAULT_FIT_OCTAVES, feature: str = THRESHOLD_FEATURE
                      ) -> tuple[float, float, float]:
-    """Fit the log-linear length model of one (layer, head).
+    """Fit the length model of one (layer, head): a line of the domain value in x(n).
 
     Parameters
     ----------
@@ -176,9 +188,9 @@ def constant_table_model(table: np.ndarray, counts: np.ndarray, layer_k, octaves
 
     Why constant: on SmolLM2-135M the mean dropped mass E per row id keeps growing beyond
     the calibration samples, but compensating longer rows by more of it (continued in log n,
-    or even the exact dense mean of the document itself) made the later layers keep
-    1.3-3 x k at rows 4-8 x beyond the samples and raised perplexity there by up to +364%;
-    the constant continuation kept 0.97-0.98 x k and gave the smallest perplexity change
+    or even the exact dense mean of the document itself) made pre-softmax keep 1.3-3 x k
+    at rows 2-8 x beyond the samples and raised perplexity at 4-8 x by up to +364%; held
+    constant it kept 0.97-0.98 x k (k = 16) and changed perplexity least at 4-8 x (+46%)
     (docs/model.md, "Rows 2-8 x beyond the calibration samples").
 
     Parameters
@@ -188,6 +200,7 @@ def constant_table_model(table: np.ndarray, counts: np.ndarray, layer_k, octaves
     layer_k : sequence of int
         k per layer (:data:`~topth_ops.layer_k.DENSE` layers get NaN: extended as 0).
     octaves : float
+        Width of the averaging window below the last sampled row id, in octaves.
 
     Returns
     -------

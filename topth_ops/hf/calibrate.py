@@ -109,7 +109,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         Show tqdm progress bars.
     estimator : {"count", "mean"}
         "count" (default): theta whose mean kept count is k per row-length bucket, with
-        the log-linear length model beyond (:mod:`topth_ops.calib_count`); "mean": the
+        the length model beyond (:mod:`topth_ops.calib_count`); "mean": the
         paper's algorithm 1 (per-row-id mean + alpha * std), no length model.
     selections : sequence of {"head", "group"}
         "head": one threshold per query head; "group": one per KV head, calibrated on the
