@@ -87,29 +87,27 @@ def test_mean_takes_the_tokens_that_rows_in_the_range_predict():
     assert mod._ranges(4096) == [(2048, 4096), (4096, 8192)]
 
 
+def _main_stopping_at_the_model(argv, tmp_path, monkeypatch):
+    """Run the bench's main with the model load (and the dense run) replaced by a RuntimeError."""
+    mod = _main_module()
+
+    def model(*a, **kw):
+        raise RuntimeError("reached the model")
+
+    monkeypatch.setattr(mod, "_setup", model)
+    monkeypatch.setattr(mod, "run_dense", model)
+    mod.main(argv + ["--cache", str(tmp_path)])
+
+
 @pytest.mark.parametrize("argv", [["op", "--calib-tokens", "256"], ["op", "--k", "0"], ["op", "--k", "16", "1024"],
                                   ["dense", "--k", "-4"], ["dense", "--k", "1024"], ["dense", "--k", "48"],
                                   ["op", "--docs", "0"], ["op", "--samples", "1"]])
 def test_argument_errors_come_before_the_model_loads(argv, tmp_path, monkeypatch):
-    mod = _main_module()
-
-    def no_model(*a, **kw):
-        raise AssertionError("loaded the model before checking the arguments")
-
-    monkeypatch.setattr(mod, "_setup", no_model)
-    monkeypatch.setattr(mod, "run_dense", no_model)
     with pytest.raises(SystemExit):
-        mod.main(argv + ["--cache", str(tmp_path)])
+        _main_stopping_at_the_model(argv, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("argv", [["op"], ["op", "--calib-tokens", "512", "--k", "16", "96"], ["dense", "--k", "16"]])
 def test_valid_arguments_reach_the_run(argv, tmp_path, monkeypatch):
-    mod = _main_module()
-
-    def reached(*a, **kw):
-        raise RuntimeError("reached")
-
-    monkeypatch.setattr(mod, "_setup", reached)
-    monkeypatch.setattr(mod, "run_dense", reached)
-    with pytest.raises(RuntimeError, match="reached"):
-        mod.main(argv + ["--cache", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="reached the model"):
+        _main_stopping_at_the_model(argv, tmp_path, monkeypatch)
