@@ -148,7 +148,9 @@ def test_split_invariance(placement):
                for ns, bn in ((1, 32), (2, 16), (5, 16), (most, 16))]
     for res in results:
         check(res, ref, torch.float32)
-        np.testing.assert_allclose(res[0], results[0][0], atol=1e-6)
+        # float32 merges of 1-64 splits round differently (seen: 6e-6 relative on this machine's
+        # numpy); a lost split or a wrong LSE merge is off by far more than 2e-5
+        np.testing.assert_allclose(res[0], results[0][0], atol=1e-6, rtol=2e-5)
 
 
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
