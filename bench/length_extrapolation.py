@@ -33,7 +33,7 @@ import time
 
 LONG = 8192
 FIRST_K = 256  # op: the k of layers 0 and 1
-DENSE_KS = (16, 32, 64, 96)  # dense: the k whose row-length buckets the recorded histograms have
+DENSE_KS = (16, 32, 64, 96)  # dense: the k recorded (each is a bucket edge of the histograms)
 
 
 def _ranges(t: int) -> list:

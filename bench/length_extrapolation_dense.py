@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-KS = (16, 32, 64, 96)
 MODELS = (("theta constant", None), ("log log(n / k)", "log_log_n_over_k"), ("-k / n", "inverse_n_over_k"))
 TARGETS = (("pre_softmax", "head"), ("post_softmax", "head"), ("post_softmax", "group"))
+PLACEMENTS, SELECTIONS = ("pre_softmax", "post_softmax"), ("head", "group")
 
 
 def collect(model, seqs, ks, path) -> None:
     """One dense forward pass per sequence; save the CountAccumulator's histograms to ``path``."""
-    import torch
-
     from topth_ops.calib_count import CountAccumulator
     from topth_ops.hf.attention import TopthSettings
     from topth_ops.hf.calibrate import _run
@@ -21,11 +19,19 @@ def collect(model, seqs, ks, path) -> None:
     c = model.config
     T = max(int(s.numel()) for s in seqs)
     acc = CountAccumulator(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, T, ks,
-                           ("pre_softmax", "post_softmax"), ("head", "group"))
+                           PLACEMENTS, SELECTIONS)
     _run(model, seqs, TopthSettings(mode="dense"), lambda layer, a, n, m, lz: acc.record(layer, a, n, m, lz),
          "record", False)
-    torch.save({"shape": (acc.L, acc.Hq, acc.Hkv, T), "hist": acc.hist, "range": acc.range, "rows": acc.rows,
-                "log_n": acc.log_n}, path)
+    save(acc, ks, path)
+
+
+def save(acc, ks, path) -> None:
+    """Write the histograms of ``acc`` (recorded with both placements and selections for
+    ``ks``) to ``path``, as :func:`_load` reads them."""
+    import torch
+
+    torch.save({"shape": (acc.L, acc.Hq, acc.Hkv, acc.max_row_id), "ks": list(ks), "hist": acc.hist,
+                "range": acc.range, "rows": acc.rows, "log_n": acc.log_n}, path)
 
 
 def _load(path):
@@ -34,7 +40,7 @@ def _load(path):
     from topth_ops.calib_count import CountAccumulator
 
     d = torch.load(path, weights_only=False)
-    acc = CountAccumulator(*d["shape"], KS, ("pre_softmax", "post_softmax"), ("head", "group"))
+    acc = CountAccumulator(*d["shape"], d["ks"], PLACEMENTS, SELECTIONS)
     acc.hist, acc.range, acc.rows, acc.log_n = d["hist"], d["range"], d["rows"], d["log_n"]
     return acc
 
@@ -70,17 +76,15 @@ def compare(calib_path, held_path, t, ranges, ks, first_layer: int = 2) -> None:
                     cen, vals, rows, usable = A.bucket_thetas(p, s, layer, k)
                     cal = usable & (edges[1:] <= t)
                     H = vals.shape[0]
-                    fits = [fit_length_model(cen[cal], vals[h, cal], rows[cal], k, dom, feature=feature or
-                                             "log_n") for h in range(H)]
+                    x = feature or "log_n"  # theta constant: any feature, slope 0
+                    fits = [fit_length_model(cen[cal], vals[h, cal], rows[cal], k, dom, feature=x) for h in range(H)]
                     for b in np.flatnonzero(usable):
                         ri = [i for i, (lo, hi) in enumerate(ranges) if edges[b] >= lo and edges[b + 1] <= hi]
                         if not ri:
                             continue
-                        if edges[b + 1] <= t or feature is None:
-                            theta = vals[:, b] if edges[b + 1] <= t else np.array([f[1] for f in fits])
-                        else:
-                            theta = np.array([av + sl * (feature_of(cen[b], feature, k) - feature_of(an, feature, k))
-                                              for an, av, sl in fits])
+                        theta = vals[:, b] if edges[b + 1] <= t else np.array(
+                            [av + (sl if feature else 0.0) * (feature_of(cen[b], x, k) - feature_of(an, x, k))
+                             for an, av, sl in fits])
                         for key, acc in (("calib", A), ("held", B)):
                             r = float(acc.rows[layer, b])
                             if r:

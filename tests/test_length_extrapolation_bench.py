@@ -12,20 +12,20 @@ import torch
 
 from topth_ops.calib_count import CountAccumulator
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "length_extrapolation_dense.py"
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 L, HQ, HKV, T = 2, 4, 2, 256
+KS = (16, 32, 64, 96)
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("length_extrapolation_dense", BENCH)
+def _bench(name="length_extrapolation_dense"):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def _acc_file(tmp_path, name, seed):
-    acc = CountAccumulator(L, HQ, HKV, T, (16, 32, 64, 96), ("pre_softmax", "post_softmax"), ("head", "group"),
-                           rows_per_octave=0)
+    acc = CountAccumulator(L, HQ, HKV, T, KS, ("pre_softmax", "post_softmax"), ("head", "group"), rows_per_octave=0)
     g = torch.Generator().manual_seed(seed)
     logits = []
     for _ in range(2):
@@ -35,13 +35,12 @@ def _acc_file(tmp_path, name, seed):
         for layer in range(L):
             acc.record(layer, a, torch.arange(1, T + 1).view(1, T))
     path = tmp_path / f"{name}.pt"
-    torch.save({"shape": (L, HQ, HKV, T), "hist": acc.hist, "range": acc.range, "rows": acc.rows,
-                "log_n": acc.log_n}, path)
+    _bench().save(acc, KS, path)
     return path, acc, logits
 
 
 def test_counts_from_histograms_match_brute_force(tmp_path):
-    mod = _module()
+    mod = _bench()
     path, acc, logits = _acc_file(tmp_path, "a", 0)
     back = mod._load(str(path))
     b = int(np.searchsorted(back.edges, 200)) - 1  # the bucket holding row id 200
@@ -56,7 +55,7 @@ def test_counts_from_histograms_match_brute_force(tmp_path):
 
 
 def test_compare_prints_every_model_and_keeps_k_inside_the_calibration(tmp_path, capsys):
-    mod = _module()
+    mod = _bench()
     pa, _, _ = _acc_file(tmp_path, "calib", 1)
     pb, _, _ = _acc_file(tmp_path, "held", 2)
     mod.compare(str(pa), str(pb), 64, [(32, 64), (64, 128), (128, 256)], [16], first_layer=0)
@@ -69,17 +68,9 @@ def test_compare_prints_every_model_and_keeps_k_inside_the_calibration(tmp_path,
         assert all(0.2 < v < 5 for v in calib)
 
 
-def _main_module():
-    path = BENCH.with_name("length_extrapolation.py")
-    spec = importlib.util.spec_from_file_location("length_extrapolation", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_mean_takes_the_tokens_that_rows_in_the_range_predict():
     # nll[i] is the loss of the token position i predicts; row n sits at position n - 1
-    mod = _main_module()
+    mod = _bench("length_extrapolation")
     nll = [torch.arange(8, dtype=torch.float64), torch.arange(8, dtype=torch.float64) + 100]
     assert mod._mean(nll, 2, 4) == (2 + 3 + 102 + 103) / 4  # rows 3, 4 -> positions 2, 3
     assert mod._mean(nll[:1], 4, 9) == (4 + 5 + 6 + 7) / 4  # row 9 (the last) predicts no token
@@ -89,7 +80,7 @@ def test_mean_takes_the_tokens_that_rows_in_the_range_predict():
 
 def _main_stopping_at_the_model(argv, tmp_path, monkeypatch):
     """Run the bench's main with the model load (and the dense run) replaced by a RuntimeError."""
-    mod = _main_module()
+    mod = _bench("length_extrapolation")
 
     def model(*a, **kw):
         raise RuntimeError("reached the model")
