@@ -16,7 +16,7 @@ import torch
 from .length_model import FEATURES, LengthModel
 from .threshold_file import ThresholdSet
 from .threshold_format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, fingerprint
-from .threshold_validate import extend_sdc, extend_table, validate_set
+from .threshold_validate import extend_sdc, extend_table, is_layer_k, validate_set
 
 
 def _read(path: Path):
@@ -106,8 +106,7 @@ def _load_model(t: Optional[torch.Tensor], domain: Optional[str], L: int, H: int
         raise ThresholdFileError(f"{where}: {what} must be float64 [3, {L}, {H}] with a domain, got "
                                  f"{None if t is None else (str(t.dtype), list(t.shape))}, domain {domain!r}")
     a = t.numpy()
-    ok = isinstance(layer_k, list) and len(layer_k) == L and all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63 for v in layer_k)
+    ok = isinstance(layer_k, list) and is_layer_k(layer_k, L) and all(v < 2 ** 63 for v in layer_k)  # int64
     k = np.array(layer_k, dtype=np.int64) if ok else None  # a malformed layer_k: validate_set says so
     if feature != "log_n" and k is None:
         raise ThresholdFileError(f"{where}: {what} needs the set's layer_k ({L} integers >= 0), got {layer_k!r}")

@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from .threshold_file import ThresholdSet
 
 
+def is_layer_k(layer_k, num_layers: int) -> bool:
+    """Whether ``layer_k`` is a list or tuple of ``num_layers`` integers >= 0 (0 = dense
+    layer; bools are not integers here): the layer-k map a threshold set must hold."""
+    return isinstance(layer_k, (list, tuple)) and len(layer_k) == num_layers and all(
+        isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in layer_k)
+
+
 def extend_table(stored: torch.Tensor, model: Optional[LengthModel], extend_to: int) -> torch.Tensor:
     """Table ``[L, H, extend_to]`` float32: the stored columns, then the length model.
 
@@ -91,8 +98,7 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
     Rc = counts.shape[2]
     if bool((counts < 0).any()):
         bad("'sample_counts' has negative entries")
-    if not isinstance(ts.layer_k, (list, tuple)) or len(ts.layer_k) != L \
-            or any((not isinstance(k, int)) or isinstance(k, bool) or k < 0 for k in ts.layer_k):
+    if not is_layer_k(ts.layer_k, L):
         bad(f"'layer_k' must list {L} integers >= 0 (0 = dense layer), got {ts.layer_k!r}")
     if bool(torch.isnan(th).any()):
         bad("'thresholds' contains NaN")
