@@ -141,7 +141,8 @@ def _humaneval_documents(skip: set) -> tuple[list[str], str]:
         else:
             spans.append([n, n])
     without = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-    desc = (f"{_HUMANEVAL_DESC}, reverse file order from {kept[0]['task_id']}" + (f", without HumanEval/{without}" if spans else "") + ")")
+    desc = (f"{_HUMANEVAL_DESC}, reverse file order from {kept[0]['task_id']}"
+            + (f", without HumanEval/{without}" if spans else "") + ")")
     return [r["prompt"] + r["canonical_solution"] for r in kept], desc
 
 
