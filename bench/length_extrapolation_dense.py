@@ -72,7 +72,9 @@ def compare(calib_path, held_path, t, ranges, ks, first_layer: int = 2) -> None:
         for k in ks:
             for name, feature in MODELS:
                 tot = {"calib": np.zeros((len(ranges), 2)), "held": np.zeros((len(ranges), 2))}
+                per_layer = []  # held-out k~/k per range of each layer
                 for layer in range(first_layer, A.L):
+                    mine = np.zeros((len(ranges), 2))
                     cen, vals, rows, usable = A.bucket_thetas(p, s, layer, k)
                     cal = usable & (edges[1:] <= t)
                     H = vals.shape[0]
@@ -88,7 +90,14 @@ def compare(calib_path, held_path, t, ranges, ks, first_layer: int = 2) -> None:
                         for key, acc in (("calib", A), ("held", B)):
                             r = float(acc.rows[layer, b])
                             if r:
-                                tot[key][ri[0]] += (_above(acc, p, s, layer, b, theta), k * r * H)
+                                got = (_above(acc, p, s, layer, b, theta), k * r * H)
+                                tot[key][ri[0]] += got
+                                if key == "held":
+                                    mine[ri[0]] += got
+                    per_layer.append(mine[:, 0] / np.where(mine[:, 1] > 0, mine[:, 1], np.nan))
                 f = {key: " ".join(f"{x:.2f}" for x in v[:, 0] / np.maximum(v[:, 1], 1)) for key, v in tot.items()}
-                print(f"{p} {s} k={k:<3d} {name:15s} calibration text {f['calib']} | held-out {f['held']}",
-                      flush=True)
+                pl = np.array(per_layer)
+                spread = " ".join(f"{np.nanmin(c):.2f}..{np.nanmax(c):.2f}" if np.isfinite(c).any() else "-"
+                                  for c in pl.T)
+                print(f"{p} {s} k={k:<3d} {name:15s} calibration text {f['calib']} | held-out {f['held']} "
+                      f"| held-out per layer {spread}", flush=True)

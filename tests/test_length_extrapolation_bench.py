@@ -92,13 +92,31 @@ def _main_stopping_at_the_model(argv, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv", [["op", "--calib-tokens", "256"], ["op", "--k", "0"], ["op", "--k", "16", "1024"],
                                   ["dense", "--k", "-4"], ["dense", "--k", "1024"], ["dense", "--k", "48"],
-                                  ["op", "--docs", "0"], ["op", "--samples", "1"]])
+                                  ["op", "--docs", "0"], ["op", "--samples", "1"],
+                                  ["op", "--targets", "pre-group"]])
 def test_argument_errors_come_before_the_model_loads(argv, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         _main_stopping_at_the_model(argv, tmp_path, monkeypatch)
 
 
-@pytest.mark.parametrize("argv", [["op"], ["op", "--calib-tokens", "512", "--k", "16", "96"], ["dense", "--k", "16"]])
+@pytest.mark.parametrize("argv", [["op"], ["op", "--calib-tokens", "512", "--k", "16", "96"], ["dense", "--k", "16"],
+                                  ["op", "--model", "gemma3-270m", "--targets", "post-head", "post-group"],
+                                  ["dense", "--model", "gemma3-270m"]])
 def test_valid_arguments_reach_the_run(argv, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="reached the model"):
         _main_stopping_at_the_model(argv, tmp_path, monkeypatch)
+
+
+def test_layer_spread_takes_each_thresholded_layer_alone_and_skips_empty_ones():
+    mod = _bench("length_extrapolation")
+    seen = []
+
+    class Col:  # k~/k = layer / 10 in range (0, 8], no rows (NaN) for layer 3 anywhere and for range (8, 16]
+        def k_tilde_over_k(self, layer_k, lo, hi):
+            (layer,) = [i for i, k in enumerate(layer_k) if k != 0]
+            seen.append((layer, layer_k[layer]))
+            return (float("nan") if layer == 3 or lo == 8 else layer / 10), 1
+
+    out = mod._layer_spread(Col(), [256, 256, 32, 32, 0, 32, 32], [(0, 8), (8, 16)])
+    assert out == "0.20..0.60 -"
+    assert sorted(set(seen)) == [(2, 32), (3, 32), (5, 32), (6, 32)]  # layers 0-1 and the dense layer 4 left out

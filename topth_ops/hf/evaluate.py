@@ -33,7 +33,7 @@ from ..calibration import DENSE, format_layer_k
 from ..rowstats import StatsCollector, bucket_edges
 from ..threshold_file import ThresholdSet
 from .attention import TopthSettings, disable, enable
-from .runner import greedy
+from .runner import greedy, token_nll
 
 # family name -> settings (mode, placement, sdc, vmc)
 FAMILIES: dict[str, dict] = {
@@ -125,20 +125,10 @@ class EvalConfig:
 
 
 def _nll_rows(model, ids: torch.Tensor, first_target: int) -> tuple[float, int]:
-    """Summed NLL of tokens ``ids[first_target:]`` (teacher forcing, one forward pass).
-    The LM head runs in chunks so that long documents never materialize [T, vocab]."""
-    dev = next(model.parameters()).device
-    with torch.inference_mode():
-        hidden = model.get_decoder()(input_ids=ids.view(1, -1).to(dev), use_cache=False).last_hidden_state[0]
-        head = model.get_output_embeddings()
-        nll, count = 0.0, 0
-        for r0 in range(first_target - 1, ids.numel() - 1, 512):
-            r1 = min(ids.numel() - 1, r0 + 512)
-            lp = torch.log_softmax(head(hidden[r0:r1]).float(), dim=-1)
-            tgt = ids[r0 + 1:r1 + 1].to(dev)
-            nll -= float(lp.gather(1, tgt[:, None]).sum())
-            count += r1 - r0
-    return nll, count
+    """Summed NLL of tokens ``ids[first_target:]`` (teacher forcing, one forward pass;
+    :func:`topth_ops.hf.runner.token_nll`) and their count."""
+    nll = token_nll(model, ids, first_target)
+    return float(nll.double().sum()), int(nll.numel())
 
 
 @dataclass

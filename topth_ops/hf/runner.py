@@ -45,6 +45,45 @@ def continuation_nll(model, context: list, target: list) -> tuple[float, int]:
     return float(-lp.gather(1, tgt[:, None]).sum()), len(target)
 
 
+def token_nll(model, ids: torch.Tensor, first_target: int = 1, chunk: int = 512) -> torch.Tensor:
+    """Teacher-forced negative log-likelihood of each token ``ids[first_target:]`` after the
+    tokens before it, in one forward pass of the decoder; the LM head runs on ``chunk``
+    positions at a time, so a long document never materializes ``[T, vocab]`` logits
+    (Gemma 3: 262k vocab).
+
+    Parameters
+    ----------
+    ids : torch.Tensor
+        1-D int64 token ids, T >= 2.
+    first_target : int
+        Index of the first token scored, 1 <= first_target < T.
+
+    Returns
+    -------
+    torch.Tensor
+        float32 ``[T - first_target]`` (nats, CPU); entry i is the NLL of token
+        ``first_target + i``, predicted by the row of ``first_target + i`` keys.
+
+    Raises
+    ------
+    ValueError
+        ``first_target`` outside [1, T - 1].
+    """
+    T = int(ids.numel())
+    if not 1 <= first_target < T:
+        raise ValueError(f"first_target must lie in [1, {T - 1}] (len(ids) = {T}), got {first_target}")
+    dev = next(model.parameters()).device
+    out = []
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids.view(1, -1).to(dev), use_cache=False).last_hidden_state[0]
+        head = model.get_output_embeddings()
+        for r0 in range(first_target - 1, T - 1, chunk):
+            r1 = min(T - 1, r0 + chunk)
+            lp = torch.log_softmax(head(hidden[r0:r1]).float(), dim=-1)
+            out.append(-lp.gather(1, ids[r0 + 1:r1 + 1].to(dev)[:, None])[:, 0].cpu())
+    return torch.cat(out)
+
+
 def greedy(model, prompt: list, max_new_tokens: int, *, eos_token_id: Optional[int] = None,
            forced: Optional[list] = None) -> tuple[list, list]:
     """Greedy decoding with a KV cache: one prefill, then one decode step per token.
