@@ -137,13 +137,24 @@ def run_op(args) -> None:
                   flush=True)
 
 
+def _cache_paths(cache: str, model) -> dict:
+    """Histogram files of ``dense``: ``calib_8192.pt`` / ``heldout_8192.pt`` for SmolLM2 (the
+    default; the recorded names), prefixed with the model's name (a path's last component)
+    for any other model."""
+    import os
+
+    from topth_ops.hf.model import MODEL_ALIASES
+
+    tag = "" if model in (None, MODEL_ALIASES[0]) else os.path.basename(os.path.normpath(str(model))) + "_"
+    return {name: os.path.join(cache, f"{tag}{name}_{LONG}.pt") for name in ("calib", "heldout")}
+
+
 def run_dense(args) -> None:
     import os
 
     from length_extrapolation_dense import collect, compare
 
-    tag = "" if args.model is None else f"{os.path.basename(str(args.model))}_"  # SmolLM2: the recorded names
-    paths = {name: os.path.join(args.cache, f"{tag}{name}_{LONG}.pt") for name in ("calib", "heldout")}
+    paths = _cache_paths(args.cache, args.model)
     if not all(os.path.exists(p) for p in paths.values()):
         lm, held = _setup(args.docs, args.model)
         samples, desc = _mix(lm, held, 8, LONG)

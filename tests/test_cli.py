@@ -127,6 +127,21 @@ def test_evaluate_layerwise_refuses_variants_of_another_rule(variants, needle, t
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags, needle", [(["--long-min-row", "0"], "--long-min-row must be >= 1, got 0"),
+                                           (["--long-tokens", "-1"], "--long-tokens must be >= 0, got -1")])
+def test_evaluate_refuses_bad_long_document_flags_before_the_model_loads(flags, needle, tmp_path, capsys,
+                                                                         monkeypatch):
+    import topth_ops.hf.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(topth_ops.hf.model, "load_model", no_model)
+    assert main(["evaluate", "--json", str(tmp_path / "e.json"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys, monkeypatch):
     """--layerwise-calibration (or --calib-align / --align / --calib-text) with evaluate --thresholds or
     calibrate --import-reference would be silently ignored: both are refused before the model (or config) loads;

@@ -42,3 +42,22 @@ def test_token_nll_matches_full_logits(model, first, chunk):
 def test_token_nll_rejects_first_target_out_of_range(model, first):
     with pytest.raises(ValueError, match="first_target must lie in"):
         token_nll(model, torch.zeros(T, dtype=torch.int64), first)
+
+
+@pytest.mark.parametrize("ids,chunk,match", [(torch.zeros(1, T, dtype=torch.int64), 512, "ids must be 1-D"),
+                                             (torch.zeros(T, dtype=torch.int64), 0, "chunk must be >= 1")])
+def test_token_nll_rejects_bad_ids_and_chunk(model, ids, chunk, match):
+    with pytest.raises(ValueError, match=match):
+        token_nll(model, ids, 1, chunk=chunk)
+
+
+def test_token_nll_applies_final_logit_softcapping(model, monkeypatch):
+    """A model whose forward soft-caps its logits (Gemma 2 style) is scored on the capped logits."""
+    ids = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = model(ids.view(1, -1)).logits[0].double()
+    cap = 0.05 * float(logits.abs().max())  # small enough to change the distribution
+    want = -torch.log_softmax(cap * torch.tanh(logits[:-1] / cap), -1).gather(1, ids[1:, None])[:, 0]
+    monkeypatch.setattr(model.config, "final_logit_softcapping", cap, raising=False)
+    torch.testing.assert_close(token_nll(model, ids, 1, chunk=6).double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, _oracle(model, ids))  # the cap mattered

@@ -66,6 +66,12 @@ def test_compare_prints_every_model_and_keeps_k_inside_the_calibration(tmp_path,
         calib = [float(v) for v in line.split("calibration text")[1].split("|")[0].split()]
         assert abs(calib[0] - 1.0) < 0.02  # calibrated range, calibration text: k kept by construction
         assert all(0.2 < v < 5 for v in calib)
+        held = [float(v) for v in line.split("| held-out ")[1].split("|")[0].split()]
+        spread = line.split("held-out per layer ")[1].split()
+        assert len(spread) == len(held)
+        for agg, cell in zip(held, spread):  # a rows-weighted mean of the layers' own ratios lies within them
+            lo, hi = (float(v) for v in cell.split(".."))
+            assert lo - 0.005 <= agg <= hi + 0.005 and lo <= hi
 
 
 def test_mean_takes_the_tokens_that_rows_in_the_range_predict():
@@ -78,15 +84,18 @@ def test_mean_takes_the_tokens_that_rows_in_the_range_predict():
     assert mod._ranges(4096) == [(2048, 4096), (4096, 8192)]
 
 
-def _main_stopping_at_the_model(argv, tmp_path, monkeypatch):
-    """Run the bench's main with the model load (and the dense run) replaced by a RuntimeError."""
+def _main_stopping_at_the_model(argv, tmp_path, monkeypatch, seen=None):
+    """Run the bench's main with the model load replaced by a RuntimeError (``seen`` gets
+    the ``_setup`` arguments)."""
     mod = _bench("length_extrapolation")
 
     def model(*a, **kw):
+        if seen is not None:
+            seen.append(a)
         raise RuntimeError("reached the model")
 
     monkeypatch.setattr(mod, "_setup", model)
-    monkeypatch.setattr(mod, "run_dense", model)
+    monkeypatch.syspath_prepend(str(BENCH))  # run_dense imports its sibling, as when run as a script
     mod.main(argv + ["--cache", str(tmp_path)])
 
 
@@ -120,3 +129,20 @@ def test_layer_spread_takes_each_thresholded_layer_alone_and_skips_empty_ones():
     out = mod._layer_spread(Col(), [256, 256, 32, 32, 0, 32, 32], [(0, 8), (8, 16)])
     assert out == "0.20..0.60 -"
     assert sorted(set(seen)) == [(2, 32), (3, 32), (5, 32), (6, 32)]  # layers 0-1 and the dense layer 4 left out
+
+
+@pytest.mark.parametrize("argv,model", [(["op"], None), (["dense"], None),
+                                        (["op", "--model", "gemma3-270m", "--targets", "post-head"], "gemma3-270m"),
+                                        (["dense", "--model", "/m/gemma-dir/"], "/m/gemma-dir/")])
+def test_the_model_flag_reaches_the_model_load(argv, model, tmp_path, monkeypatch):
+    seen = []
+    with pytest.raises(RuntimeError, match="reached the model"):
+        _main_stopping_at_the_model(argv, tmp_path, monkeypatch, seen)
+    assert seen == [(2, model)]  # (--docs, --model)
+
+
+@pytest.mark.parametrize("model,prefix", [(None, ""), ("smollm2-135m", ""), ("gemma3-270m", "gemma3-270m_"),
+                                          ("/m/gemma-dir/", "gemma-dir_"), ("/m/gemma-dir", "gemma-dir_")])
+def test_dense_cache_files_are_named_after_the_model(model, prefix, tmp_path):
+    paths = _bench("length_extrapolation")._cache_paths(str(tmp_path), model)
+    assert paths == {n: str(tmp_path / f"{prefix}{n}_8192.pt") for n in ("calib", "heldout")}

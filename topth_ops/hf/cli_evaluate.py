@@ -92,6 +92,8 @@ def _run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.problems < 1:
         raise ValueError("--problems must be >= 1")
+    if args.long_min_row < 1:  # the token a row of N keys predicts is token N; token 0 has no row
+        raise ValueError(f"--long-min-row must be >= 1, got {args.long_min_row}")
     check_output_file(args.json, "--json")
     if args.plots is not None:
         check_output_dir(args.plots, "--plots")

@@ -53,10 +53,16 @@ def token_nll(model, ids: torch.Tensor, first_target: int = 1, chunk: int = 512)
 
     Parameters
     ----------
+    model : transformers PreTrainedModel
+        A causal LM with ``get_decoder()`` and ``get_output_embeddings()``; a
+        ``config.final_logit_softcapping`` (Gemma 2 style, c * tanh(logits / c)) is applied
+        as the model's own forward does.
     ids : torch.Tensor
         1-D int64 token ids, T >= 2.
     first_target : int
         Index of the first token scored, 1 <= first_target < T.
+    chunk : int
+        Positions per LM-head call, >= 1.
 
     Returns
     -------
@@ -67,11 +73,17 @@ def token_nll(model, ids: torch.Tensor, first_target: int = 1, chunk: int = 512)
     Raises
     ------
     ValueError
-        ``first_target`` outside [1, T - 1].
+        ``ids`` not 1-D, ``first_target`` outside [1, T - 1] or ``chunk`` < 1 (before the
+        forward pass).
     """
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D token ids, got shape {tuple(ids.shape)}")
     T = int(ids.numel())
     if not 1 <= first_target < T:
         raise ValueError(f"first_target must lie in [1, {T - 1}] (len(ids) = {T}), got {first_target}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    cap = getattr(model.config, "final_logit_softcapping", None)
     dev = next(model.parameters()).device
     out = []
     with torch.inference_mode():
@@ -79,7 +91,10 @@ def token_nll(model, ids: torch.Tensor, first_target: int = 1, chunk: int = 512)
         head = model.get_output_embeddings()
         for r0 in range(first_target - 1, T - 1, chunk):
             r1 = min(T - 1, r0 + chunk)
-            lp = torch.log_softmax(head(hidden[r0:r1]).float(), dim=-1)
+            logits = head(hidden[r0:r1]).float()
+            if cap:
+                logits = cap * torch.tanh(logits / cap)
+            lp = torch.log_softmax(logits, dim=-1)
             out.append(-lp.gather(1, ids[r0 + 1:r1 + 1].to(dev)[:, None])[:, 0].cpu())
     return torch.cat(out)
 
