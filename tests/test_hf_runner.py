@@ -4,7 +4,7 @@ log-softmax of the full logits of one ordinary forward (tiny random Llama, no do
 import pytest
 import torch
 
-from topth_ops.hf.runner import continuation_nll, token_nll
+from topth_ops.hf.runner import token_nll
 
 VOCAB, T = 80, 23
 
@@ -33,9 +33,8 @@ def test_token_nll_matches_full_logits(model, first, chunk):
     want = _oracle(model, ids)[first - 1:]
     assert got.shape == (T - first,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    # the same sum as the teacher-forced continuation helper
-    nll, count = continuation_nll(model, ids[:first].tolist(), ids[first:].tolist())
-    assert count == T - first and abs(nll - float(got.double().sum())) < 1e-3
+    # the summed NLL evaluate records: the oracle's sum over the same tokens
+    assert abs(float(got.double().sum()) - float(want.sum())) < 1e-3
 
 
 @pytest.mark.parametrize("first", [0, T, -1])

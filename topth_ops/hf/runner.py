@@ -35,16 +35,6 @@ def forward(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
     return out.logits.float()
 
 
-def continuation_nll(model, context: list, target: list) -> tuple[float, int]:
-    """Teacher-forced negative log-likelihood (nats, summed) of ``target`` after
-    ``context`` (token id lists), in one forward pass; returns (nll, len(target))."""
-    ids = torch.tensor([context + target], dtype=torch.int64)
-    logits = forward(model, ids)[0]
-    lp = torch.log_softmax(logits[len(context) - 1: -1], dim=-1)
-    tgt = ids[0, len(context):].to(lp.device)
-    return float(-lp.gather(1, tgt[:, None]).sum()), len(target)
-
-
 def token_nll(model, ids: torch.Tensor, first_target: int = 1, chunk: int = 512) -> torch.Tensor:
     """Teacher-forced negative log-likelihood of each token ``ids[first_target:]`` after the
     tokens before it, in one forward pass of the decoder; the LM head runs on ``chunk``
