@@ -83,21 +83,16 @@ def _mean(nll, lo: int, hi: int) -> float:
     return float(torch.cat([x[lo:hi] for x in nll]).mean())  # positions lo .. hi - 1 (the last row predicts none)
 
 
-def _spread(ratios) -> str:
-    """``min..max`` of the finite values (``-`` when there are none)."""
-    r = [x for x in ratios if math.isfinite(x)]
-    return f"{min(r):.2f}..{max(r):.2f}" if r else "-"
-
-
 def _layer_spread(col, layer_k, ranges) -> str:
     """Per row range, the range of k~/k over the thresholded layers taken one at a time."""
+    from length_extrapolation_dense import spread
     from topth_ops.layer_k import DENSE
 
     def one(layer):
         return [DENSE] * layer + [layer_k[layer]] + [DENSE] * (len(layer_k) - layer - 1)
 
     layers = [i for i, k in enumerate(layer_k) if k != DENSE and i >= 2]  # layers 0-1: FIRST_K
-    return " ".join(_spread(col.k_tilde_over_k(one(i), lo, hi)[0] for i in layers) for lo, hi in ranges)
+    return " ".join(spread(col.k_tilde_over_k(one(i), lo, hi)[0] for i in layers) for lo, hi in ranges)
 
 
 def run_op(args) -> None:

@@ -60,9 +60,15 @@ def _above(acc, p, s, layer, b, theta) -> float:
     return total
 
 
+def spread(values) -> str:
+    """``min..max`` of the finite values (``-`` when there are none)."""
+    r = [float(x) for x in values if np.isfinite(x)]
+    return f"{min(r):.2f}..{max(r):.2f}" if r else "-"
+
+
 def compare(calib_path, held_path, t, ranges, ks, first_layer: int = 2) -> None:
     """Print k~/k by row range (calibration text | held-out) of each length model, fitted on row ids <= t."""
-    from topth_ops.length_model import feature_of, fit_length_model
+    from topth_ops.length_model import LengthModel, fit_length_model
 
     A, B = _load(calib_path), _load(held_path)
     edges = A.edges
@@ -77,27 +83,25 @@ def compare(calib_path, held_path, t, ranges, ks, first_layer: int = 2) -> None:
                     mine = np.zeros((len(ranges), 2))
                     cen, vals, rows, usable = A.bucket_thetas(p, s, layer, k)
                     cal = usable & (edges[1:] <= t)
-                    H = vals.shape[0]
                     x = feature or "log_n"  # theta constant: any feature, slope 0
-                    fits = [fit_length_model(cen[cal], vals[h, cal], rows[cal], k, dom, feature=x) for h in range(H)]
+                    fit = np.array([fit_length_model(cen[cal], v[cal], rows[cal], k, dom, feature=x) for v in vals])
+                    slope = fit[:, 2] if feature else np.zeros(len(fit))
+                    model = LengthModel(dom, fit[None, :, 0], fit[None, :, 1], slope[None], x, np.array([k]))
+                    with np.errstate(invalid="ignore", divide="ignore"):  # buckets without rows: NaN, unused
+                        theta = np.where(edges[1:] <= t, vals, model.value(cen)[0])  # domain values [H, buckets]
                     for b in np.flatnonzero(usable):
                         ri = [i for i, (lo, hi) in enumerate(ranges) if edges[b] >= lo and edges[b + 1] <= hi]
                         if not ri:
                             continue
-                        theta = vals[:, b] if edges[b + 1] <= t else np.array(
-                            [av + (sl if feature else 0.0) * (feature_of(cen[b], x, k) - feature_of(an, x, k))
-                             for an, av, sl in fits])
                         for key, acc in (("calib", A), ("held", B)):
                             r = float(acc.rows[layer, b])
                             if r:
-                                got = (_above(acc, p, s, layer, b, theta), k * r * H)
+                                got = (_above(acc, p, s, layer, b, theta[:, b]), k * r * vals.shape[0])
                                 tot[key][ri[0]] += got
                                 if key == "held":
                                     mine[ri[0]] += got
                     per_layer.append(mine[:, 0] / np.where(mine[:, 1] > 0, mine[:, 1], np.nan))
                 f = {key: " ".join(f"{x:.2f}" for x in v[:, 0] / np.maximum(v[:, 1], 1)) for key, v in tot.items()}
-                pl = np.array(per_layer)
-                spread = " ".join(f"{np.nanmin(c):.2f}..{np.nanmax(c):.2f}" if np.isfinite(c).any() else "-"
-                                  for c in pl.T)
+                by_layer = " ".join(spread(c) for c in np.array(per_layer).T)
                 print(f"{p} {s} k={k:<3d} {name:15s} calibration text {f['calib']} | held-out {f['held']} "
-                      f"| held-out per layer {spread}", flush=True)
+                      f"| held-out per layer {by_layer}", flush=True)

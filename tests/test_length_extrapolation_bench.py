@@ -116,8 +116,9 @@ def test_valid_arguments_reach_the_run(argv, tmp_path, monkeypatch):
         _main_stopping_at_the_model(argv, tmp_path, monkeypatch)
 
 
-def test_layer_spread_takes_each_thresholded_layer_alone_and_skips_empty_ones():
+def test_layer_spread_takes_each_thresholded_layer_alone_and_skips_empty_ones(monkeypatch):
     mod = _bench("length_extrapolation")
+    monkeypatch.syspath_prepend(str(BENCH))  # it formats with its sibling's spread(), as when run as a script
     seen = []
 
     class Col:  # k~/k = layer / 10 in range (0, 8], no rows (NaN) for layer 3 anywhere and for range (8, 16]
