@@ -128,7 +128,8 @@ def test_evaluate_layerwise_refuses_variants_of_another_rule(variants, needle, t
 
 
 @pytest.mark.parametrize("flags, needle", [(["--long-min-row", "0"], "--long-min-row must be >= 1, got 0"),
-                                           (["--long-tokens", "-1"], "--long-tokens must be >= 0, got -1")])
+                                           (["--long-tokens", "-1"], "--long-tokens must be >= 0, got -1"),
+                                           (["--problems", "100000"], "--problems 100000: HumanEval has 164 problems")])
 def test_evaluate_refuses_bad_long_document_flags_before_the_model_loads(flags, needle, tmp_path, capsys,
                                                                          monkeypatch):
     import topth_ops.hf.model

@@ -149,7 +149,10 @@ def _run(args) -> int:
                      long_tokens=args.long_tokens, long_min_row=args.long_min_row, backend=args.backend)
     if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
-    problems = humaneval_problems(cfg.problems)  # read once: checked against, held out of calibration, scored
+    problems = humaneval_problems()  # read once: checked against, held out of calibration, scored
+    if cfg.problems > len(problems):  # recorded as asked, so never fewer than asked
+        raise ValueError(f"--problems {cfg.problems}: HumanEval has {len(problems)} problems; give at most that")
+    problems = problems[:cfg.problems]
     problem_ids = [q["task_id"] for q in problems]
     files = [ts for f in args.thresholds for ts in load_threshold_sets(f)] if args.thresholds else []
     if files:
