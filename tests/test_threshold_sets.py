@@ -13,6 +13,7 @@ from topth_ops.calibration import DENSE
 from topth_ops.threshold_file import (ThresholdFileError, ThresholdSet, extend_table, fingerprint,
                                       load_threshold_sets, load_thresholds, pick_set, save_threshold_sets,
                                       stack_sets)
+from topth_ops.threshold_validate import extend_sdc
 
 CFG = dict(model_type="llama", num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8)
 LAYER_K = [DENSE, 2, 3]
@@ -229,3 +230,30 @@ def test_k_features_need_k():
         with pytest.raises(ValueError, match="needs k"):
             m.theta(np.array([10.0]))
     assert feature_of(np.array([np.e]), "log_n") == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("feature", ["log_n", "inverse_n_over_k"])
+def test_sdc_length_feature_round_trips(tmp_path, feature):
+    # the SDC table's length model keeps its own feature (before 2026-12-01 it was not stored and
+    # every file's SDC model loaded as log n); a file without the entry still loads as log n
+    Rc, R = 5, 48
+    stored = _table(4, Rc, "pre_softmax")
+    an, av = np.full((3, 4), 5.0), np.full((3, 4), -2.0)
+    an[0], av[0] = np.nan, np.nan
+    sm = LengthModel("log", an.copy(), av.copy(), np.full((3, 4), 0.6), feature, np.array(LAYER_K))
+    sdc_c = torch.full((3, 4, Rc), 0.25)
+    sdc_c[0] = 0.0
+    sdc = extend_sdc(sdc_c, sm, R)
+    n = np.arange(Rc + 1, R + 1, dtype=np.float64)
+    x = (lambda v: np.log(v)) if feature == "log_n" else (lambda v: -LAYER_K[2] / v)
+    np.testing.assert_allclose(sdc[2, 3, Rc:].numpy(), np.exp(-2.0 + 0.6 * (x(n) - x(5.0))), rtol=1e-5)
+    lm = LengthModel("logit", an.copy(), np.full((3, 4), 1.0), np.full((3, 4), 0.1))
+    ts = ThresholdSet(thresholds=extend_table(stored, lm, R), counts=torch.ones(3, 4, Rc, dtype=torch.int64),
+                      layer_k=list(LAYER_K), placement="pre_softmax", model_name="tiny", attention_config=dict(CFG),
+                      alpha=None, estimator="count", length_model=lm, sdc_table=sdc, sdc_length_model=sm)
+    path = ts.save(tmp_path / "sdc.safetensors")
+    back = load_thresholds(path)
+    assert back.sdc_length_model.feature == feature and torch.equal(back.sdc_table, sdc)
+    old = load_thresholds(_rewrite_set0(path, tmp_path / "old.safetensors", sdc_length_feature=None))
+    assert old.sdc_length_model.feature == "log_n"
+    assert torch.equal(old.sdc_table, sdc) == (feature == "log_n")

@@ -28,7 +28,8 @@ Metadata: ``format`` = "topth-thresholds", ``format_version`` = "2", ``model_nam
 ``attention_fingerprint`` (sha256 prefix of it), ``placement``, ``selection``,
 ``num_sets``, ``sets`` (JSON list, one object per set: ``layer_k`` (0 = dense layer),
 ``alpha``, ``estimator`` ("mean" = algorithm 1, "count" = kept-count), ``extend_to``,
-``length_domain``, ``length_feature``, ``sdc_length_domain``, ``topk_at_calibration``, ``layerwise`` (each
+``length_domain``, ``length_feature``, ``sdc_length_domain``, ``sdc_length_feature`` (absent = log n: files
+written before 2026-12-01), ``topk_at_calibration``, ``layerwise`` (each
 layer calibrated on the thresholded layers below; absent = false), ``layerwise_rule`` (with
 ``layerwise``: the ``{"sdc", "vmc"}`` the layers below ran with; absent = unknown), ``calibration_text``,
 ``calibration_samples``, ``calibration_tokens``, ``source``), ``created_by``.
@@ -268,6 +269,7 @@ class ThresholdSet:
             "length_domain": self.length_model.domain if self.length_model is not None else None,
             "length_feature": self.length_model.feature if self.length_model is not None else None,
             "sdc_length_domain": self.sdc_length_model.domain if self.sdc_length_model is not None else None,
+            "sdc_length_feature": self.sdc_length_model.feature if self.sdc_length_model is not None else None,
             "topk_at_calibration": bool(self.topk_at_calibration),
             "layerwise": bool(self.layerwise),
             "layerwise_rule": dict(self.layerwise_rule) if self.layerwise_rule else None,

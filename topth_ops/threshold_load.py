@@ -136,7 +136,7 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
         lm = _load_model(tensors.get(f"set{i}.length_model"), e.get("length_domain"), L, H, "length_model", w,
                          e.get("length_feature"), e.get("layer_k"))
         sm = _load_model(tensors.get(f"set{i}.sdc_length_model"), e.get("sdc_length_domain"), L,
-                         cfg["num_q_heads"], "sdc_length_model", w)
+                         cfg["num_q_heads"], "sdc_length_model", w, e.get("sdc_length_feature"), e.get("layer_k"))
         stored = tensors[f"set{i}.thresholds"]
         extend_to = e["extend_to"]
         if not isinstance(extend_to, int) or stored.dim() != 3 or extend_to < stored.shape[-1]:
