@@ -18,7 +18,7 @@ each thresholded layer's own k~/k (layers 2 and up).
 ``dense``: one pass of dense attention records kept-count histograms (as calibration does)
 of 8 document starts of 8192 tokens of the same mix and of the held-out documents; then, per
 truncation T, thresholds calibrated on row ids <= T are continued beyond T by each length
-model (theta constant, log log(n / k), -k / n) and their kept counts read off the recorded
+model (theta constant, log log(n / k), -k / n, log(1 - k / n)) and their kept counts read off the recorded
 rows (layers 2 and up, every layer dense, so this isolates the length model), over all
 layers and, for the held-out rows, per layer (min..max). Histograms are cached in
 ``--cache`` (file names start with the ``--model`` name when one is given).

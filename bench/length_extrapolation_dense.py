@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-MODELS = (("theta constant", None), ("log log(n / k)", "log_log_n_over_k"), ("-k / n", "inverse_n_over_k"))
+MODELS = (("theta constant", None), ("log log(n / k)", "log_log_n_over_k"), ("-k / n", "inverse_n_over_k"),
+          ("log(1 - k / n)", "log_one_minus_k_over_n"))
 TARGETS = (("pre_softmax", "head"), ("post_softmax", "head"), ("post_softmax", "group"))
 PLACEMENTS, SELECTIONS = ("pre_softmax", "post_softmax"), ("head", "group")
 

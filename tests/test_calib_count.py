@@ -107,9 +107,9 @@ def test_result_layout_dense_rows_and_length_model():
     assert np.isnan(model.anchor_n[0]).all() and (model.anchor_n[1:] <= T).all()
     # beyond the anchor, theta follows the model exactly
     n = np.arange(100, 257)
-    assert model.feature == "inverse_n_over_k" and list(model.k) == [DENSE, 4, 4]
+    assert model.feature == "log_one_minus_k_over_n" and list(model.k) == [DENSE, 4, 4]
     np.testing.assert_allclose(np.log(th[2, 1, 99:]), model.anchor_value[2, 1] + model.slope[2, 1] *
-                               (4 / model.anchor_n[2, 1] - 4 / n), rtol=1e-9)
+                               (np.log(1 - 4 / n) - np.log(1 - 4 / model.anchor_n[2, 1])), rtol=1e-9)
     with pytest.raises(ValueError, match="no calibration row longer than k=64 in layer 1"):
         acc.result("post_softmax", "head", [DENSE, 64, 4])
 
@@ -121,9 +121,17 @@ def test_fit_length_model_recovers_a_log_linear_law():
     assert sl == pytest.approx(0.75) and an == 226.0 and av == pytest.approx(v[-1])
     m = LengthModel("logit", np.array([[an]]), np.array([[av]]), np.array([[sl]]))
     assert m.theta(np.array([1000.0]))[0, 0, 0] == pytest.approx(1.5 + 0.75 * math.log(1000))
-    # the default feature: -k / n, a law that levels off at its limit (here -2.0)
+    # the default feature: log(1 - k / n), a law that levels off at its limit (here -2.0)
+    z = -2.0 + 3.0 * np.log(1 - 4 / c)
+    an, av, sl = fit_length_model(c, z, np.full(c.size, 7), k=4, domain="log_prob")
+    assert sl == pytest.approx(3.0)
+    m = LengthModel("log_prob", np.array([[an]]), np.array([[av]]), np.array([[sl]]), "log_one_minus_k_over_n",
+                    np.array([4]))
+    assert m.theta(np.array([5000.0]))[0, 0, 0] == pytest.approx(math.exp(-2.0 + 3.0 * math.log(1 - 4 / 5000)))
+    assert m.theta(np.array([1e12]))[0, 0, 0] == pytest.approx(math.exp(-2.0))
+    # -k / n, what files written earlier on 2026-12-01 hold
     u = -2.0 - 3.0 * 4 / c
-    an, av, sl = fit_length_model(c, u, np.full(c.size, 7), k=4, domain="log_prob")
+    an, av, sl = fit_length_model(c, u, np.full(c.size, 7), k=4, domain="log_prob", feature="inverse_n_over_k")
     assert sl == pytest.approx(3.0)
     m = LengthModel("log_prob", np.array([[an]]), np.array([[av]]), np.array([[sl]]), "inverse_n_over_k", np.array([4]))
     assert m.theta(np.array([5000.0]))[0, 0, 0] == pytest.approx(math.exp(-2.0 - 12.0 / 5000))

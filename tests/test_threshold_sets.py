@@ -155,10 +155,10 @@ def test_length_model_extends_the_table_and_is_stored_compactly(tmp_path):
         ts.save(tmp_path / "bad.safetensors")
 
 
-@pytest.mark.parametrize("feature", ["inverse_n_over_k", "log_log_n_over_k"])
+@pytest.mark.parametrize("feature", ["log_one_minus_k_over_n", "inverse_n_over_k", "log_log_n_over_k"])
 def test_threshold_length_features_round_trip(tmp_path, feature):
-    # inverse_n_over_k is what calibration writes now; log_log_n_over_k is what files written
-    # before 2026-12-01 hold: both must load and extend their tables by their own law
+    # log_one_minus_k_over_n is what calibration writes now; inverse_n_over_k and log_log_n_over_k
+    # are what earlier files hold: all must load and extend their tables by their own law
     Rc, R = 5, 64
     stored = _table(4, Rc, "pre_softmax")
     an, av = np.full((3, 4), 5.0), np.full((3, 4), 1.25)
@@ -167,15 +167,16 @@ def test_threshold_length_features_round_trip(tmp_path, feature):
     th = extend_table(stored, m, R)
     n = np.arange(Rc + 1, R + 1, dtype=np.float64)
     k = LAYER_K[2]
-    x = (lambda v: -k / v) if feature == "inverse_n_over_k" else (lambda v: np.log(np.log(v / k)))
+    x = {"inverse_n_over_k": lambda v: -k / v, "log_log_n_over_k": lambda v: np.log(np.log(v / k)),
+         "log_one_minus_k_over_n": lambda v: np.log(1 - k / v)}[feature]
     np.testing.assert_allclose(th[2, 1, Rc:].numpy(), 1.25 + 0.8 * (x(n) - x(5.0)), rtol=1e-5)
     ts = ThresholdSet(thresholds=th, counts=torch.ones(3, 4, Rc, dtype=torch.int64), layer_k=list(LAYER_K),
                       placement="pre_softmax", model_name="tiny", attention_config=dict(CFG), alpha=None,
                       estimator="count", length_model=m)
     back = load_thresholds(ts.save(tmp_path / f"{feature}.safetensors"))
     assert back.length_model.feature == feature and torch.equal(back.thresholds, th)
-    if feature == "inverse_n_over_k":  # saturates: never above the limit value + slope * k / anchor
-        assert float(th[2, 1, -1]) < 1.25 + 0.8 * k / 5.0
+    if feature != "log_log_n_over_k":  # saturates: never above the limit value - slope * x(anchor)
+        assert float(th[2, 1, -1]) < 1.25 - 0.8 * x(5.0)
 
 
 def test_unknown_length_feature_is_a_clear_error():

@@ -29,10 +29,12 @@ centres (the mean log n of their rows) theta is interpolated linearly in log n, 
 domain above (logit, or log-probability); below the first centre the first value is used.
 Beyond the last centre theta follows a per-(layer, head) length model,
 
-    domain(theta)(n) = anchor_value + slope * (k / anchor_n - k / n),
+    domain(theta)(n) = anchor_value + slope * (log(1 - k / n) - log(1 - k / anchor_n)),
 
-a law that saturates: theta rises towards a limit, its rise halving with every doubling of
-n. The slope is fitted by weighted least squares (weights: rows per bucket) on the bucket
+a law that saturates: for n >> k, log(1 - k / n) ~ -k / n, so theta rises towards a limit,
+its rise halving with every doubling of n; for rows just longer than k (a layer at a k
+near the calibration length, e.g. k = 768 on 1024-token samples) it falls to -inf like
+log log(n / k), so the steep rise of theta there is not carried far beyond. The slope is fitted by weighted least squares (weights: rows per bucket) on the bucket
 centres of the last ``fit_octaves`` octaves of the calibrated range (at least
 ``MIN_FIT_POINTS`` centres above 2k, else all above k) and anchored at the last bucket, so
 the calibrated values are used inside the calibrated range and the model only beyond it.
@@ -41,8 +43,10 @@ keys rarely pass it, so the kept count at a fixed theta levels off and so does t
 Measured on SmolLM2-135M (dense activations, rows to 8192 of calibration text and of
 held-out code, docs/model.md "Rows 2-8 x beyond the calibration samples"), on rows 1-8 x
 beyond 1024-token samples a fixed theta keeps 0.91-1.23 x k, log log(n / k) (used before
-2026-12-01; older files keep it) 0.76-1.04, -k / n 0.85-1.17 (0.94-1.08 from 2048-token
-samples).
+2026-12-01 09:57; older files keep it) 0.76-1.04, -k / n (used 2026-12-01 until this law)
+0.85-1.17, log(1 - k / n) 0.86-1.18 (both 0.94-1.08 from 2048-token samples); with k = 128
+and layers 0-1 at k = 768 on 1024-token samples, rows of 2048-3072 keys kept 0.70-0.76 x k
+under -k / n (+10% perplexity) and 0.92-0.99 under log(1 - k / n) (+0.74%).
 """
 
 from __future__ import annotations

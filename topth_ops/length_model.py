@@ -2,8 +2,8 @@
 calibrated row ids, a line in a feature of n.
 
 Kept-count calibration (:mod:`topth_ops.calib_count`) fits one per (layer, head) by
-weighted least squares on its bucket values in -k / n (:func:`fit_length_model`; files
-written before 2026-12-01 used log log(n / k) and still load with it); the offline SDC
+weighted least squares on its bucket values in log(1 - k / n) (:func:`fit_length_model`;
+earlier files used log log(n / k) or -k / n and still load with their own law); the offline SDC
 table is held constant, slope 0 (:func:`constant_table_model`; older files hold a line in
 log n, which still loads). Threshold files store them (:mod:`topth_ops.threshold_file`)
 and extend their tables with them when loaded. Why these laws: see
@@ -22,8 +22,8 @@ from .layer_k import DENSE
 
 DEFAULT_FIT_OCTAVES = 3.0
 MIN_FIT_POINTS = 3
-FEATURES = ("log_n", "log_log_n_over_k", "inverse_n_over_k")
-THRESHOLD_FEATURE = "inverse_n_over_k"  # what calibration fits now (docs/model.md, "Rows 2-8 x beyond")
+FEATURES = ("log_n", "log_log_n_over_k", "inverse_n_over_k", "log_one_minus_k_over_n")
+THRESHOLD_FEATURE = "log_one_minus_k_over_n"  # what calibration fits (docs/model.md, "Rows 2-8 x beyond")
 
 
 def feature_of(n: np.ndarray, feature: str, k=None) -> np.ndarray:
@@ -33,11 +33,14 @@ def feature_of(n: np.ndarray, feature: str, k=None) -> np.ndarray:
     ----------
     n : array_like
         Row ids (> k for the k features).
-    feature : {"log_n", "log_log_n_over_k", "inverse_n_over_k"}
-        log n; log log(n / k); or -k / n (a saturating law: theta approaches a limit,
-        its rise halving with every doubling of n).
+    feature : {"log_n", "log_log_n_over_k", "inverse_n_over_k", "log_one_minus_k_over_n"}
+        log n; log log(n / k); -k / n (a saturating law: theta approaches a limit, its
+        rise halving with every doubling of n); or log(1 - k / n), the log of the quantile
+        level that keeping k of n keys asks for: like log log(n / k) for rows just longer
+        than k (both fall to -inf as n -> k, so the fast rise of theta there extrapolates
+        gently) and like -k / n for n >> k (log(1 - k / n) = -k / n - (k / n)^2 / 2 - ...).
     k : array_like, optional
-        k, broadcast against ``n``; needed by the two k features.
+        k, broadcast against ``n``; needed by the three k features.
 
     Returns
     -------
@@ -59,7 +62,11 @@ def feature_of(n: np.ndarray, feature: str, k=None) -> np.ndarray:
     k = np.asarray(k, dtype=np.float64)
     kk = np.where(k > 0, k, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.log(np.log(n / kk)) if feature == "log_log_n_over_k" else -kk / n
+        if feature == "log_log_n_over_k":
+            return np.log(np.log(n / kk))
+        if feature == "log_one_minus_k_over_n":
+            return np.log1p(-kk / n)
+        return -kk / n
 
 
 @dataclass
@@ -67,9 +74,10 @@ class LengthModel:
     """theta as a function of the row id beyond the calibrated buckets.
 
     ``domain(theta)(n) = anchor_value + slope * (x(n) - x(anchor_n))`` with the feature
-    x(n) = -k / n (thresholds: theta rises ever more slowly towards a limit as rows get
-    longer, because far keys rarely pass it; measured in docs/model.md), x(n) = log log(n / k)
-    (thresholds of files written before 2026-12-01) or x(n) = log n (the offline SDC table).
+    x(n) = log(1 - k / n) (thresholds: theta rises ever more slowly towards a limit as rows
+    get longer, because far keys rarely pass it; measured in docs/model.md), x(n) = -k / n or
+    log log(n / k) (thresholds of files written earlier on 2026-12-01 and before it) or
+    x(n) = log n (the offline SDC table of files written before 2026-12-01).
 
     Attributes
     ----------
@@ -85,9 +93,9 @@ class LengthModel:
         ``[num_layers, H]``: the domain value there (the calibrated bucket value).
     slope : numpy.ndarray
         ``[num_layers, H]``: d domain(theta) / d x.
-    feature : {"log_n", "log_log_n_over_k", "inverse_n_over_k"}
+    feature : {"log_n", "log_log_n_over_k", "inverse_n_over_k", "log_one_minus_k_over_n"}
     k : numpy.ndarray or None
-        ``[num_layers]`` k per layer (0 = dense), needed by the two k features.
+        ``[num_layers]`` k per layer (0 = dense), needed by the three k features.
     """
 
     domain: str
@@ -157,7 +165,7 @@ def fit_length_model(centres: np.ndarray, values: np.ndarray, rows: np.ndarray, 
     domain : str
     fit_octaves : float
         Fit on the centres within this many octaves of the last one.
-    feature : {"inverse_n_over_k", "log_log_n_over_k", "log_n"}
+    feature : {"log_one_minus_k_over_n", "inverse_n_over_k", "log_log_n_over_k", "log_n"}
         x of the model (see :class:`LengthModel`).
 
     Returns

@@ -17,8 +17,8 @@ Tensors of set i (``H`` = num_q_heads for selection "head", num_kv_heads for "gr
 ``set{i}.sdc_table`` : float32 ``[num_layers, num_q_heads, R_cal]``, optional
     offline softmax-denominator compensation (pre_softmax only), units of exp(a - m).
 ``set{i}.length_model``, ``set{i}.sdc_length_model`` : float64 ``[3, num_layers, H]``, optional
-    the length model of theta (a line in ``length_feature``: -k / n, or log log(n / k) in
-    files written before 2026-12-01) and of the SDC table (held constant: slope 0; older
+    the length model of theta (a line in ``length_feature``: log(1 - k / n); -k / n or
+    log log(n / k) in files written earlier) and of the SDC table (held constant: slope 0; older
     files a line in log n) beyond the calibrated row ids: anchor row id, anchor value and
     slope (:class:`topth_ops.length_model.LengthModel`).
     When present, loading extends the table to ``extend_to`` row ids with it.
