@@ -206,7 +206,8 @@ _BAD_LENGTH_METADATA = [{"length_feature": "sqrt_n"}, {"length_feature": ""}, {"
 
 
 @pytest.mark.parametrize("feature, entries",
-                         [(f, e) for f in ("inverse_n_over_k", "log_n") for e in _BAD_LENGTH_METADATA]
+                         [(f, e) for f in ("log_one_minus_k_over_n", "inverse_n_over_k", "log_n")
+                          for e in _BAD_LENGTH_METADATA]
                          + [("inverse_n_over_k", {"layer_k": [10 ** 30, 2, 3]})])
 def test_bad_length_metadata_is_a_file_error_naming_the_file(tmp_path, feature, entries):
     Rc, R = 5, 16
@@ -224,7 +225,7 @@ def test_bad_length_metadata_is_a_file_error_naming_the_file(tmp_path, feature, 
 def test_k_features_need_k():
     from topth_ops.length_model import feature_of
 
-    for feature in ("inverse_n_over_k", "log_log_n_over_k"):
+    for feature in ("log_one_minus_k_over_n", "inverse_n_over_k", "log_log_n_over_k"):
         with pytest.raises(ValueError, match="needs k"):
             feature_of(np.array([10.0]), feature)
         m = LengthModel("logit", np.array([[5.0]]), np.array([[1.0]]), np.array([[1.0]]), feature)
@@ -233,7 +234,7 @@ def test_k_features_need_k():
     assert feature_of(np.array([np.e]), "log_n") == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("feature", ["log_n", "inverse_n_over_k"])
+@pytest.mark.parametrize("feature", ["log_n", "inverse_n_over_k", "log_one_minus_k_over_n"])
 def test_sdc_length_feature_round_trips(tmp_path, feature):
     # the SDC table's length model keeps its own feature (before 2026-12-01 it was not stored and
     # every file's SDC model loaded as log n); a file without the entry still loads as log n
@@ -246,7 +247,8 @@ def test_sdc_length_feature_round_trips(tmp_path, feature):
     sdc_c[0] = 0.0
     sdc = extend_sdc(sdc_c, sm, R)
     n = np.arange(Rc + 1, R + 1, dtype=np.float64)
-    x = (lambda v: np.log(v)) if feature == "log_n" else (lambda v: -LAYER_K[2] / v)
+    x = {"log_n": np.log, "inverse_n_over_k": lambda v: -LAYER_K[2] / v,
+         "log_one_minus_k_over_n": lambda v: np.log(1 - LAYER_K[2] / v)}[feature]
     np.testing.assert_allclose(sdc[2, 3, Rc:].numpy(), np.exp(-2.0 + 0.6 * (x(n) - x(5.0))), rtol=1e-5)
     lm = LengthModel("logit", an.copy(), np.full((3, 4), 1.0), np.full((3, 4), 0.1))
     ts = ThresholdSet(thresholds=extend_table(stored, lm, R), counts=torch.ones(3, 4, Rc, dtype=torch.int64),
@@ -258,3 +260,52 @@ def test_sdc_length_feature_round_trips(tmp_path, feature):
     old = load_thresholds(_rewrite_set0(path, tmp_path / "old.safetensors", sdc_length_feature=None))
     assert old.sdc_length_model.feature == "log_n"
     assert torch.equal(old.sdc_table, sdc) == (feature == "log_n")
+
+
+def _pre_set(m, R=48, Rc=5, sdc=None, sm=None):
+    return ThresholdSet(thresholds=extend_table(_table(4, Rc, "pre_softmax"), m, R),
+                        counts=torch.ones(3, 4, Rc, dtype=torch.int64), layer_k=list(LAYER_K),
+                        placement="pre_softmax", model_name="tiny", attention_config=dict(CFG), alpha=None,
+                        estimator="count", length_model=m, sdc_table=sdc, sdc_length_model=sm)
+
+
+def _k_model(anchor=5.0, slope=0.8, feature="log_one_minus_k_over_n", k=LAYER_K, domain="logit", value=1.25):
+    an, av = np.full((3, 4), anchor), np.full((3, 4), value)
+    an[0], av[0] = np.nan, np.nan
+    return LengthModel(domain, an, av, np.full((3, 4), slope), feature, None if k is None else np.array(k))
+
+
+@pytest.mark.parametrize("anchor, slope", [(2.5, 0.8), (3.0, -0.8), (3.0, 0.8)])
+def test_length_model_anchor_at_or_below_k_is_refused(tmp_path, anchor, slope):
+    # x(anchor) = log(1 - k / anchor) is -inf or NaN there: the extension would be silently dense
+    # (every row) or +inf; saving refuses it, naming the model, the layer and k
+    with pytest.raises(ThresholdFileError, match=r"'length_model' layer 2: anchor row ids must exceed k=3"):
+        _pre_set(_k_model(anchor=anchor, slope=slope)).save(tmp_path / "a.safetensors")
+
+
+def test_length_model_k_must_match_layer_k_and_feature_must_be_known(tmp_path):
+    with pytest.raises(ThresholdFileError, match=r"needs k per layer equal to the set's layer_k \[0, 2, 3\], got \[0, 2, 5\]"):
+        ts = _pre_set(_k_model(k=[DENSE, 2, 5]), R=5)  # R == Rc: nothing extended, the file would load wrong
+        ts.save(tmp_path / "k.safetensors")
+    with pytest.raises(ThresholdFileError, match="got None"):
+        _pre_set(_k_model(k=None), R=5).save(tmp_path / "n.safetensors")
+    with pytest.raises(ThresholdFileError, match="feature must be one of"):
+        _pre_set(_k_model(feature="sqrt_n", k=None), R=5).save(tmp_path / "f.safetensors")
+
+
+@pytest.mark.parametrize("entry", ["sdc_length_feature", "length_feature"])
+def test_malformed_feature_without_its_model_is_a_file_error(tmp_path, entry):
+    ts = _set()  # post_softmax, no length model, no SDC table
+    bad = _rewrite_set0(ts.save(tmp_path / "good.safetensors"), tmp_path / "bad.safetensors", **{entry: "bogus"})
+    with pytest.raises(ThresholdFileError, match=r"bad.safetensors.*unknown .* feature 'bogus'"):
+        load_thresholds(bad)
+
+
+def test_overflowing_sdc_model_is_refused_not_zeroed(tmp_path):
+    # an SDC model whose extension overflows to +inf used to become 0 (no compensation) silently
+    sm = _k_model(feature="log_n", k=None, domain="log", value=100.0, slope=0.0)
+    sdc_c = torch.full((3, 4, 5), 0.25)
+    sdc_c[0] = 0.0
+    sdc = torch.cat([sdc_c, torch.full((3, 4, 43), float("inf"))], dim=-1)
+    with pytest.raises(ThresholdFileError, match="'sdc_table' must be finite"):
+        _pre_set(_k_model(), sdc=sdc, sm=sm).save(tmp_path / "s.safetensors")

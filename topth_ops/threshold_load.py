@@ -97,11 +97,11 @@ def _load_v1(meta, tensors, cfg, where, path) -> list:
 
 def _load_model(t: Optional[torch.Tensor], domain: Optional[str], L: int, H: int, what: str, where: str,
                 feature: Optional[str] = None, layer_k=None):
+    if feature is not None and (not isinstance(feature, str) or feature not in FEATURES):
+        raise ThresholdFileError(f"{where}: unknown {what} feature {feature!r}")  # also without a model
     if t is None and domain is None:
         return None
     feature = "log_n" if feature is None else feature
-    if not isinstance(feature, str) or feature not in FEATURES:
-        raise ThresholdFileError(f"{where}: unknown {what} feature {feature!r}")
     if t is None or domain is None or t.dtype != torch.float64 or tuple(t.shape) != (3, L, H):
         raise ThresholdFileError(f"{where}: {what} must be float64 [3, {L}, {H}] with a domain, got "
                                  f"{None if t is None else (str(t.dtype), list(t.shape))}, domain {domain!r}")

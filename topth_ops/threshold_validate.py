@@ -10,7 +10,7 @@ import torch
 
 from .contract import PLACEMENTS, SELECTIONS
 from .layer_k import DENSE
-from .length_model import LengthModel
+from .length_model import FEATURES, LengthModel
 from .threshold_format import ESTIMATORS, ThresholdFileError, describe_config
 from .validation import dtype_str
 
@@ -48,9 +48,10 @@ def extend_table(stored: torch.Tensor, model: Optional[LengthModel], extend_to: 
 
 
 def extend_sdc(stored: torch.Tensor, model: LengthModel, extend_to: int) -> torch.Tensor:
-    """SDC table extension: like :func:`extend_table`, but dense entries (NaN model) are 0."""
+    """SDC table extension: like :func:`extend_table`, but dense entries (NaN model: -inf)
+    are 0; +inf (an overflowing model) stays, for :func:`validate_set` to refuse."""
     t = extend_table(stored, model, extend_to)
-    return torch.where(torch.isinf(t), torch.zeros_like(t), t)
+    return torch.where(torch.isneginf(t), torch.zeros_like(t), t)
 
 
 def validate_set(ts: ThresholdSet, *, where: str) -> None:
@@ -100,6 +101,26 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
         bad("'sample_counts' has negative entries")
     if not is_layer_k(ts.layer_k, L):
         bad(f"'layer_k' must list {L} integers >= 0 (0 = dense layer), got {ts.layer_k!r}")
+    for name, m, heads in (("length_model", ts.length_model, H), ("sdc_length_model", ts.sdc_length_model,
+                                                                    cfg["num_q_heads"])):
+        if m is None:
+            continue
+        if any(np.shape(a) != (L, heads) for a in (m.anchor_n, m.anchor_value, m.slope)):
+            bad(f"{name!r} arrays must have shape [{L}, {heads}]")
+        allowed = ("logit", "log_prob") if name == "length_model" else ("log",)
+        if m.domain not in allowed:
+            bad(f"{name!r} domain must be one of {allowed}, got {m.domain!r}")
+        if m.feature not in FEATURES:
+            bad(f"{name!r} feature must be one of {FEATURES}, got {m.feature!r}")
+        if m.feature != "log_n" and (m.k is None or [int(v) for v in np.ravel(m.k)] != list(ts.layer_k)):
+            bad(f"{name!r} feature {m.feature!r} needs k per layer equal to the set's layer_k {list(ts.layer_k)}, "
+                f"got {None if m.k is None else [int(v) for v in np.ravel(m.k)]}")
+        for layer, k in enumerate(ts.layer_k):  # x(anchor) must be finite: n > k (k features), n > 0 (log n)
+            an = np.asarray(m.anchor_n[layer], dtype=np.float64)
+            low = k if m.feature != "log_n" else 0
+            if k != DENSE and bool((np.isfinite(an) & (an <= low)).any()):
+                bad(f"{name!r} layer {layer}: anchor row ids must exceed {'k=' + str(k) if low else 0} "
+                    f"(feature {m.feature!r}), got {an.min():g}")
     if bool(torch.isnan(th).any()):
         bad("'thresholds' contains NaN")
     if bool((th == float("inf")).any()):
@@ -112,15 +133,6 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
         if dense_cols and bool(torch.isfinite(th[layer, :, :dense_cols]).any()):
             what = "a dense layer" if k == DENSE else f"rows with n <= k={k}"
             bad(f"layer {layer}: {what} must hold -inf thresholds")
-    for name, m, heads in (("length_model", ts.length_model, H), ("sdc_length_model", ts.sdc_length_model,
-                                                                    cfg["num_q_heads"])):
-        if m is None:
-            continue
-        if any(np.shape(a) != (L, heads) for a in (m.anchor_n, m.anchor_value, m.slope)):
-            bad(f"{name!r} arrays must have shape [{L}, {heads}]")
-        allowed = ("logit", "log_prob") if name == "length_model" else ("log",)
-        if m.domain not in allowed:
-            bad(f"{name!r} domain must be one of {allowed}, got {m.domain!r}")
     if R > Rc:
         if ts.length_model is None:
             bad(f"'thresholds' has {R} row ids but only {Rc} are calibrated, and there is no length model")
