@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from topth_ops.cli import main
+from topth_ops.cli import build_parser, main
 
 
 def test_info_lists_every_backend_with_availability(capsys):
@@ -213,3 +213,23 @@ def test_evaluate_refuses_a_file_calibrated_on_the_problems_it_evaluates(tmp_pat
     assert str(path) in err and "calibrated on HumanEval problems this evaluation uses (HumanEval/4 and 1 more)" in err
     with pytest.raises(RuntimeError, match="model loading reached"):  # problems 0-3 were left out: accepted
         main(argv + ["--problems", "4"])
+
+
+def test_calibrate_takes_evaluates_calibration_flag_spelling(tmp_path, capsys, monkeypatch):
+    """calibrate's --samples / --max-tokens / --align / --text also answer to evaluate's
+    --calib-* names (one spelling carried from one command to the other must not be an
+    unrecognized argument); they reach the same checks, before the model loads."""
+    import topth_ops.hf.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(topth_ops.hf.model, "load_model", no_model)
+    out = str(tmp_path / "th.safetensors")
+    assert main(["calibrate", "--k", "16", "--out", out, "--calib-max-tokens", "1"]) == 2
+    assert "--max-tokens must be >= 2, got 1" in capsys.readouterr().err
+    assert main(["calibrate", "--k", "16", "--out", out, "--calib-samples", "0"]) == 2
+    assert "--samples must be >= 1, got 0" in capsys.readouterr().err
+    args = build_parser().parse_args(["calibrate", "--k", "16", "--out", out, "--calib-align", "document",
+                                      "--calib-text", "python-stdlib"])
+    assert args.align == "document" and args.text == ["python-stdlib"]

@@ -297,7 +297,7 @@ def test_length_model_k_must_match_layer_k_and_feature_must_be_known(tmp_path):
 def test_malformed_feature_without_its_model_is_a_file_error(tmp_path, entry):
     ts = _set()  # post_softmax, no length model, no SDC table
     bad = _rewrite_set0(ts.save(tmp_path / "good.safetensors"), tmp_path / "bad.safetensors", **{entry: "bogus"})
-    with pytest.raises(ThresholdFileError, match=r"bad.safetensors.*unknown .* feature 'bogus'"):
+    with pytest.raises(ThresholdFileError, match=r"bad.safetensors.*unknown .* feature 'bogus'; expected one of log_n, "):
         load_thresholds(bad)
 
 

@@ -98,7 +98,8 @@ def _load_v1(meta, tensors, cfg, where, path) -> list:
 def _load_model(t: Optional[torch.Tensor], domain: Optional[str], L: int, H: int, what: str, where: str,
                 feature: Optional[str] = None, layer_k=None):
     if feature is not None and (not isinstance(feature, str) or feature not in FEATURES):
-        raise ThresholdFileError(f"{where}: unknown {what} feature {feature!r}")  # also without a model
+        raise ThresholdFileError(f"{where}: unknown {what} feature {feature!r}; expected one of "
+                                 f"{', '.join(FEATURES)}")  # also without its model
     if t is None and domain is None:
         return None
     feature = "log_n" if feature is None else feature

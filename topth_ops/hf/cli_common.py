@@ -21,7 +21,12 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
-    """Flags of the calibration (``prefix`` = "calib-" in evaluate)."""
+    """Flags of the calibration (``prefix`` = "calib-" in evaluate; calibrate also takes
+    evaluate's spelling, ``--calib-samples`` etc., as an alias)."""
+
+    def names(flag: str) -> list:
+        return [f"--{prefix}{flag}"] + ([f"--calib-{flag}"] if not prefix else [])
+
     p.add_argument("--layer-k", metavar="SPEC", default=DEFAULT_LAYER_K,
                    help="per-layer k overrides, LAYER:K or LAYER:dense, comma-separated; negative "
                         "layers count from the end (write --layer-k=-1:dense); '' = none "
@@ -35,15 +40,15 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
     p.add_argument("--extend-to", type=int, default=None, metavar="N",
                    help="--estimator count: table length in row ids, the length model beyond the calibrated "
                         "rows (default 8 x the sample length, at most the model's context)")
-    p.add_argument(f"--{prefix}samples", type=int, default=8, metavar="N",
+    p.add_argument(*names("samples"), type=int, default=8, metavar="N",
                    help="calibration samples (forward passes; default 8)")
-    p.add_argument(f"--{prefix}max-tokens", type=int, default=1024, metavar="T",
+    p.add_argument(*names("max-tokens"), type=int, default=1024, metavar="T",
                    help="tokens per calibration sample (default 1024)")
-    p.add_argument(f"--{prefix}align", choices=("stream", "document"), default="stream",
+    p.add_argument(*names("align"), choices=("stream", "document"), default="stream",
                    help="where calibration samples start: stream (default) cuts the joined text into "
                         "consecutive windows; document starts every sample at a document's start, so row id "
                         "n holds a text's first tokens as at inference (closer k~/k on prompts, pre_softmax)")
-    p.add_argument(f"--{prefix}text", metavar="TEXT", nargs="+", default=None,
+    p.add_argument(*names("text"), metavar="TEXT", nargs="+", default=None,
                    help="calibration text: a .txt / .jsonl file or a folder of them, "
                         "'python-stdlib' (standard-library sources: code, as evaluated; evaluate leaves "
                         "its long documents out), 'humaneval' (HumanEval problems from the last; evaluate leaves "
