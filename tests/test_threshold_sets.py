@@ -284,7 +284,8 @@ def test_length_model_anchor_at_or_below_k_is_refused(tmp_path, anchor, slope):
 
 
 def test_length_model_k_must_match_layer_k_and_feature_must_be_known(tmp_path):
-    with pytest.raises(ThresholdFileError, match=r"needs k per layer equal to the set's layer_k \[0, 2, 3\], got \[0, 2, 5\]"):
+    with pytest.raises(ThresholdFileError,
+                       match=r"needs k per layer equal to the set's layer_k \[0, 2, 3\], got \[0, 2, 5\]"):
         ts = _pre_set(_k_model(k=[DENSE, 2, 5]), R=5)  # R == Rc: nothing extended, the file would load wrong
         ts.save(tmp_path / "k.safetensors")
     with pytest.raises(ThresholdFileError, match="got None"):
@@ -297,7 +298,8 @@ def test_length_model_k_must_match_layer_k_and_feature_must_be_known(tmp_path):
 def test_malformed_feature_without_its_model_is_a_file_error(tmp_path, entry):
     ts = _set()  # post_softmax, no length model, no SDC table
     bad = _rewrite_set0(ts.save(tmp_path / "good.safetensors"), tmp_path / "bad.safetensors", **{entry: "bogus"})
-    with pytest.raises(ThresholdFileError, match=r"bad.safetensors.*unknown .* feature 'bogus'; expected one of log_n, "):
+    with pytest.raises(ThresholdFileError,
+                       match=r"bad.safetensors.*unknown .* feature 'bogus'; expected one of log_n, "):
         load_thresholds(bad)
 
 

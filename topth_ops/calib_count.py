@@ -34,9 +34,10 @@ Beyond the last centre theta follows a per-(layer, head) length model,
 a law that saturates: for n >> k, log(1 - k / n) ~ -k / n, so theta rises towards a limit,
 its rise halving with every doubling of n; for rows just longer than k (a layer at a k
 near the calibration length, e.g. k = 768 on 1024-token samples) it falls to -inf like
-log log(n / k), so the steep rise of theta there is not carried far beyond. The slope is fitted by weighted least squares (weights: rows per bucket) on the bucket
-centres of the last ``fit_octaves`` octaves of the calibrated range (at least
-``MIN_FIT_POINTS`` centres above 2k, else all above k) and anchored at the last bucket, so
+log log(n / k), so the steep rise of theta there is not carried far beyond. The slope is
+fitted by weighted least squares (weights: rows per bucket) on the bucket centres of the
+last ``fit_octaves`` octaves of the calibrated range (at least ``MIN_FIT_POINTS`` centres
+above 2k, else all above k) and anchored at the last bucket, so
 the calibrated values are used inside the calibrated range and the model only beyond it.
 Why this law: theta must rise with n (more keys compete for the same k places) but far
 keys rarely pass it, so the kept count at a fixed theta levels off and so does theta.

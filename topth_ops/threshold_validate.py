@@ -112,9 +112,10 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
             bad(f"{name!r} domain must be one of {allowed}, got {m.domain!r}")
         if m.feature not in FEATURES:
             bad(f"{name!r} feature must be one of {FEATURES}, got {m.feature!r}")
-        if m.feature != "log_n" and (m.k is None or [int(v) for v in np.ravel(m.k)] != list(ts.layer_k)):
+        model_k = None if m.k is None else [int(v) for v in np.ravel(m.k)]
+        if m.feature != "log_n" and model_k != list(ts.layer_k):
             bad(f"{name!r} feature {m.feature!r} needs k per layer equal to the set's layer_k {list(ts.layer_k)}, "
-                f"got {None if m.k is None else [int(v) for v in np.ravel(m.k)]}")
+                f"got {model_k}")
         for layer, k in enumerate(ts.layer_k):  # x(anchor) must be finite: n > k (k features), n > 0 (log n)
             an = np.asarray(m.anchor_n[layer], dtype=np.float64)
             low = k if m.feature != "log_n" else 0

@@ -33,8 +33,8 @@ def add_calibration_arguments(p: argparse.ArgumentParser, *, prefix: str = "") -
                         f"(default {DEFAULT_LAYER_K!r}: the paper keeps layers 0 and 1 at a higher k)")
     p.add_argument("--estimator", choices=("count", "mean"), default="count",
                    help="count (default): theta whose mean kept count is k per row-length bucket, with a "
-                        "length model beyond the calibrated rows (a line in log(1 - k / n): theta levels off); mean: the "
-                        "paper's algorithm 1 (mean + alpha * std of the per-row (k+1)-th values per row id)")
+                        "length model beyond the calibrated rows (a line in log(1 - k / n): theta levels off); "
+                        "mean: the paper's algorithm 1 (mean + alpha * std of the per-row (k+1)-th values per row id)")
     p.add_argument("--alpha", type=float, default=0.0,
                    help="--estimator mean: theta = mean + alpha * std of the per-sample thresholds (default 0)")
     p.add_argument("--extend-to", type=int, default=None, metavar="N",
