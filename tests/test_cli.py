@@ -233,3 +233,27 @@ def test_calibrate_takes_evaluates_calibration_flag_spelling(tmp_path, capsys, m
     args = build_parser().parse_args(["calibrate", "--k", "16", "--out", out, "--calib-align", "document",
                                       "--calib-text", "python-stdlib"])
     assert args.align == "document" and args.text == ["python-stdlib"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["calibrate", "--k", "16", "--extend-to", "-5"], "--extend-to must be from --max-tokens (1024: the calibrated row "
+                                                      "ids) to 1048576, got -5"),
+    (["calibrate", "--k", "16", "--max-tokens", "512", "--extend-to", "100"], "from --max-tokens (512"),
+    (["evaluate", "--extend-to", str(2 ** 21)], "--extend-to must be from --calib-max-tokens (1024"),
+    (["evaluate", "--thresholds", "t.safetensors", "--k", "99"], "--k applies when evaluate calibrates"),
+    (["evaluate", "--thresholds", "t.safetensors", "--extend-to", "4096"], "--extend-to applies when evaluate"),
+    (["calibrate", "--k", "16", "--model", ""], "--model is empty: give one of smollm2-135m, gemma3-270m")])
+def test_extend_to_k_and_model_flags_are_checked_before_the_model_loads(argv, needle, tmp_path, capsys,
+                                                                        monkeypatch):
+    # --extend-to -5 used to calibrate and write a file without a length model (silently the sample length)
+    import topth_ops.hf.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    if "--model" not in argv:
+        monkeypatch.setattr(topth_ops.hf.model, "load_model", no_model)
+    out = ["--out", str(tmp_path / "th.safetensors")] if argv[0] == "calibrate" else ["--json", str(tmp_path / "e.json")]
+    assert main(argv + out) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

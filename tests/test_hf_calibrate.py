@@ -301,3 +301,13 @@ def test_hf_group_offline_sdc_table_uses_the_group_kept_set(counted, oracle):
         np.testing.assert_allclose(table[layer, h, n - 1], np.mean(v), rtol=1e-3, atol=1e-5)
     # beyond the calibrated row ids the table holds its last-octave mean (positive, finite)
     assert ts.sdc_length_model is not None and np.all(np.isfinite(table[1:, :, Rc:])) and np.all(table[1:, :, Rc:] > 0)
+
+
+@pytest.mark.parametrize("extend_to", [max(LENGTHS) - 1, 0, -5, 2 ** 21, 320.0, True])
+def test_calibrate_refuses_extend_to_out_of_range(model, samples, extend_to):
+    # it used to be raised to the longest sample silently (-5 gave a file without a length model)
+    text = CalibrationText(samples=list(samples), description="random token ids")
+    with pytest.raises(ValueError, match=rf"extend_to must be an integer from the longest calibration sample "
+                                         rf"\({max(LENGTHS)} tokens\) to 1048576, got {extend_to!r}"):
+        calibrate(model, text, TARGETS, ["post_softmax"], model_name="tiny", progress=False, estimator="count",
+                  extend_to=extend_to)

@@ -74,7 +74,7 @@ __all__ = ["ESTIMATORS", "FORMAT", "FORMAT_VERSION", "ThresholdFileError", "Thre
            "load_thresholds", "pick_set", "save_threshold_sets", "stack_sets"]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: tensor fields have no truth value
 class ThresholdSet:
     """One threshold set of one model (one k map, placement and selection).
 

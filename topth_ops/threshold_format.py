@@ -10,6 +10,9 @@ from typing import Any
 FORMAT = "topth-thresholds"
 FORMAT_VERSION = 2
 ESTIMATORS = ("mean", "count")
+#: Most row ids a threshold table may be extended to (``extend_to``): 2**20 covers every
+#: context length of today's models; a table is num_layers x heads x this many float32.
+MAX_ROW_IDS = 1 << 20
 _CONFIG_KEYS = ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim")
 
 
@@ -37,7 +40,9 @@ def attention_config_of(config: Any) -> dict:
     Raises
     ------
     ValueError
-        ``config`` is a dict that lacks one of those five keys (the message lists them).
+        ``config`` is a dict that lacks one of those five keys (the message lists them),
+        whose counts are not integers >= 1, or whose query heads are not a multiple of
+        its KV heads.
     AttributeError
         ``config`` is an object without ``num_attention_heads`` or
         ``num_hidden_layers``, or without ``hidden_size`` when it has no ``head_dim``.
@@ -46,6 +51,15 @@ def attention_config_of(config: Any) -> dict:
         missing = [k for k in _CONFIG_KEYS if k not in config]
         if missing:
             raise ValueError(f"attention config lacks {missing}")
+        bad = [k for k in _CONFIG_KEYS[1:] if isinstance(config[k], bool) or not isinstance(config[k], int)
+               or config[k] < 1]
+        if bad or not isinstance(config["model_type"], str):
+            raise ValueError(f"attention config: {bad or ['model_type']} must be "
+                             f"{'integers >= 1' if bad else 'a string'}, got "
+                             f"{ {k: config[k] for k in (bad or ['model_type'])} }")
+        if config["num_q_heads"] % config["num_kv_heads"]:
+            raise ValueError(f"attention config: num_q_heads ({config['num_q_heads']}) must be a multiple of "
+                             f"num_kv_heads ({config['num_kv_heads']})")
         return {k: config[k] for k in _CONFIG_KEYS}
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads

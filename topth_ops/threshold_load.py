@@ -15,7 +15,9 @@ import torch
 
 from .length_model import FEATURES, LengthModel
 from .threshold_file import ThresholdSet
-from .threshold_format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, fingerprint
+from .contract import SELECTIONS
+from .threshold_format import (FORMAT, FORMAT_VERSION, MAX_ROW_IDS, ThresholdFileError, attention_config_of,
+                               fingerprint)
 from .threshold_validate import extend_sdc, extend_table, is_layer_k, validate_set
 
 
@@ -60,6 +62,13 @@ def _file_config(meta: dict, where: str) -> dict:
     return cfg
 
 
+def _check_names(tensors: dict, allowed: set, where: str) -> None:
+    extra = sorted(set(tensors) - allowed)
+    if extra:
+        raise ThresholdFileError(f"{where}: unexpected tensors {extra} (a threshold file of this format holds "
+                                 f"only {sorted(allowed)})")
+
+
 def _check_alpha(alpha, where):
     if alpha is not None and not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
                                   and math.isfinite(alpha)):
@@ -73,6 +82,7 @@ def _load_v1(meta, tensors, cfg, where, path) -> list:
     for t in ("thresholds", "sample_counts"):
         if t not in tensors:
             raise ThresholdFileError(f"{where}: tensor {t!r} is missing (has {sorted(tensors)})")
+    _check_names(tensors, {"thresholds", "sample_counts", "sdc_table"}, where)
     try:
         layer_k = json.loads(meta["layer_k"])
         alpha = json.loads(meta["alpha"])
@@ -121,8 +131,12 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
     except (ValueError, TypeError) as e:
         raise ThresholdFileError(f"{where}: malformed metadata ('num_sets' / 'sets'): {e}") from e
     selection = meta.get("selection", "head")
+    if selection not in SELECTIONS:
+        raise ThresholdFileError(f"{where}: selection must be one of {SELECTIONS}, got {selection!r}")
     if not isinstance(entries, list) or len(entries) != num_sets or num_sets < 1:
         raise ThresholdFileError(f"{where}: 'sets' must list num_sets={num_sets} (>= 1) entries")
+    _check_names(tensors, {f"set{i}.{t}" for i in range(num_sets) for t in
+                           ("thresholds", "sample_counts", "sdc_table", "length_model", "sdc_length_model")}, where)
     L = cfg["num_layers"]
     H = cfg["num_q_heads"] if selection == "head" else cfg["num_kv_heads"]
     out = []
@@ -139,19 +153,26 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
         sm = _load_model(tensors.get(f"set{i}.sdc_length_model"), e.get("sdc_length_domain"), L,
                          cfg["num_q_heads"], "sdc_length_model", w, e.get("sdc_length_feature"), e.get("layer_k"))
         stored = tensors[f"set{i}.thresholds"]
+        if stored.dtype != torch.float32 or stored.dim() != 3:
+            raise ThresholdFileError(f"{w}: 'set{i}.thresholds' must be float32 [num_layers, heads, row ids], got "
+                                     f"{stored.dtype} {list(stored.shape)}")
         extend_to = e["extend_to"]
-        if not isinstance(extend_to, int) or stored.dim() != 3 or extend_to < stored.shape[-1]:
-            raise ThresholdFileError(f"{w}: 'extend_to' must be an integer >= the stored row ids, got {extend_to!r}")
+        if isinstance(extend_to, bool) or not isinstance(extend_to, int) or \
+                not stored.shape[-1] <= extend_to <= max(MAX_ROW_IDS, stored.shape[-1]):
+            raise ThresholdFileError(f"{w}: 'extend_to' must be an integer from the stored row ids "
+                                     f"({stored.shape[-1]}) to {MAX_ROW_IDS}, got {extend_to!r}")
         if extend_to > stored.shape[-1] and lm is None:
             raise ThresholdFileError(f"{w}: 'extend_to' {extend_to} exceeds the stored row ids without a length model")
-        if stored.dtype != torch.float32:
-            raise ThresholdFileError(f"{w}: 'thresholds' must be float32, got {stored.dtype}")
         th = extend_table(stored, lm, extend_to)
         sdc = tensors.get(f"set{i}.sdc_table")
+        if sdc is not None and meta["placement"] != "pre_softmax":
+            raise ThresholdFileError(f"{w}: an sdc_table is only valid with pre_softmax thresholds, the file's "
+                                     f"placement is {meta['placement']!r}")
         if sdc is not None and extend_to > stored.shape[-1]:
             if sm is None or sdc.dtype != torch.float32 or sdc.dim() != 3:
                 raise ThresholdFileError(f"{w}: an sdc_table beyond the calibrated row ids needs its length model")
             sdc = extend_sdc(sdc, sm, extend_to)
+        rule = _rule(e.get("layerwise_rule"), w)
         try:
             ts = ThresholdSet(
                 thresholds=th, counts=tensors[f"set{i}.sample_counts"], layer_k=e["layer_k"],
@@ -160,7 +181,7 @@ def _load_v2(meta, tensors, cfg, where, path) -> list:
                 calibration_samples=int(e.get("calibration_samples", 0)),
                 calibration_tokens=int(e.get("calibration_tokens", 0)),
                 topk_at_calibration=bool(e.get("topk_at_calibration", False)),
-                layerwise=bool(e.get("layerwise", False)), layerwise_rule=_rule(e.get("layerwise_rule"), w),
+                layerwise=bool(e.get("layerwise", False)), layerwise_rule=rule,
                 source=str(e.get("source", "")),
                 selection=selection, estimator=e["estimator"], length_model=lm, sdc_length_model=sm,
                 path=str(path), set_index=i)
@@ -218,6 +239,8 @@ def load_thresholds(path: Union[str, os.PathLike], index: Optional[int] = None) 
     FileNotFoundError, ThresholdFileError
         As :func:`load_threshold_sets`; also ``index`` out of range, or omitted for a file
         of several sets (the message names the file and lists the sets' k).
+    TypeError
+        ``index`` is not an integer (bool and str included).
     """
     sets = load_threshold_sets(path)
     return pick_set(sets, index, str(path))
@@ -231,7 +254,10 @@ def pick_set(sets: Sequence[ThresholdSet], index: Optional[int], path: str) -> T
             return sets[0]
         raise ThresholdFileError(f"thresholds file {path!r} holds {len(sets)} threshold sets ({ks}); "
                                  "choose one (index / --threshold-set)")
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(sets):
+    if isinstance(index, (bool, str, bytes)) or not hasattr(index, "__index__"):
+        raise TypeError(f"threshold set index must be an int (for thresholds file {path!r}), got {index!r}")
+    index = index.__index__()
+    if not 0 <= index < len(sets):
         raise ThresholdFileError(f"threshold set index {index!r} is out of range for thresholds file {path!r}, "
                                  f"which holds {len(sets)} set{'s' if len(sets) != 1 else ''} ({ks})")
     return sets[index]

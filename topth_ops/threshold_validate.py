@@ -54,6 +54,40 @@ def extend_sdc(stored: torch.Tensor, model: LengthModel, extend_to: int) -> torc
     return torch.where(torch.isneginf(t), torch.zeros_like(t), t)
 
 
+def _check_model_values(m: LengthModel, name: str, layer_k, Rc: int, R: int, bad) -> None:
+    """A length model's numbers: per (layer, head) of a thresholded layer, anchor_n,
+    anchor_value and slope finite with the anchor inside the calibrated row ids (or the
+    marker of a head without calibrated rows: anchor_n and anchor_value NaN, slope 0; the
+    SDC model's anchor_value may be -inf: no dropped mass), and over the row ids it extends
+    to (``Rc + 1 .. R``) finite values within +-1e4 (a scaled logit beyond it has softmax
+    weight 0 in any float format, so it cannot be a real threshold), probabilities within
+    (0, 1] (domain log_prob)."""
+    an, av, sl = (np.asarray(a, dtype=np.float64) for a in (m.anchor_n, m.anchor_value, m.slope))
+    on = np.array([k != DENSE for k in layer_k])[:, None] & np.ones(an.shape, dtype=bool)
+    marker = np.isnan(an) & np.isnan(av) & (sl == 0)
+    value_ok = np.isfinite(av) | (np.isneginf(av) if m.domain == "log" else False)
+    good = marker | (np.isfinite(an) & np.isfinite(sl) & value_ok & (an <= Rc * (1 + 1e-9)))
+    if not good[on].all():
+        layer, head = (int(i) for i in np.argwhere(on & ~good)[0])
+        bad(f"{name!r} layer {layer} head {head}: anchor_n, anchor_value and slope must be finite with anchor_n "
+            f"<= the {Rc} calibrated row ids (or anchor_n and anchor_value NaN with slope 0: no calibrated rows), "
+            f"got {an[layer, head]:g}, {av[layer, head]:g}, {sl[layer, head]:g}")
+    if R <= Rc:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = m.value(np.arange(Rc + 1, R + 1, dtype=np.float64))
+    live = (on & ~marker & np.isfinite(av))[..., None] & np.ones(v.shape, dtype=bool)
+    ok = np.isfinite(v) & (np.abs(v) <= 1e4)  # |scaled logit| > 1e4: softmax weight 0 in any float format
+    if m.domain == "log_prob":
+        ok &= (v <= 0) & (v > -87.0)  # exp(v) a float32 probability in (0, 1]
+    if not ok[live].all():
+        layer, head, c = (int(i) for i in np.argwhere(live & ~ok)[0])
+        what = "probability thresholds in (0, 1] (log_prob in (-87, 0])" if m.domain == "log_prob" else \
+            "finite values within +-1e4"
+        bad(f"{name!r} layer {layer} head {head}: the model must give {what} on the row ids it extends to "
+            f"({Rc + 1}..{R}), got {v[layer, head, c]:g} at row id {Rc + 1 + c}")
+
+
 def validate_set(ts: ThresholdSet, *, where: str) -> None:
     """Check a threshold set's fields, tensor dtypes and shapes, and values.
 
@@ -69,8 +103,10 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
         Unknown placement, selection or estimator; a tensor whose dtype or shape does not
         match the recorded attention config; negative sample counts; a bad ``layer_k``;
         NaN or +inf thresholds, post_softmax thresholds outside [0, 1], finite thresholds
-        in dense rows; a length model of the wrong shape or domain, or columns beyond the
-        calibrated row ids that do not follow it; an SDC table with post_softmax, of the
+        in dense rows; a length model of the wrong shape or domain (pre_softmax: logit,
+        post_softmax: log_prob), with non-finite parameters or an anchor outside the
+        calibrated row ids, that gives non-finite values (or probabilities outside (0, 1])
+        beyond them, or columns beyond the calibrated row ids that do not follow it; an SDC table with post_softmax, of the
         wrong shape, negative or not finite.
     """
     def bad(msg):
@@ -107,9 +143,11 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
             continue
         if any(np.shape(a) != (L, heads) for a in (m.anchor_n, m.anchor_value, m.slope)):
             bad(f"{name!r} arrays must have shape [{L}, {heads}]")
-        allowed = ("logit", "log_prob") if name == "length_model" else ("log",)
+        allowed = ({"pre_softmax": "logit", "post_softmax": "log_prob"}[ts.placement],) \
+            if name == "length_model" else ("log",)
         if m.domain not in allowed:
-            bad(f"{name!r} domain must be one of {allowed}, got {m.domain!r}")
+            bad(f"{name!r} domain must be {allowed[0]!r}" + (f" with {ts.placement} thresholds" if len(
+                allowed) == 1 and name == "length_model" else "") + f", got {m.domain!r}")
         if m.feature not in FEATURES:
             bad(f"{name!r} feature must be one of {FEATURES}, got {m.feature!r}")
         model_k = None if m.k is None else [int(v) for v in np.ravel(m.k)]
@@ -122,6 +160,7 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
             if k != DENSE and bool((np.isfinite(an) & (an <= low)).any()):
                 bad(f"{name!r} layer {layer}: anchor row ids must exceed {'k=' + str(k) if low else 0} "
                     f"(feature {m.feature!r}), got {an.min():g}")
+        _check_model_values(m, name, ts.layer_k, Rc, R, bad)
     if bool(torch.isnan(th).any()):
         bad("'thresholds' contains NaN")
     if bool((th == float("inf")).any()):

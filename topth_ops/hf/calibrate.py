@@ -21,6 +21,7 @@ import torch
 from ..calib_count import SELECTIONS, CountAccumulator
 from ..calibration import DENSE, CalibrationResult, SdcAccumulator, ThresholdAccumulator, base_k
 from ..threshold_file import ThresholdSet, attention_config_of
+from ..threshold_format import MAX_ROW_IDS
 from .attention import TopthSettings, disable, enable, model_display_name
 
 
@@ -116,7 +117,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         group maximum (estimator "count" only).
     extend_to : int, optional
         Estimator "count": table length in row ids (default: 8 x the longest sample,
-        capped at the model's context, at least the longest sample).
+        capped at the model's context, at least the longest sample); given: from the
+        longest sample to :data:`~topth_ops.threshold_format.MAX_ROW_IDS` (ValueError
+        otherwise).
     layerwise : bool
         Calibrate each layer on the activations of the layers below it, thresholded with
         their new thresholds (:mod:`topth_ops.hf.calib_layerwise`): one batched pass per
@@ -194,8 +197,11 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         raise ValueError(f"alpha must be finite, got {alpha!r}")
     context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     if extend_to is None:
-        extend_to = 8 * max_len if not context else min(8 * max_len, context)
-    extend_to = max(int(extend_to), max_len)
+        extend_to = max(max_len, 8 * max_len if not context else min(8 * max_len, context))
+    elif isinstance(extend_to, bool) or not isinstance(extend_to, numbers.Integral) or \
+            not max_len <= extend_to <= MAX_ROW_IDS:
+        raise ValueError(f"extend_to must be an integer from the longest calibration sample ({max_len} tokens) "
+                         f"to {MAX_ROW_IDS}, got {extend_to!r}")
     results: dict[tuple[int, str, str], CalibrationResult] = {}
     if layerwise:
         results = _calibrate_layerwise(model, text, targets, placements, selections, extend_to, (L, Hq, Hkv),

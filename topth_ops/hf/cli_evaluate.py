@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threshold files to evaluate (their k and placement); without it the "
                         "command calibrates for every --k first")
     p.add_argument("--k", type=parse_k_list, nargs="+", action="extend", default=None, metavar="K",
-                   help=f"k sweep, e.g. '8,16,32' or '8 16 32' (default {DEFAULT_KS}; ignored with --thresholds)")
+                   help=f"k sweep, e.g. '8,16,32' or '8 16 32' (default {DEFAULT_KS}; not with --thresholds)")
     p.add_argument("--variants", nargs="+", action="extend", default=None, metavar="NAME",
                    help=f"variant families (default {' '.join(DEFAULT_FAMILIES)}; known: {', '.join(FAMILIES)})")
     p.add_argument("--problems", type=int, default=d.problems, metavar="N",
@@ -104,6 +104,10 @@ def _run(args) -> int:
         raise ValueError("--calib-align applies when evaluate calibrates; with --thresholds nothing is calibrated")
     if args.thresholds and args.calib_text:
         raise ValueError("--calib-text applies when evaluate calibrates; with --thresholds nothing is calibrated")
+    if args.thresholds and args.k:
+        raise ValueError("--k applies when evaluate calibrates; with --thresholds the files' sets give k")
+    if args.thresholds and args.extend_to is not None:
+        raise ValueError("--extend-to applies when evaluate calibrates; with --thresholds nothing is calibrated")
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
         if args.calib_text:  # what calibration_texts refuses after the model loads, refused before it

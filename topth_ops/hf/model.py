@@ -128,6 +128,9 @@ def _resolve(path: Optional[str]) -> tuple[str, dict, str]:
         f = gemma3_270m_file()
         return str(f.parent), {"gguf_file": f.name}, f.stem
     p = Path(path)
+    if not str(path).strip():
+        raise ModelNotAvailable(f"--model is empty: give one of {', '.join(MODEL_ALIASES)}, a local model "
+                                "directory or a .gguf file")
     if p.is_file() and p.suffix == ".gguf":
         return str(p.parent), {"gguf_file": p.name}, p.stem
     if not p.is_dir():

@@ -4,6 +4,7 @@ model's layer count (:meth:`TopthSettings.resolved`)."""
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -11,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..calibration import DENSE
-from ..contract import DEFAULT_SDC_GAMMA, PLACEMENTS, SDC_MODES
+from ..contract import DEFAULT_SDC_GAMMA, PLACEMENTS, SDC_MODES, SELECTIONS
 from ..threshold_file import ThresholdSet
 
 MODES = ("dense", "topth", "topk")
@@ -37,7 +38,9 @@ class TopthSettings:
         With several sets: the set of each request (one int for the whole batch, or one
         per batch row; a batch that ``generate`` expanded for beams or several return
         sequences repeats each entry). Default 0 with one set; required with several.
-        Out of range: :class:`~topth_ops.threshold_file.ThresholdFileError` naming the file.
+        Out of range: :class:`~topth_ops.threshold_file.ThresholdFileError` naming the file;
+        not an int, a sequence of int or a 1-D integer tensor: TypeError. Stored as a list
+        of int.
     selection : {"head", "group"}, optional
         The selection mode the caller expects; must equal the file's (checked).
     placement : str, optional
@@ -67,6 +70,9 @@ class TopthSettings:
     selection: Optional[str] = None
 
     def __post_init__(self):
+        if self.selection is not None and self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS} or None, got {self.selection!r}")
+        self.threshold_set = set_choice(self.threshold_set)
         if isinstance(self.thresholds, (str, os.PathLike)):
             from ..threshold_file import load_threshold_sets
 
@@ -103,6 +109,8 @@ class TopthSettings:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
         if self.sdc not in SDC_MODES:
             raise ValueError(f"sdc must be one of {SDC_MODES}, got {self.sdc!r}")
+        if self.mode != "topth" and self.selection == "group":
+            raise ValueError(f"selection='group' needs mode 'topth' with group thresholds, got mode {self.mode!r}")
         s = replace(self)
         if s.mode == "topth":
             if s.thresholds is None:
@@ -135,8 +143,6 @@ class TopthSettings:
                 raise ValueError("sdc='offline' is for mode 'topth' (it needs a calibrated table)")
         else:
             s.layer_k = [DENSE] * num_layers
-            if s.selection == "group":
-                raise ValueError("selection='group' needs mode 'topth' with group thresholds")
         if s.placement is None:
             s.placement = "post_softmax"
         if s.placement not in PLACEMENTS:
@@ -148,15 +154,50 @@ class TopthSettings:
         return s
 
 
-def check_set_indices(choice, sets) -> None:
-    """Raise ThresholdFileError (naming the file) for a threshold-set index out of range."""
+def set_choice(choice) -> Optional[list]:
+    """A threshold-set choice as a list of int (None stays None).
+
+    Parameters
+    ----------
+    choice : int, sequence of int, 1-D integer torch.Tensor / numpy.ndarray, or None
+
+    Raises
+    ------
+    TypeError
+        Anything else (a bool, float, str, mapping, a float or bool tensor, a tensor of 2+
+        dimensions, a nested sequence).
+    ValueError
+        An empty sequence.
+    """
     if choice is None:
+        return None
+    what = "threshold_set must be an int, a sequence of int, or a 1-D integer tensor"
+    if isinstance(choice, torch.Tensor) or hasattr(choice, "__array__") and hasattr(choice, "dtype"):
+        t = torch.as_tensor(choice)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() > 1:
+            raise TypeError(f"{what}, got a {t.dim()}-D {t.dtype} tensor")
+        vals = t.reshape(-1).tolist()
+    elif isinstance(choice, (list, tuple)):
+        vals = list(choice)
+    else:
+        vals = [choice]
+    out = []
+    for v in vals:
+        if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__index__"):
+            raise TypeError(f"{what}, got {choice!r}")
+        out.append(operator.index(v))
+    if not out:
+        raise ValueError("threshold_set must not be empty")
+    return out
+
+
+def check_set_indices(choice, sets) -> None:
+    """Raise ThresholdFileError (naming the file) for a threshold-set index out of range,
+    TypeError / ValueError as :func:`set_choice`."""
+    vals = set_choice(choice)
+    if vals is None:
         return
     from ..threshold_file import pick_set
 
-    vals = choice.tolist() if isinstance(choice, torch.Tensor) else (
-        [choice] if isinstance(choice, int) else list(choice))
-    if not vals:
-        raise ValueError("threshold_set must not be empty")
     for v in vals:
         pick_set(sets, v, sets[0].path or "(unsaved)")
