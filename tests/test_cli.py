@@ -242,7 +242,9 @@ def test_calibrate_takes_evaluates_calibration_flag_spelling(tmp_path, capsys, m
     (["evaluate", "--extend-to", str(2 ** 21)], "--extend-to must be from --calib-max-tokens (1024"),
     (["evaluate", "--thresholds", "t.safetensors", "--k", "99"], "--k applies when evaluate calibrates"),
     (["evaluate", "--thresholds", "t.safetensors", "--extend-to", "4096"], "--extend-to applies when evaluate"),
-    (["calibrate", "--k", "16", "--model", ""], "--model is empty: give one of smollm2-135m, gemma3-270m")])
+    (["calibrate", "--k", "16", "--model", ""], "--model is empty: give one of smollm2-135m, gemma3-270m"),
+    (["calibrate", "--import-reference", "th.txt", "--placement", "pre_softmax", "--extend-to", "4096"],
+     "--extend-to sets the length model's reach; --import-reference only converts a file")])
 def test_extend_to_k_and_model_flags_are_checked_before_the_model_loads(argv, needle, tmp_path, capsys,
                                                                         monkeypatch):
     # --extend-to -5 used to calibrate and write a file without a length model (silently the sample length)

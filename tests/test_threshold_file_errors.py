@@ -15,6 +15,7 @@ from topth_ops.hf.settings import TopthSettings, set_choice
 from topth_ops.threshold_file import (ThresholdFileError, ThresholdSet, attention_config_of, extend_table,
                                       load_thresholds, pick_set)
 from topth_ops.threshold_format import MAX_ROW_IDS
+from topth_ops.threshold_validate import extend_sdc
 
 CFG = dict(model_type="llama", num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8)
 LAYER_K = [DENSE, 2, 3]
@@ -94,12 +95,49 @@ def test_head_without_calibrated_rows_keeps_its_marker(tmp_path):
 
 
 @pytest.mark.parametrize("placement, slope, needle", [
-    ("post_softmax", -1e6, r"probability thresholds in \(0, 1\]"),  # theta 0: every key kept
-    ("post_softmax", 400.0, r"probability thresholds in \(0, 1\]"),  # theta capped at 1: none kept
-    ("pre_softmax", 1e6, r"finite values within \+-1e4")])
+    ("post_softmax", -1e6, r"log probabilities above -87"),  # theta 0: every key kept
+    ("pre_softmax", 1e6, r"thresholds within \+-1e4"),
+    ("pre_softmax", 1e300, r"thresholds within \+-1e4")])  # overflows: named, no numpy warning
 def test_length_model_out_of_range_on_the_extended_rows_is_refused(tmp_path, placement, slope, needle):
     with pytest.raises(ThresholdFileError, match=r"'length_model' layer 1 head 0: the model must give " + needle):
-        _set(placement, model=_model(placement, slope=slope)).save(tmp_path / "x.safetensors")
+        with np.errstate(over="raise", invalid="raise"):
+            _set(placement, model=_model(placement, slope=slope)).save(tmp_path / "x.safetensors")
+
+
+def test_post_softmax_model_above_probability_1_is_capped_as_documented(tmp_path):
+    # calibration on peaked heads fits lines that reach log p slightly above 0 beyond the
+    # samples (a reviewer saw 8 of 192 tiny-model sets); theta is capped at 1 there, not refused
+    m = _model("post_softmax", value=-0.2, slope=0.5)
+    back = load_thresholds(_set(model=m).save(tmp_path / "c.safetensors"))
+    assert float(back.thresholds[1, :, RC:].max()) == 1.0 and float(back.thresholds[1, 0, RC]) < 1.0
+
+
+def _pre_with_sdc(sdc_value):
+    ts = _set("pre_softmax")
+    an, av = np.full((3, 4), float(RC)), np.full((3, 4), sdc_value)
+    an[0], av[0] = np.nan, np.nan
+    ts.sdc_length_model = LengthModel("log", an, av, np.zeros((3, 4)))
+    sdc_c = torch.full((3, 4, RC), 0.5)
+    sdc_c[0] = 0.0
+    ts.sdc_table = extend_sdc(sdc_c, ts.sdc_length_model, R)
+    return ts
+
+
+def test_sdc_model_overflowing_float32_is_refused_by_name(tmp_path):
+    # exp(100) overflows float32: +inf used to be reported without the layer and head
+    with pytest.raises(ThresholdFileError, match=r"'sdc_length_model' layer 1 head 0: the model must give a log "
+                                                 r"dropped mass below 88.72"):
+        with np.errstate(over="raise", invalid="raise"):
+            _pre_with_sdc(100.0).save(tmp_path / "s.safetensors")
+    back = load_thresholds(_pre_with_sdc(1.0).save(tmp_path / "ok.safetensors"))
+    assert torch.allclose(back.sdc_table[1, :, RC:], torch.tensor(float(np.e)))
+
+
+def test_pre_softmax_thresholds_beyond_1e4_are_refused(tmp_path):
+    ts = _set("pre_softmax")
+    ts.thresholds[2, 1, 4] = 1e30  # a calibrated column
+    with pytest.raises(ThresholdFileError, match=r"pre_softmax thresholds \(scaled logits\) must lie within"):
+        ts.save(tmp_path / "p.safetensors")
 
 
 def test_length_model_domain_must_fit_the_placement(tmp_path):
@@ -147,20 +185,23 @@ def test_attention_config_of_a_dict_is_checked(change, needle):
 def test_set_index_types(tmp_path):
     sets = [_set(), _set()]
     assert pick_set(sets, np.int64(1), "f") is sets[1]
-    for bad in ("1", True, 1.0, [1]):
+    assert pick_set(sets, torch.tensor(1), "f") is sets[1]
+    for bad in ("1", True, 1.0, [1], torch.tensor(1.0), np.array([1, 0])):
         with pytest.raises(TypeError, match="threshold set index must be an int"):
             pick_set(sets, bad, "f")
 
 
 @pytest.mark.parametrize("choice, expect", [(2, [2]), (np.int64(1), [1]), ([2, 0], [2, 0]), ((1,), [1]),
                                             (torch.tensor([2, 0]), [2, 0]), (torch.tensor(1), [1]),
-                                            (np.array([0, 1], dtype=np.int32), [0, 1]), (None, None)])
+                                            (np.array([0, 1], dtype=np.int32), [0, 1]), (range(2), [0, 1]),
+                                            (None, None)])
 def test_set_choice_accepts_integers(choice, expect):
     assert set_choice(choice) == expect
 
 
 @pytest.mark.parametrize("choice", [True, 1.0, "1", "12", {0: 1}, [[0], [1]], [0, 1.5], torch.tensor([1.0]),
-                                    torch.tensor([[1, 0]]), torch.tensor([True])])
+                                    torch.tensor([[1, 0]]), torch.tensor([True]), np.array(["1"]),
+                                    np.array([1], dtype=object)])
 def test_set_choice_refuses_other_types(choice):
     with pytest.raises(TypeError, match="threshold_set must be an int, a sequence of int, or a 1-D integer tensor"):
         set_choice(choice)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -254,9 +255,12 @@ def pick_set(sets: Sequence[ThresholdSet], index: Optional[int], path: str) -> T
             return sets[0]
         raise ThresholdFileError(f"thresholds file {path!r} holds {len(sets)} threshold sets ({ks}); "
                                  "choose one (index / --threshold-set)")
-    if isinstance(index, (bool, str, bytes)) or not hasattr(index, "__index__"):
-        raise TypeError(f"threshold set index must be an int (for thresholds file {path!r}), got {index!r}")
-    index = index.__index__()
+    try:
+        if isinstance(index, (bool, str, bytes)):
+            raise TypeError
+        index = operator.index(index)
+    except TypeError:  # also float tensors, arrays of several elements
+        raise TypeError(f"threshold set index must be an int (for thresholds file {path!r}), got {index!r}") from None
     if not 0 <= index < len(sets):
         raise ThresholdFileError(f"threshold set index {index!r} is out of range for thresholds file {path!r}, "
                                  f"which holds {len(sets)} set{'s' if len(sets) != 1 else ''} ({ks})")

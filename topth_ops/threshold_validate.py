@@ -11,11 +11,14 @@ import torch
 from .contract import PLACEMENTS, SELECTIONS
 from .layer_k import DENSE
 from .length_model import FEATURES, LengthModel
-from .threshold_format import ESTIMATORS, ThresholdFileError, describe_config
+from .threshold_format import ESTIMATORS, MAX_ROW_IDS, ThresholdFileError, describe_config
 from .validation import dtype_str
 
 if TYPE_CHECKING:
     from .threshold_file import ThresholdSet
+
+
+_LOG_F32_MAX = float(np.log(np.finfo(np.float32).max))
 
 
 def is_layer_k(layer_k, num_layers: int) -> bool:
@@ -43,7 +46,8 @@ def extend_table(stored: torch.Tensor, model: Optional[LengthModel], extend_to: 
     if model is None:
         raise ValueError(f"extending a table of {Rc} row ids to {extend_to} needs a length model")
     n = np.arange(Rc + 1, extend_to + 1, dtype=np.float64)
-    ext = torch.from_numpy(model.theta(n).astype(np.float32))
+    with np.errstate(over="ignore", invalid="ignore"):  # a bad model's overflow: validate_set names it
+        ext = torch.from_numpy(model.theta(n).astype(np.float32))
     return torch.cat([stored.to(torch.float32), ext], dim=-1)
 
 
@@ -59,9 +63,12 @@ def _check_model_values(m: LengthModel, name: str, layer_k, Rc: int, R: int, bad
     anchor_value and slope finite with the anchor inside the calibrated row ids (or the
     marker of a head without calibrated rows: anchor_n and anchor_value NaN, slope 0; the
     SDC model's anchor_value may be -inf: no dropped mass), and over the row ids it extends
-    to (``Rc + 1 .. R``) finite values within +-1e4 (a scaled logit beyond it has softmax
-    weight 0 in any float format, so it cannot be a real threshold), probabilities within
-    (0, 1] (domain log_prob)."""
+    to (``Rc + 1 .. R``) finite values: logit thresholds within +-1e4 (a scaled logit beyond
+    it has softmax weight 0 in any float format, so it cannot be a real threshold), log
+    probabilities above -87 (exp(v) > 0 in float32; above 0 theta is capped at probability
+    1, as fitted lines of peaked heads do), an SDC log dropped mass below log(float32 max) = 88.72. No
+    tighter upper bounds: lines fitted by earlier laws overshoot (log p up to 2.7, dropped
+    mass up to 3 n on tiny models' near-uniform heads) and their files still load."""
     an, av, sl = (np.asarray(a, dtype=np.float64) for a in (m.anchor_n, m.anchor_value, m.slope))
     on = np.array([k != DENSE for k in layer_k])[:, None] & np.ones(an.shape, dtype=bool)
     marker = np.isnan(an) & np.isnan(av) & (sl == 0)
@@ -71,21 +78,23 @@ def _check_model_values(m: LengthModel, name: str, layer_k, Rc: int, R: int, bad
         layer, head = (int(i) for i in np.argwhere(on & ~good)[0])
         bad(f"{name!r} layer {layer} head {head}: anchor_n, anchor_value and slope must be finite with anchor_n "
             f"<= the {Rc} calibrated row ids (or anchor_n and anchor_value NaN with slope 0: no calibrated rows), "
-            f"got {an[layer, head]:g}, {av[layer, head]:g}, {sl[layer, head]:g}")
+            f"got {float(an[layer, head])!r}, {float(av[layer, head])!r}, {float(sl[layer, head])!r}")
     if R <= Rc:
         return
+    n = np.arange(Rc + 1, R + 1, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
-        v = m.value(np.arange(Rc + 1, R + 1, dtype=np.float64))
+        v = m.value(n)
     live = (on & ~marker & np.isfinite(av))[..., None] & np.ones(v.shape, dtype=bool)
-    ok = np.isfinite(v) & (np.abs(v) <= 1e4)  # |scaled logit| > 1e4: softmax weight 0 in any float format
-    if m.domain == "log_prob":
-        ok &= (v <= 0) & (v > -87.0)  # exp(v) a float32 probability in (0, 1]
+    if m.domain == "logit":
+        ok, what = np.isfinite(v) & (np.abs(v) <= 1e4), "thresholds within +-1e4"
+    elif m.domain == "log_prob":  # above 0 (probability 1) theta is capped at 1, as documented
+        ok, what = np.isfinite(v) & (v > -87.0), "log probabilities above -87 (float32 probabilities > 0)"
+    else:  # exp(v) must stay a float32 number: +inf was read as no compensation
+        ok, what = np.isfinite(v) & (v < _LOG_F32_MAX), "a log dropped mass below 88.72 (float32 range)"
     if not ok[live].all():
         layer, head, c = (int(i) for i in np.argwhere(live & ~ok)[0])
-        what = "probability thresholds in (0, 1] (log_prob in (-87, 0])" if m.domain == "log_prob" else \
-            "finite values within +-1e4"
         bad(f"{name!r} layer {layer} head {head}: the model must give {what} on the row ids it extends to "
-            f"({Rc + 1}..{R}), got {v[layer, head, c]:g} at row id {Rc + 1 + c}")
+            f"({Rc + 1}..{R}), got {v[layer, head, c]:.6g} at row id {Rc + 1 + c}")
 
 
 def validate_set(ts: ThresholdSet, *, where: str) -> None:
@@ -102,8 +111,8 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
     ThresholdFileError
         Unknown placement, selection or estimator; a tensor whose dtype or shape does not
         match the recorded attention config; negative sample counts; a bad ``layer_k``;
-        NaN or +inf thresholds, post_softmax thresholds outside [0, 1], finite thresholds
-        in dense rows; a length model of the wrong shape or domain (pre_softmax: logit,
+        NaN or +inf thresholds, post_softmax thresholds outside [0, 1], pre_softmax ones
+        beyond +-1e4, finite thresholds in dense rows, more than MAX_ROW_IDS row ids; a length model of the wrong shape or domain (pre_softmax: logit,
         post_softmax: log_prob), with non-finite parameters or an anchor outside the
         calibrated row ids, that gives non-finite values (or probabilities outside (0, 1])
         beyond them, or columns beyond the calibrated row ids that do not follow it; an SDC table with post_softmax, of the
@@ -168,6 +177,10 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
     finite = th[torch.isfinite(th)]
     if ts.placement == "post_softmax" and finite.numel() and bool(((finite < 0) | (finite > 1)).any()):
         bad("post_softmax thresholds (probabilities) must lie in [0, 1] or be -inf")
+    if ts.placement == "pre_softmax" and finite.numel() and bool((finite.abs() > 1e4).any()):
+        bad("pre_softmax thresholds (scaled logits) must lie within +-1e4 or be -inf")
+    if R > max(MAX_ROW_IDS, Rc):
+        bad(f"'thresholds' has {R} row ids; at most {MAX_ROW_IDS} (MAX_ROW_IDS) are allowed")
     for layer, k in enumerate(ts.layer_k):
         dense_cols = R if k == DENSE else min(k, R)
         if dense_cols and bool(torch.isfinite(th[layer, :, :dense_cols]).any()):

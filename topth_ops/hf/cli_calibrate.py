@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--layerwise-calibration calibrates; --import-reference only converts a file")
             if args.align != "stream":
                 raise ValueError("--align chooses calibration samples; --import-reference only converts a file")
+            if args.extend_to is not None:
+                raise ValueError("--extend-to sets the length model's reach; --import-reference only converts a file "
+                                 "(the reference format has no length model)")
             return _import(args)
         if args.k is None:
             raise ValueError("--k is required (unless --import-reference)")

@@ -173,11 +173,14 @@ def set_choice(choice) -> Optional[list]:
         return None
     what = "threshold_set must be an int, a sequence of int, or a 1-D integer tensor"
     if isinstance(choice, torch.Tensor) or hasattr(choice, "__array__") and hasattr(choice, "dtype"):
-        t = torch.as_tensor(choice)
+        try:
+            t = torch.as_tensor(choice)
+        except (TypeError, ValueError, RuntimeError):  # numpy uint64, strings, objects
+            raise TypeError(f"{what}, got {choice!r}") from None
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() > 1:
             raise TypeError(f"{what}, got a {t.dim()}-D {t.dtype} tensor")
         vals = t.reshape(-1).tolist()
-    elif isinstance(choice, (list, tuple)):
+    elif isinstance(choice, (list, tuple, range)):
         vals = list(choice)
     else:
         vals = [choice]
