@@ -59,7 +59,7 @@ import torch
 
 from .calibration import DENSE, LayerK, no_long_rows_error, row_log_z, to_host
 from .contract import PLACEMENTS, SELECTIONS
-from .length_model import (DEFAULT_FIT_OCTAVES, FEATURES, MIN_FIT_POINTS, THRESHOLD_FEATURE, LengthModel,
+from .length_model import (DEFAULT_FIT_OCTAVES, DOMAINS, FEATURES, MIN_FIT_POINTS, THRESHOLD_FEATURE, LengthModel,
                            constant_table_model, fit_length_model, from_domain, to_domain)
 
 __all__ = ["DEFAULT_BINS", "DEFAULT_BUCKETS_PER_OCTAVE", "DEFAULT_FIT_OCTAVES", "DEFAULT_ROWS_PER_OCTAVE", "DOMAINS",
@@ -70,7 +70,6 @@ DEFAULT_BINS = 512
 DEFAULT_BUCKETS_PER_OCTAVE = 4
 DEFAULT_ROWS_PER_OCTAVE = 128
 LOG_PROB_FLOOR = -60.0  # log-probabilities below this are clamped (never near a threshold)
-DOMAINS = {"pre_softmax": "logit", "post_softmax": "log_prob"}
 
 
 def bucket_edges(max_row_id: int, ks: Sequence[int], per_octave: int = DEFAULT_BUCKETS_PER_OCTAVE) -> np.ndarray:

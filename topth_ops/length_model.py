@@ -24,6 +24,7 @@ DEFAULT_FIT_OCTAVES = 3.0
 MIN_FIT_POINTS = 3
 FEATURES = ("log_n", "log_log_n_over_k", "inverse_n_over_k", "log_one_minus_k_over_n")
 THRESHOLD_FEATURE = "log_one_minus_k_over_n"  # what calibration fits (docs/model.md, "Rows 2-8 x beyond")
+DOMAINS = {"pre_softmax": "logit", "post_softmax": "log_prob"}  # a threshold model's domain per placement
 
 
 def feature_of(n: np.ndarray, feature: str, k=None) -> np.ndarray:

@@ -69,9 +69,9 @@ from .threshold_format import (_CONFIG_KEYS, ESTIMATORS, FORMAT, FORMAT_VERSION,
 from .threshold_save import save_threshold_sets
 from .threshold_validate import extend_table
 
-__all__ = ["ESTIMATORS", "FORMAT", "FORMAT_VERSION", "ThresholdFileError", "ThresholdSet", "attention_config_of",
-           "describe_config", "extend_table", "fingerprint", "import_reference_text", "load_threshold_sets",
-           "load_thresholds", "pick_set", "save_threshold_sets", "stack_sets"]
+__all__ = ["ESTIMATORS", "FORMAT", "FORMAT_VERSION", "ThresholdFileError", "ThresholdSet", "as_index",
+           "attention_config_of", "describe_config", "extend_table", "fingerprint", "import_reference_text",
+           "load_threshold_sets", "load_thresholds", "pick_set", "save_threshold_sets", "stack_sets"]
 
 
 @dataclass(eq=False)  # compared by identity: tensor fields have no truth value
@@ -315,7 +315,7 @@ def import_reference_text(*args, **kwargs):
 def __getattr__(name):
     """The readers (format 1 and 2) live in threshold_load.py (which uses this module);
     re-exported lazily so that either module can be imported first."""
-    if name in ("load_threshold_sets", "load_thresholds", "pick_set"):
+    if name in ("as_index", "load_threshold_sets", "load_thresholds", "pick_set"):
         from . import threshold_load
 
         return getattr(threshold_load, name)

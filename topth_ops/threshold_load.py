@@ -255,16 +255,25 @@ def pick_set(sets: Sequence[ThresholdSet], index: Optional[int], path: str) -> T
             return sets[0]
         raise ThresholdFileError(f"thresholds file {path!r} holds {len(sets)} threshold sets ({ks}); "
                                  "choose one (index / --threshold-set)")
-    try:
-        if isinstance(index, (bool, str, bytes)):
-            raise TypeError
-        index = operator.index(index)
-    except TypeError:  # also float tensors, arrays of several elements
-        raise TypeError(f"threshold set index must be an int (for thresholds file {path!r}), got {index!r}") from None
-    if not 0 <= index < len(sets):
-        raise ThresholdFileError(f"threshold set index {index!r} is out of range for thresholds file {path!r}, "
+    i = as_index(index)
+    if i is None:
+        raise TypeError(f"threshold set index must be an int (for thresholds file {path!r}), got {index!r}")
+    if not 0 <= i < len(sets):
+        raise ThresholdFileError(f"threshold set index {i!r} is out of range for thresholds file {path!r}, "
                                  f"which holds {len(sets)} set{'s' if len(sets) != 1 else ''} ({ks})")
-    return sets[index]
+    return sets[i]
+
+
+def as_index(value) -> Optional[int]:
+    """``value`` as a Python int when it is an integer (int, numpy integer, one-element
+    integer tensor), else None (bool, str, bytes, float, float tensor, array of several
+    elements): the check of a threshold-set index."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _rule(value, where: str):

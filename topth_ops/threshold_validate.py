@@ -10,7 +10,7 @@ import torch
 
 from .contract import PLACEMENTS, SELECTIONS
 from .layer_k import DENSE
-from .length_model import FEATURES, LengthModel
+from .length_model import DOMAINS, FEATURES, LengthModel
 from .threshold_format import ESTIMATORS, MAX_ROW_IDS, ThresholdFileError, describe_config
 from .validation import dtype_str
 
@@ -59,18 +59,24 @@ def extend_sdc(stored: torch.Tensor, model: LengthModel, extend_to: int) -> torc
 
 
 def _check_model_values(m: LengthModel, name: str, layer_k, Rc: int, R: int, bad) -> None:
-    """A length model's numbers: per (layer, head) of a thresholded layer, anchor_n,
-    anchor_value and slope finite with the anchor inside the calibrated row ids (or the
-    marker of a head without calibrated rows: anchor_n and anchor_value NaN, slope 0; the
-    SDC model's anchor_value may be -inf: no dropped mass), and over the row ids it extends
-    to (``Rc + 1 .. R``) finite values: logit thresholds within +-1e4 (a scaled logit beyond
-    it has softmax weight 0 in any float format, so it cannot be a real threshold), log
-    probabilities above -87 (exp(v) > 0 in float32; above 0 theta is capped at probability
-    1, as fitted lines of peaked heads do), an SDC log dropped mass below log(float32 max) = 88.72. No
-    tighter upper bounds: lines fitted by earlier laws overshoot (log p up to 2.7, dropped
-    mass up to 3 n on tiny models' near-uniform heads) and their files still load."""
+    """A length model's numbers, per (layer, head) of a thresholded layer: anchor_n above
+    k (k features; log n: above 0) and at most the calibrated row ids ``Rc``, anchor_value
+    and slope finite (or the marker of a head without calibrated rows: anchor_n and
+    anchor_value NaN, slope 0; the SDC model's anchor_value may be -inf: no dropped mass);
+    and over the row ids it extends to (``Rc + 1 .. R``) finite values: logit thresholds
+    within +-1e4 (a scaled logit beyond it has softmax weight 0 in any float format, so it
+    cannot be a real threshold), log probabilities above -87 (exp(v) > 0 in float32; above
+    0 theta is capped at probability 1, as fitted lines of peaked heads do), an SDC log
+    dropped mass below log(float32 max) = 88.72. No tighter upper bounds: lines fitted by
+    earlier laws overshoot (log p up to 2.7, dropped mass up to 3 n on tiny models'
+    near-uniform heads) and their files still load. ``bad(msg)`` raises."""
     an, av, sl = (np.asarray(a, dtype=np.float64) for a in (m.anchor_n, m.anchor_value, m.slope))
-    on = np.array([k != DENSE for k in layer_k])[:, None] & np.ones(an.shape, dtype=bool)
+    for layer, k in enumerate(layer_k):  # x(anchor) must be finite: n > k (k features), n > 0 (log n)
+        low = k if m.feature != "log_n" else 0
+        if k != DENSE and bool((np.isfinite(an[layer]) & (an[layer] <= low)).any()):
+            bad(f"{name!r} layer {layer}: anchor row ids must exceed {'k=' + str(k) if low else 0} "
+                f"(feature {m.feature!r}), got {an[layer].min():g}")
+    on = np.broadcast_to(np.array([k != DENSE for k in layer_k])[:, None], an.shape)
     marker = np.isnan(an) & np.isnan(av) & (sl == 0)
     value_ok = np.isfinite(av) | (np.isneginf(av) if m.domain == "log" else False)
     good = marker | (np.isfinite(an) & np.isfinite(sl) & value_ok & (an <= Rc * (1 + 1e-9)))
@@ -84,7 +90,7 @@ def _check_model_values(m: LengthModel, name: str, layer_k, Rc: int, R: int, bad
     n = np.arange(Rc + 1, R + 1, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         v = m.value(n)
-    live = (on & ~marker & np.isfinite(av))[..., None] & np.ones(v.shape, dtype=bool)
+    live = np.broadcast_to((on & ~marker & np.isfinite(av))[..., None], v.shape)
     if m.domain == "logit":
         ok, what = np.isfinite(v) & (np.abs(v) <= 1e4), "thresholds within +-1e4"
     elif m.domain == "log_prob":  # above 0 (probability 1) theta is capped at 1, as documented
@@ -112,11 +118,11 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
         Unknown placement, selection or estimator; a tensor whose dtype or shape does not
         match the recorded attention config; negative sample counts; a bad ``layer_k``;
         NaN or +inf thresholds, post_softmax thresholds outside [0, 1], pre_softmax ones
-        beyond +-1e4, finite thresholds in dense rows, more than MAX_ROW_IDS row ids; a length model of the wrong shape or domain (pre_softmax: logit,
-        post_softmax: log_prob), with non-finite parameters or an anchor outside the
-        calibrated row ids, that gives non-finite values (or probabilities outside (0, 1])
-        beyond them, or columns beyond the calibrated row ids that do not follow it; an SDC table with post_softmax, of the
-        wrong shape, negative or not finite.
+        beyond +-1e4, finite thresholds in dense rows, more than MAX_ROW_IDS row ids; a
+        length model of the wrong shape, domain (pre_softmax: logit, post_softmax:
+        log_prob) or feature, with numbers :func:`_check_model_values` refuses, or columns
+        beyond the calibrated row ids that do not follow it; an SDC table with
+        post_softmax, of the wrong shape, negative or not finite.
     """
     def bad(msg):
         raise ThresholdFileError(f"{where}: {msg}")
@@ -152,23 +158,16 @@ def validate_set(ts: ThresholdSet, *, where: str) -> None:
             continue
         if any(np.shape(a) != (L, heads) for a in (m.anchor_n, m.anchor_value, m.slope)):
             bad(f"{name!r} arrays must have shape [{L}, {heads}]")
-        allowed = ({"pre_softmax": "logit", "post_softmax": "log_prob"}[ts.placement],) \
-            if name == "length_model" else ("log",)
-        if m.domain not in allowed:
-            bad(f"{name!r} domain must be {allowed[0]!r}" + (f" with {ts.placement} thresholds" if len(
-                allowed) == 1 and name == "length_model" else "") + f", got {m.domain!r}")
+        want = DOMAINS[ts.placement] if name == "length_model" else "log"
+        if m.domain != want:
+            why = f" with {ts.placement} thresholds" if name == "length_model" else ""
+            bad(f"{name!r} domain must be {want!r}{why}, got {m.domain!r}")
         if m.feature not in FEATURES:
             bad(f"{name!r} feature must be one of {FEATURES}, got {m.feature!r}")
         model_k = None if m.k is None else [int(v) for v in np.ravel(m.k)]
         if m.feature != "log_n" and model_k != list(ts.layer_k):
             bad(f"{name!r} feature {m.feature!r} needs k per layer equal to the set's layer_k {list(ts.layer_k)}, "
                 f"got {model_k}")
-        for layer, k in enumerate(ts.layer_k):  # x(anchor) must be finite: n > k (k features), n > 0 (log n)
-            an = np.asarray(m.anchor_n[layer], dtype=np.float64)
-            low = k if m.feature != "log_n" else 0
-            if k != DENSE and bool((np.isfinite(an) & (an <= low)).any()):
-                bad(f"{name!r} layer {layer}: anchor row ids must exceed {'k=' + str(k) if low else 0} "
-                    f"(feature {m.feature!r}), got {an.min():g}")
         _check_model_values(m, name, ts.layer_k, Rc, R, bad)
     if bool(torch.isnan(th).any()):
         bad("'thresholds' contains NaN")

@@ -48,7 +48,7 @@ from ..calibration import DENSE
 from ..prefill import RowRule, prefill_attention
 from ..rowstats import StatsCollector
 from .cache_view import check_supported, rows_from_mask, sdpa_can_skip_mask, topth_mask, valid_value_mean
-from .settings import MODES, PREFILL_MODES, TopthSettings, check_set_indices, set_choice  # noqa: F401 (re-exported)
+from .settings import MODES, PREFILL_MODES, TopthSettings, check_set_indices  # noqa: F401 (re-exported)
 from .vmean import value_sums_for
 
 logger = logging.getLogger("topth_ops")
@@ -139,18 +139,13 @@ class TopthAttention:
         ValueError
             None (or empty) while the thresholds hold several sets.
         """
-        sets = self.settings.sets
-        if choice is None and len(sets) > 1:
-            raise ValueError(f"{sets[0].name()} holds {len(sets)} threshold sets: give a threshold_set "
-                             "(one index for the batch, or one per request)")
-        check_set_indices(choice, sets)
-        self.settings.threshold_set = set_choice(choice)
+        self.settings.threshold_set = check_set_indices(choice, self.settings.sets)
 
     def _threshold_set(self, B: int, device) -> Optional[torch.Tensor]:
         """``[B]`` int64 set index per batch row (None with one set)."""
         if not self.multi_set:
             return None
-        idx = torch.as_tensor(set_choice(self.settings.threshold_set), dtype=torch.int64)
+        idx = torch.as_tensor(self.settings.threshold_set, dtype=torch.int64)  # a list (TopthSettings)
         if idx.numel() == 1:
             idx = idx.expand(B)
         elif idx.numel() != B:

@@ -117,9 +117,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         group maximum (estimator "count" only).
     extend_to : int, optional
         Estimator "count": table length in row ids (default: 8 x the longest sample,
-        capped at the model's context and at MAX_ROW_IDS, at least the longest sample); given: from the
-        longest sample to :data:`~topth_ops.threshold_format.MAX_ROW_IDS` (ValueError
-        otherwise).
+        capped at the model's context and at MAX_ROW_IDS, at least the longest sample);
+        given: from the longest sample to :data:`~topth_ops.threshold_format.MAX_ROW_IDS`
+        (ValueError otherwise).
     layerwise : bool
         Calibrate each layer on the activations of the layers below it, thresholded with
         their new thresholds (:mod:`topth_ops.hf.calib_layerwise`): one batched pass per
@@ -197,7 +197,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         raise ValueError(f"alpha must be finite, got {alpha!r}")
     context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     if extend_to is None:
-        extend_to = max(max_len, min(8 * max_len if not context else min(8 * max_len, context), MAX_ROW_IDS))
+        extend_to = max(max_len, min(8 * max_len, context or MAX_ROW_IDS, MAX_ROW_IDS))
     elif isinstance(extend_to, bool) or not isinstance(extend_to, numbers.Integral) or \
             not max_len <= extend_to <= MAX_ROW_IDS:
         raise ValueError(f"extend_to must be an integer from the longest calibration sample ({max_len} tokens) "

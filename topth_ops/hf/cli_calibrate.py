@@ -9,8 +9,8 @@ import time
 from typing import Optional
 
 from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_context,
-                         check_layer_k_syntax, check_layerwise, check_output_file, check_sizes, fail, flat_k,
-                         note_short_text, parse_k_list, show_progress)
+                         check_extend_to, check_layer_k_syntax, check_layerwise, check_output_file, check_sizes,
+                         fail, flat_k, note_short_text, parse_k_list, show_progress)
 
 PLACEMENT_CHOICES = ("pre_softmax", "post_softmax", "both")
 
@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         if args.k is None:
             raise ValueError("--k is required (unless --import-reference)")
         check_sizes(args, {"samples": 1, "max_tokens": 2})
+        check_extend_to(args, "--max-tokens")
         check_alpha(args.alpha)
         check_layerwise(args)
         check_layer_k_syntax(args.layer_k)

@@ -169,23 +169,23 @@ def _check_creatable_dir(d: Path, flag: str, path: str) -> None:
 
 def check_sizes(args: argparse.Namespace, minimum: dict) -> None:
     """Raise ValueError naming the flag when an integer flag is below its minimum;
-    ``minimum`` maps attribute names (``calib_samples``) to their least value (None, an
-    option not given, passes). ``--extend-to``, when given, must also lie between the
-    sample length (``max_tokens`` / ``calib_max_tokens``) and
-    :data:`~topth_ops.threshold_format.MAX_ROW_IDS`."""
+    ``minimum`` maps attribute names (``calib_samples``) to their least value."""
     for name, least in minimum.items():
         v = getattr(args, name)
-        if v is not None and v < least:
+        if v < least:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {v}")
-    extend_to = getattr(args, "extend_to", None)
-    if extend_to is not None:
-        from ..threshold_format import MAX_ROW_IDS
 
-        flag = "--calib-max-tokens" if hasattr(args, "calib_max_tokens") else "--max-tokens"
-        tokens = getattr(args, flag[2:].replace("-", "_"))
-        if not tokens <= extend_to <= MAX_ROW_IDS:
-            raise ValueError(f"--extend-to must be from {flag} ({tokens}: the calibrated row ids) to "
-                             f"{MAX_ROW_IDS}, got {extend_to}")
+
+def check_extend_to(args: argparse.Namespace, tokens_flag: str) -> None:
+    """Raise ValueError unless ``--extend-to`` (when given) lies between the sample length
+    (``tokens_flag``: "--max-tokens" or "--calib-max-tokens", the calibrated row ids) and
+    :data:`~topth_ops.threshold_format.MAX_ROW_IDS` (before the model loads)."""
+    from ..threshold_format import MAX_ROW_IDS
+
+    tokens = getattr(args, tokens_flag[2:].replace("-", "_"))
+    if args.extend_to is not None and not tokens <= args.extend_to <= MAX_ROW_IDS:
+        raise ValueError(f"--extend-to must be from {tokens_flag} ({tokens}: the calibrated row ids) to "
+                         f"{MAX_ROW_IDS}, got {args.extend_to}")
 
 
 def check_alpha(alpha: float) -> None:

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_backend,
-                         check_context, check_layer_k_syntax, check_layerwise, check_output_dir, check_output_file,
-                         check_sizes, fail, flat_k, note_short_text, parse_k_list, show_progress)
+                         check_context, check_extend_to, check_layer_k_syntax, check_layerwise, check_output_dir,
+                         check_output_file, check_sizes, fail, flat_k, note_short_text, parse_k_list,
+                         show_progress)
 
 DEFAULT_KS = "16,32,96"
 
@@ -110,6 +111,7 @@ def _run(args) -> int:
         raise ValueError("--extend-to applies when evaluate calibrates; with --thresholds nothing is calibrated")
     if not args.thresholds:
         check_sizes(args, {"calib_samples": 1, "calib_max_tokens": 2})
+        check_extend_to(args, "--calib-max-tokens")
         if args.calib_text:  # what calibration_texts refuses after the model loads, refused before it
             from .calib_sources import HUMANEVAL_SOURCE, check_sources
             from .texts import humaneval_problems

@@ -4,7 +4,6 @@ model's layer count (:meth:`TopthSettings.resolved`)."""
 
 from __future__ import annotations
 
-import operator
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -13,7 +12,7 @@ import torch
 
 from ..calibration import DENSE
 from ..contract import DEFAULT_SDC_GAMMA, PLACEMENTS, SDC_MODES, SELECTIONS
-from ..threshold_file import ThresholdSet
+from ..threshold_file import ThresholdSet, as_index
 
 MODES = ("dense", "topth", "topk")
 PREFILL_MODES = ("thresholded", "dense")
@@ -131,10 +130,6 @@ class TopthSettings:
                 bad = next(ts for ts in sets if ts.sdc_table is None)
                 raise ValueError(f"sdc='offline' needs an sdc_table; {bad.name()} has none "
                                  "(calibrate with pre_softmax placement and the SDC pass)")
-            if len(sets) > 1 and s.threshold_set is None:
-                ks = ", ".join(f"{i}: k={ts.k}" for i, ts in enumerate(sets))
-                raise ValueError(f"{first.name()} holds {len(sets)} threshold sets ({ks}): give threshold_set "
-                                 "(one index for the batch, or one per request)")
             check_set_indices(s.threshold_set, sets)
         elif s.mode == "topk":
             if s.layer_k is None:
@@ -184,23 +179,36 @@ def set_choice(choice) -> Optional[list]:
         vals = list(choice)
     else:
         vals = [choice]
-    out = []
-    for v in vals:
-        if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__index__"):
-            raise TypeError(f"{what}, got {choice!r}")
-        out.append(operator.index(v))
+    out = [as_index(v) for v in vals]
+    if None in out:
+        raise TypeError(f"{what}, got {choice!r}")
     if not out:
         raise ValueError("threshold_set must not be empty")
     return out
 
 
-def check_set_indices(choice, sets) -> None:
-    """Raise ThresholdFileError (naming the file) for a threshold-set index out of range,
-    TypeError / ValueError as :func:`set_choice`."""
+def check_set_indices(choice, sets) -> Optional[list]:
+    """:func:`set_choice` of ``choice``, checked against the threshold sets at hand.
+
+    Raises
+    ------
+    ThresholdFileError
+        An index out of range (naming the file).
+    ValueError
+        No choice (None) while there are several sets (the message lists their k), or an
+        empty one.
+    TypeError
+        As :func:`set_choice`.
+    """
     vals = set_choice(choice)
     if vals is None:
-        return
+        if len(sets) > 1:
+            ks = ", ".join(f"{i}: k={ts.k}" for i, ts in enumerate(sets))
+            raise ValueError(f"{sets[0].name()} holds {len(sets)} threshold sets ({ks}): give threshold_set "
+                             "(one index for the batch, or one per request)")
+        return None
     from ..threshold_file import pick_set
 
     for v in vals:
         pick_set(sets, v, sets[0].path or "(unsaved)")
+    return vals
