@@ -30,9 +30,18 @@ def load_theta(TH, set_idx, st_set, st_head, st_row, row, kvh, h, gmask, GROUP: 
 @triton.jit
 def log_cut(theta):
     """ln(theta) for the post_softmax comparison a - LSE > ln(theta): -inf for theta <= 0
-    (every finite score is kept), NaN stays NaN (nothing is kept)."""
-    cut = tl.where(theta > 0, tl.log(tl.maximum(theta, 1e-38)), float("-inf"))
-    return tl.where(theta != theta, theta, cut)
+    (every finite score is kept), NaN stays NaN (nothing is kept), +inf keeps nothing.
+
+    Decided on the bits of theta, so that a flush-to-zero of subnormals cannot change the
+    result: a positive subnormal theta is m x 2^-149 with the integer m < 2^23, whose
+    logarithm is taken as ln(m) - 149 ln 2 (m is a normal float32)."""
+    bits = theta.to(tl.int32, bitcast=True)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    subnormal = (bits > 0) & (bits < 0x00800000)
+    mant = tl.where(subnormal, bits, 1).to(tl.float32)
+    ln = tl.where(subnormal, tl.log(mant) - 103.27892990343184, tl.log(tl.where(subnormal, 1.0, theta)))
+    cut = tl.where(bits > 0, ln, float("-inf"))
+    return tl.where(nan, theta, cut)
 
 
 @triton.jit

@@ -77,3 +77,20 @@ def test_all_valid_mask_gives_every_key(additive):
         mask[..., 4] = False
     n, valid = rows_from_mask(mask, 3, 2, 9, "cpu")
     assert n.tolist() == [[8, 8]] * 3 and valid is not None and not bool(valid[..., 4].any())
+
+
+def test_rebuild_ignores_nan_and_inf_rows_past_each_sequence_end():
+    """The rebuild of the sums (first step, after a crop) reads rows 0..n-1 only: NaN / inf
+    that a longer sequence of the batch, or earlier use of the cache, left past n change nothing."""
+    from topth_ops.hf.cache_view import valid_value_mean
+
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(3, 2, 9, 4, generator=g)
+    v[0, :, 5:] = float("nan")
+    v[1, 1, 7] = float("inf")
+    lens = [5, 7, 9]
+    v[2, 0, 8] = 1.0
+    mu = valid_value_mean(v, torch.tensor(lens))
+    torch.testing.assert_close(mu.double(), _mean64(v, lens), rtol=1e-6, atol=1e-6)
+    sums = ValueSums()
+    torch.testing.assert_close(sums.mean(0, v, torch.tensor(lens)).double(), _mean64(v, lens), rtol=1e-6, atol=1e-6)

@@ -212,3 +212,91 @@ def test_to_paged_checks_its_inputs():
         to_paged(k, k[:, :, :20], torch.tensor([10, 3]), BS)
     with pytest.raises(ValueError, match=r"key must have shape \[batch, num_kv_heads, max_seq_len, head_dim\]"):
         to_paged(k[0], k[0], torch.tensor([4]), BS)
+
+
+# ------------------------------------------- isolation from what earlier users of a block left
+
+def _cache_mean64(cache, table, n):
+    """float64 mean of a sequence's first n rows, read from an NHD cache through its table row."""
+    bs = cache.shape[1]
+    rows = [cache[table[j // bs], j % bs].double() for j in range(n)]
+    return torch.stack(rows).mean(0)
+
+
+def test_value_sum_over_never_written_nan_memory():
+    """The issue's example: a pool never written (NaN), three rows of ones at slots 0-2."""
+    cache = torch.full((1, 4, 1, 2), float("nan"))
+    vs = PagedValueSum(1, 4, 1, 2)
+    ones = torch.ones(3, 1, 2)
+    vs.update(cache, ones, torch.tensor([0, 1, 2]))
+    write_kv(cache.clone(), cache, ones, ones, torch.tensor([0, 1, 2]))
+    assert torch.equal(vs.sum, torch.full((1, 1, 2), 3.0))
+    assert torch.equal(vs.mean(torch.tensor([[0]], dtype=torch.int32), torch.tensor([3]), cache),
+                       torch.ones(1, 1, 2))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("chunk", [1, 3, BS])
+def test_reused_block_forgets_the_earlier_requests_nan_and_inf(layout, chunk):
+    """A block that one request filled with NaN / inf rows and a later request rewrote
+    with finite rows, in chunks of any size, holds the later request's sum."""
+    cache = torch.zeros(2, BS, H, D) if layout == "NHD" else torch.zeros(2, H, BS, D)
+    kc = cache.clone()
+    vs = PagedValueSum(2, BS, H, D, kv_layout=layout)
+    bad = torch.randn(BS, H, D)
+    bad[1, 0, 0], bad[5, 1, 2] = float("nan"), float("inf")
+    slots = torch.arange(BS)
+    vs.update(cache, bad, slots)
+    write_kv(kc, cache, bad, bad, slots, layout)
+    assert not torch.isfinite(vs.sum[0]).all()
+    good = torch.randn(BS, H, D, generator=torch.Generator().manual_seed(3))
+    for lo in range(0, BS - 2, chunk):  # the later request's n = BS - 2 rows
+        part = slice(lo, min(lo + chunk, BS - 2))
+        vs.update(cache, good[part], slots[part])
+        write_kv(kc, cache, good[part], good[part], slots[part], layout)
+    table = torch.tensor([[0]], dtype=torch.int32)
+    want = good[: BS - 2].double().mean(0)
+    got = vs.mean(table, torch.tensor([BS - 2]), cache)
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(vs.sum[0].double(), good[: BS - 2].double().sum(0), rtol=1e-6, atol=1e-5)
+
+
+def test_slot_rewritten_in_place_over_a_counted_nan_row():
+    """A counted slot holding NaN, rewritten with a finite row: the block is re-summed."""
+    cache = torch.zeros(1, BS, H, D)
+    vs = PagedValueSum(1, BS, H, D)
+    rows = torch.randn(4, H, D, generator=torch.Generator().manual_seed(4))
+    first = rows.clone()
+    first[2] = float("nan")
+    vs.update(cache, first, torch.arange(4))
+    write_kv(cache.clone(), cache, first, first, torch.arange(4))
+    vs.update(cache, rows[2:3], torch.tensor([2]))
+    write_kv(cache.clone(), cache, rows[2:3], rows[2:3], torch.tensor([2]))
+    torch.testing.assert_close(vs.sum[0].double(), rows.double().sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_mean_is_of_the_cache_rows_when_rows_were_written_past_n():
+    """Rows written past a sequence's end (rejected speculative tokens) are in the block's
+    sum; the mean read with the value cache averages rows 0..n-1 only."""
+    cache = torch.zeros(2, BS, H, D)
+    vs = PagedValueSum(2, BS, H, D)
+    rows = torch.randn(BS + 5, H, D, generator=torch.Generator().manual_seed(5))
+    rows[BS + 3] = float("nan")
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    slots = torch.cat([torch.arange(BS) + BS, torch.arange(5)])
+    vs.update(cache, rows, slots)
+    write_kv(cache.clone(), cache, rows, rows, slots)
+    n = BS + 2
+    got = vs.mean(table, torch.tensor([n]), cache)
+    torch.testing.assert_close(got[0].double(), _cache_mean64(cache, table[0].tolist(), n), rtol=1e-6, atol=1e-6)
+    assert torch.isnan(vs.mean(table, torch.tensor([n]))).all()  # without the cache: the sums as they are
+
+
+def test_paged_value_mean_ignores_unused_table_entries_over_a_nan_block():
+    """Unused (-1) table entries of one sequence never pull in block 0's NaN sum."""
+    value_sum = torch.ones(3, H, D)
+    value_sum[0] = float("nan")
+    table = torch.tensor([[2, -1], [0, 1]], dtype=torch.int32)
+    got = paged_value_mean(value_sum, table, torch.tensor([BS, 2 * BS]), BS)
+    assert torch.equal(got[0], torch.full((H, D), 1.0 / BS))
+    assert torch.isnan(got[1]).all()  # its own block 0 is NaN: its own answer

@@ -131,10 +131,17 @@ class PagedValueSum:
     already written (vLLM recomputes a prompt's last token into its shared, already counted
     block after a full prefix-cache hit). So each block also records how many of its
     leading slots the sum holds (``fill``): a write at offset 0 starts the block afresh
-    (a freed and reallocated block forgets its old rows), a write at an offset below
-    ``fill`` replaces that slot's old row (subtracted, read from the cache before the
-    write), other writes add. Blocks only read (shared prefix blocks) keep their sums.
-    Each update costs O(new tokens x num_kv_heads x head_dim).
+    (a freed and reallocated block forgets its old rows), other writes add their rows. A
+    write at an offset below ``fill`` (a counted slot overwritten in place) re-sums that
+    block from the cache with the new rows in place, never by subtracting the old row.
+    Blocks only read (shared prefix blocks) keep their sums.
+
+    Requests are isolated from what earlier users of a block left there: the old contents
+    of a slot (never-written memory, another request's NaN or inf row) reach no sum except
+    through a slot that the sum counts, and :meth:`mean` with ``value_cache`` re-sums from
+    the cache any block whose ``fill`` is not the number of rows the sequence uses there.
+    Each update costs O(new tokens x num_kv_heads x head_dim), plus O(block_size x
+    num_kv_heads x head_dim) per block with a rewritten slot.
 
     Parameters
     ----------
@@ -195,12 +202,7 @@ class PagedValueSum:
             ``kv_layout`` is not the sums' (num_blocks, block_size, heads, head_dim).
         """
         nb, heads, head_dim = self.sum.shape
-        want = (nb, self.block_size, heads, head_dim) if self.kv_layout == "NHD" else (nb, heads, self.block_size,
-                                                                                       head_dim)
-        require_tensor("value_cache", value_cache)
-        if tuple(value_cache.shape) != want:
-            raise ValueError(f"value_cache must have shape [{', '.join(map(str, want))}] ({self.kv_layout} "
-                             f"{LAYOUT_DIMS[self.kv_layout]} of this PagedValueSum), got {shape_str(value_cache)}")
+        self._check_cache(value_cache)
         _check_rows("value", value, heads, head_dim, "this PagedValueSum")
         slots = _check_slots(slot_mapping, value.shape[0], nb * self.block_size, unique=True)
         ok = slots >= 0
@@ -209,15 +211,83 @@ class PagedValueSum:
         starts = blk[off == 0]
         self.sum[starts] = 0.0
         self.fill[starts] = 0
-        counted = (off < self.fill[blk]).to(torch.float32)[:, None, None]
-        rows = value_cache[blk, off] if self.kv_layout == "NHD" else value_cache[blk, :, off]
-        self.sum.index_add_(0, blk, new - rows.to(torch.float32) * counted)
+        rewritten = off < self.fill[blk]  # slots already counted: their old row is in the sum
+        if bool(rewritten.any()):
+            redo = torch.zeros(nb, dtype=torch.bool, device=blk.device)
+            redo[blk[rewritten]] = True
+            fresh = ~redo[blk]
+            self._resum(value_cache, blk[~fresh], off[~fresh], new[~fresh], redo.nonzero().flatten())
+            blk, off, new = blk[fresh], off[fresh], new[fresh]
+        # never a product with the old row: 0 x NaN of a slot's old contents would be NaN
+        self.sum.index_add_(0, blk, new)
         self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
 
-    def mean(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    def _resum(self, value_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, new: torch.Tensor,
+               blocks: torch.Tensor) -> None:
+        """Set the sums of ``blocks`` to the sum of their first ``fill`` slots (grown by the
+        new rows) as the cache will hold them once ``new`` is written at ``(blk, off)``."""
+        rows = value_cache[blocks] if self.kv_layout == "NHD" else value_cache[blocks].transpose(1, 2)
+        rows = rows.to(torch.float32)  # [nblocks, block_size, H, D], a copy
+        where = torch.full((self.num_blocks,), -1, dtype=torch.int64, device=blocks.device)
+        where[blocks] = torch.arange(blocks.numel(), device=blocks.device)
+        rows[where[blk], off] = new
+        self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
+        counted = torch.arange(self.block_size, device=blocks.device)[None, :] < self.fill[blocks][:, None]
+        self.sum[blocks] = torch.where(counted[:, :, None, None], rows, 0.0).sum(1)
+
+    def mean(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+             value_cache: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``value_mean`` for :func:`topth_ops.decode_attention`: ``[batch, num_kv_heads,
-        head_dim]`` float32 (see :func:`paged_value_mean`)."""
-        return paged_value_mean(self.sum, block_table, seq_lens, self.block_size)
+        head_dim]`` float32, mean_{j<n} v_j (paper section 3.2.2).
+
+        Parameters
+        ----------
+        block_table : torch.Tensor
+            ``[batch, max_blocks_per_seq]`` int32.
+        seq_lens : torch.Tensor
+            ``[batch]`` int32/int64.
+        value_cache : torch.Tensor, optional
+            The value cache in ``kv_layout``. When given, a used block whose ``fill`` is
+            not the number of rows the sequence uses in it (rows written past the
+            sequence's end, or slots never written through :meth:`update`) is summed from
+            the cache rows the sequence uses, so the mean is always that of the cache's
+            rows 0..n-1; without it the sums are trusted (:func:`paged_value_mean`).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :func:`paged_value_mean`; a value cache whose shape is not this sum's.
+        """
+        mean = paged_value_mean(self.sum, block_table, seq_lens, self.block_size)
+        if value_cache is None:
+            return mean
+        self._check_cache(value_cache)
+        bs, nb = self.block_size, self.num_blocks
+        n = seq_lens.to(torch.int64)
+        first = torch.arange(block_table.shape[1], device=n.device)[None, :] * bs
+        uses = (n[:, None] - first).clamp(0, bs)  # rows of each table entry the sequence uses
+        idx = block_table.to(torch.int64).clamp(0, nb - 1)
+        off = uses > 0
+        stale = off & (self.fill[idx] != uses)
+        if not bool(stale.any()):
+            return mean
+        b, m = stale.nonzero(as_tuple=True)
+        rows = value_cache[idx[b, m]]
+        rows = (rows if self.kv_layout == "NHD" else rows.transpose(1, 2)).to(torch.float32)  # [k, bs, H, D]
+        used = torch.arange(bs, device=n.device)[None, :] < uses[b, m][:, None]
+        exact = torch.where(used[:, :, None, None], rows, 0.0).sum(1)
+        # replaced, never corrected by subtraction: a stale sum may hold another request's NaN
+        total = torch.where((off & ~stale)[:, :, None, None], self.sum[idx], 0.0).sum(1).index_add_(0, b, exact)
+        return total / n.clamp(min=1).to(torch.float32)[:, None, None]
+
+    def _check_cache(self, value_cache: torch.Tensor) -> None:
+        nb, heads, head_dim = self.sum.shape
+        want = (nb, self.block_size, heads, head_dim) if self.kv_layout == "NHD" else (nb, heads, self.block_size,
+                                                                                       head_dim)
+        require_tensor("value_cache", value_cache)
+        if tuple(value_cache.shape) != want:
+            raise ValueError(f"value_cache must have shape [{', '.join(map(str, want))}] ({self.kv_layout} "
+                             f"{LAYOUT_DIMS[self.kv_layout]} of this PagedValueSum), got {shape_str(value_cache)}")
 
 
 def paged_value_mean(value_sum: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -271,7 +341,8 @@ def paged_value_mean(value_sum: torch.Tensor, block_table: torch.Tensor, seq_len
     M = block_table.shape[1]
     used = torch.arange(M, device=block_table.device)[None, :] < ((n + block_size - 1) // block_size)[:, None]
     idx = torch.where(used, block_table.to(torch.int64).clamp(0, value_sum.shape[0] - 1), 0)
-    sums = (value_sum[idx] * used[:, :, None, None]).sum(1)  # [B, Hkv, D]
+    # where, not a product: an unused entry reads block 0, whose sum may be another request's NaN
+    sums = torch.where(used[:, :, None, None], value_sum[idx], 0.0).sum(1)  # [B, Hkv, D]
     return sums / n.clamp(min=1).to(torch.float32)[:, None, None]
 
 

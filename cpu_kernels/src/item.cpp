@@ -20,6 +20,20 @@
 namespace topth_cpu {
 namespace {
 
+// ln(theta) for the post_softmax cut, decided on the bits of theta so that a flush of
+// subnormals (DAZ/FTZ set by the caller's thread) cannot change it: -inf for +-0 and
+// negative theta (every finite score kept), NaN stays NaN (nothing kept), and a positive
+// subnormal m x 2^-149 (m < 2^23 an integer) gives ln(m) - 149 ln 2.
+float log_cut(float theta)
+{
+    uint32_t bits;
+    std::memcpy(&bits, &theta, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return theta;
+    if (bits == 0u || bits >= 0x80000000u) return -std::numeric_limits<float>::infinity();
+    if (bits < 0x00800000u) return std::log(static_cast<float>(bits)) - 103.27892990343184f;
+    return std::log(theta);
+}
+
 constexpr int64_t kChunk = 512;  // row pointers resolved per call of a SIMD stage
 constexpr int64_t kSlack = 16;   // elements past the end of each kept list / weight row
 
@@ -156,8 +170,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
             }
             sub1[h] = M;
             sub2[h] = logz;
-            // log domain: theta <= 0 keeps every finite score, NaN keeps nothing
-            cut[h] = std::isnan(theta) ? theta : (theta > 0.0f ? std::log(theta) : -inf);
+            cut[h] = log_cut(theta);  // log domain
             mref[h] = M;
         }
         plan.m_ref[size_t(i * G + h)] = mref[h];

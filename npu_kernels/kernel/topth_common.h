@@ -81,6 +81,20 @@ enum PairSlot : uint32_t {
 };
 
 __aicore__ inline float NegInf() { return -__builtin_huge_valf(); }
+
+// The bits of a float32 (a union read: no float operation, so no flush of subnormals).
+__aicore__ inline uint32_t FloatBits(float x)
+{
+    union {
+        float f;
+        uint32_t u;
+    } c;
+    c.f = x;
+    return c.u;
+}
+
+// 149 ln 2: a positive subnormal float32 is m x 2^-149 with the integer m < 2^23.
+constexpr float LN_SUBNORMAL_UNIT = 103.27892990343184f;
 __aicore__ inline float QNaN() { return __builtin_nanf(""); }
 __aicore__ inline uint32_t Min32(uint32_t a, uint32_t b) { return a < b ? a : b; }
 __aicore__ inline uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }

@@ -38,9 +38,14 @@ __aicore__ inline void TopthDecodeKernel<T>::BuildThresholds(bool logDomain)
     LocalTensor<float> tmp = Pair(P_TMP);
     if (logDomain) {
         Sync<HardEvent::V_S>();
+        // Decided on the bits, so that a flush of subnormals to zero cannot change the cut:
+        // ln of a positive subnormal m x 2^-149 is ln(m) - 149 ln 2, m a normal float.
         for (uint32_t g = 0; g < G; ++g) {
-            const float th = thGm.GetValue(ThIndex(g, row));
-            tmp.SetValue(2 * g, th > 0.0f ? th : 1.0f);
+            const uint32_t bits = FloatBits(thGm.GetValue(ThIndex(g, row)));
+            const bool positive = bits != 0u && bits < 0x80000000u;
+            const bool subnormal = positive && bits < 0x00800000u;
+            tmp.SetValue(2 * g, subnormal ? static_cast<float>(bits)
+                                          : (positive ? thGm.GetValue(ThIndex(g, row)) : 1.0f));
         }
         Sync<HardEvent::S_V>();
         Ln(tmp, tmp, PW);
@@ -50,7 +55,11 @@ __aicore__ inline void TopthDecodeKernel<T>::BuildThresholds(bool logDomain)
         const float th = thGm.GetValue(ThIndex(g, row));
         float v = th;
         if (logDomain) {
-            v = (th != th) ? th : (th > 0.0f ? tmp.GetValue(2 * g) : NegInf());
+            const uint32_t bits = FloatBits(th);
+            const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+            const bool positive = bits != 0u && bits < 0x80000000u;
+            const float shift = (positive && bits < 0x00800000u) ? LN_SUBNORMAL_UNIT : 0.0f;
+            v = nan ? th : (positive ? tmp.GetValue(2 * g) - shift : NegInf());
         }
         thrScalar = v;
         Duplicate(thr[g * W], thrScalar, W);

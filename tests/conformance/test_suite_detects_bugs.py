@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from topth_ops.backends.torch_ref import TorchBackend, reference_decode
-from topth_ops.conformance import run_rule
+from topth_ops.conformance import rules_paged, run_rule
+from topth_ops.paged import PagedValueSum
 
 
 class Mutant(TorchBackend):
@@ -142,6 +143,18 @@ def _contiguous_storage(name):
     return edit
 
 
+def _clamp_tiny_thresholds(inp):
+    """What the Triton kernels did: theta clamped up to 1e-38 before its logarithm."""
+    th = inp.thresholds
+    return torch.where((th > 0) & (th < 1e-38), torch.tensor(1e-38), th)
+
+
+def _flush_subnormal_thresholds(inp):
+    """A kernel under flush-to-zero: subnormal thresholds read as +-0."""
+    th = inp.thresholds
+    return torch.where(th.abs() < torch.finfo(torch.float32).tiny, th * 0.0, th)
+
+
 MUTANTS = [
     # (mutant, rule that must catch it)
     (Mutant("ge-instead-of-gt", _replace(thresholds=lambda i: torch.nextafter(
@@ -175,6 +188,8 @@ MUTANTS = [
      "strided_small_inputs"),
     (Mutant("block-table-stride-ignored", _replace(block_table=_contiguous_storage("block_table"))),
      "strided_small_inputs"),
+    (Mutant("clamps-tiny-thresholds", _replace(thresholds=_clamp_tiny_thresholds)), "threshold_edges"),
+    (Mutant("flushes-subnormal-thresholds", _replace(thresholds=_flush_subnormal_thresholds)), "threshold_edges"),
     (Mutant("lengths-wrap-to-int32", _replace(seq_lens=lambda i: i.seq_lens.to(torch.int32))), "unchecked_values"),
 ]
 
@@ -185,3 +200,59 @@ def test_rule_catches_mutant(mutant, rule, dtype):
     result = run_rule(mutant, rule, dtype, device=torch.device("cpu"), shape_set="quick")
     assert result.status == "fail", f"{rule} did not catch {mutant.name}: {result.report()}"
     assert not any("CaseGenerationError" in f for f in result.failures), result.report()
+
+
+# ------------------------------------------------------------------ broken V-sum helpers
+# paged_reused_blocks runs the maintained per-block V sum (topth_ops.paged.PagedValueSum)
+# in the loop; each helper below keeps its sums the way an integration could get wrong.
+
+class _ProductUpdate(PagedValueSum):
+    """Removes a slot's old row as old_row x counted: 0 x NaN of never-written or reused
+    memory poisons the block's sum."""
+
+    def update(self, value_cache, value, slot_mapping):
+        slots = slot_mapping.to(torch.int64)
+        ok = slots >= 0
+        blk, off = slots[ok] // self.block_size, slots[ok] % self.block_size
+        new = value[ok].to(value_cache.dtype).float()
+        starts = blk[off == 0]
+        self.sum[starts] = 0.0
+        self.fill[starts] = 0
+        counted = (off < self.fill[blk]).float()[:, None, None]
+        rows = value_cache[blk, off] if self.kv_layout == "NHD" else value_cache[blk, :, off]
+        self.sum.index_add_(0, blk, new - rows.float() * counted)
+        self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
+
+
+class _SubtractRewrite(_ProductUpdate):
+    """Subtracts a rewritten slot's old row (masked, not multiplied): an old NaN row that
+    was counted stays in the sum."""
+
+    def update(self, value_cache, value, slot_mapping):
+        slots = slot_mapping.to(torch.int64)
+        ok = slots >= 0
+        blk, off = slots[ok] // self.block_size, slots[ok] % self.block_size
+        new = value[ok].to(value_cache.dtype).float()
+        starts = blk[off == 0]
+        self.sum[starts] = 0.0
+        self.fill[starts] = 0
+        counted = (off < self.fill[blk])[:, None, None]
+        rows = value_cache[blk, off] if self.kv_layout == "NHD" else value_cache[blk, :, off]
+        self.sum.index_add_(0, blk, new - torch.where(counted, rows.float(), 0.0))
+        self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
+
+
+class _TrustingMean(PagedValueSum):
+    """Trusts the sums whatever the block's fill: rows written past n are averaged in."""
+
+    def mean(self, block_table, seq_lens, value_cache=None):
+        return super().mean(block_table, seq_lens)
+
+
+@pytest.mark.parametrize("helper", [_ProductUpdate, _SubtractRewrite, _TrustingMean],
+                         ids=["product-update", "subtract-rewrite", "trusting-mean"])
+def test_paged_reused_blocks_catches_broken_value_sums(helper, monkeypatch):
+    monkeypatch.setattr(rules_paged, "PagedValueSum", helper)
+    result = run_rule(TorchBackend(), "paged_reused_blocks", torch.float32, device=torch.device("cpu"),
+                      shape_set="quick")
+    assert result.status == "fail", f"paged_reused_blocks did not catch {helper.__name__}: {result.report()}"

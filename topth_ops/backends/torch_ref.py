@@ -109,9 +109,7 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
         x, cut = a, theta
     else:
         x = a - m_safe - torch.log(Z)  # log s_j; compared in the log domain
-        # theta <= 0 keeps every finite score (s_j > 0); a NaN theta keeps nothing.
-        cut = torch.where(theta > 0, torch.log(theta), float("-inf"))
-        cut = torch.where(torch.isnan(theta), theta, cut)
+        cut = log_threshold(theta)
     if inputs.selection == "group":
         # One threshold per KV head against the group maximum of x (NaN-propagating max).
         x_group = x.view(B, Hkv, G, S).amax(dim=2)  # [B, Hkv, S]
@@ -166,6 +164,25 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
         dropped_mass=beta.to(f32),
     )
     return out.to(inputs.dtype), stats
+
+
+# 149 ln 2: a positive subnormal float32 is m x 2^-149 with the integer m < 2^23.
+_LN_SUBNORMAL_UNIT = 103.27892990343184
+
+
+def log_threshold(theta: torch.Tensor) -> torch.Tensor:
+    """ln(theta) of float32 post_softmax thresholds, the cut of the log-domain test
+    ``a - LSE > ln(theta)`` (docs/semantics.md): -inf for theta <= 0 (every finite score is
+    kept), NaN for NaN (nothing is kept). Decided on the bits, so that a flush of subnormals
+    (``torch.set_flush_denormal(True)``) cannot change it: a positive subnormal m x 2^-149
+    gives ln(m) - 149 ln 2."""
+    bits = theta.contiguous().view(torch.int32)
+    positive = bits > 0
+    subnormal = positive & (bits < 0x00800000)
+    ln = torch.where(subnormal, torch.log(bits.to(torch.float32)) - _LN_SUBNORMAL_UNIT,
+                     torch.log(torch.where(subnormal, torch.ones_like(theta), theta)))
+    cut = torch.where(positive, ln, float("-inf"))
+    return torch.where((bits & 0x7FFFFFFF) > 0x7F800000, theta, cut)
 
 
 class TorchBackend(Backend):

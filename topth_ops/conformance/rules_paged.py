@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .cases import SHAPE_SETS, Case, Shape, paged_case, random_case
+from ..paged import PagedValueSum, write_kv
+from .cases import SHAPE_SETS, UNUSED_TABLE_FILL, Case, Shape, paged_case, random_case
 from .compare import exact_report, mismatch_report, to_numpy
 from .harness import Harness, expect_errors, rule
 
@@ -74,6 +75,87 @@ def _paged_unused(h: Harness) -> None:
                 kw["key_cache"][blk] = float("nan")
                 kw["value_cache"][blk] = float("nan")
             h.check(Case(case.name + " shared prefix", kw))
+
+
+def _garbage_rows(count: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows an earlier user of a block may leave: random, with NaN, +-inf and huge values."""
+    rows = torch.randn(count, heads, dim, generator=gen) * 1e4
+    rows[0, 0, 0] = float("nan")
+    rows[-1, -1, -1] = float("inf")
+    rows[count // 2, 0, -1] = float("-inf")
+    return rows
+
+
+def reused_block_case(base: Case, block_size: int, kv_layout: str, *, seed: int,
+                      value_sum=PagedValueSum) -> Case:
+    """``base`` (BNSD, vmc) served as an engine serves it, VMC's per-block V sum in the loop.
+
+    The pool starts as NaN (never-written memory); an earlier request fills half of its
+    blocks, partly, with NaN / inf rows and is freed. The sequences of ``base`` then get
+    blocks of that pool (reused ones first, the rest never written), write their rows
+    through ``value_sum.update`` then :func:`topth_ops.paged.write_kv` (update-then-write,
+    as the vLLM backend does): a prefill call in which one slot first receives a NaN row,
+    a second call that rewrites that slot in place with the real row, one decode-step call,
+    and two rejected rows past the end (speculative tokens: written, then not counted in n).
+    ``value_mean`` is the sum's mean, read with the value cache."""
+    kw = dict(base.kwargs)
+    k, v, lens = kw["key_cache"], kw["value_cache"], kw["seq_lens"]
+    B, Hkv, S, D = k.shape
+    bs = block_size
+    per_seq = [-(-(int(n) + 2) // bs) for n in lens.tolist()]
+    nb = sum(per_seq) + 4
+    dims = (nb, bs, Hkv, D) if kv_layout == "NHD" else (nb, Hkv, bs, D)
+    pool_k = torch.full(dims, float("nan"), dtype=k.dtype)
+    pool_v = torch.full(dims, float("nan"), dtype=v.dtype)
+    vs = value_sum(nb, bs, Hkv, D, kv_layout=kv_layout)
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(nb, generator=gen)
+    earlier = perm[: nb // 2]
+    for i, blk in enumerate(earlier.tolist()):
+        rows = _garbage_rows(1 + (7 * i) % bs, Hkv, D, gen)
+        slots = blk * bs + torch.arange(rows.shape[0])
+        vs.update(pool_v, rows, slots)
+        write_kv(pool_k, pool_v, rows, rows, slots, kv_layout)
+    M = -(-(S + 2) // bs)
+    table = torch.full((B, M), -1, dtype=torch.int32)
+    fills = torch.tensor(UNUSED_TABLE_FILL, dtype=torch.int32)
+    table[:] = fills[torch.arange(B * M) % len(fills)].view(B, M)
+    free = perm.tolist()  # the earlier request's blocks are handed out first
+    for b, n in enumerate(lens.tolist()):
+        blocks = [free.pop(0) for _ in range(per_seq[b])]
+        table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slot = torch.tensor([blocks[j // bs] * bs + j % bs for j in range(n + 2)], dtype=torch.int64)
+        kr, vr = k[b, :, :n].transpose(0, 1), v[b, :, :n].transpose(0, 1)  # [n, Hkv, D]
+        rejected = _garbage_rows(2, Hkv, D, gen)
+
+        def put(rows_k, rows_v, at):
+            vs.update(pool_v, rows_v, slot[at])
+            write_kv(pool_k, pool_v, rows_k, rows_v, slot[at], kv_layout)
+
+        if n >= 2:
+            first = vr[: n - 1].clone()
+            first[n - 2] = float("nan")  # overwritten in place by the next call
+            put(kr[: n - 1], first, torch.arange(n - 1))
+            put(kr[n - 2: n - 1], vr[n - 2: n - 1], torch.tensor([n - 2]))
+        if n >= 1:
+            put(kr[n - 1: n], vr[n - 1: n], torch.tensor([n - 1]))
+            put(rejected, rejected, torch.tensor([n, n + 1]))
+    kw.update(key_cache=pool_k, value_cache=pool_v, block_table=table, kv_layout=kv_layout,
+              value_mean=vs.mean(table, lens, pool_v))
+    return Case(f"{base.name}[reused blocks {kv_layout} bs{bs}]", kw)
+
+
+@rule("paged_reused_blocks", "paged + VMC's per-block V sum: blocks reused from a request that left NaN / inf rows, never-written NaN memory, a slot rewritten in place, rows past n: out is that of the sequence's own rows")
+def _paged_reused(h: Harness) -> None:
+    shape = Shape((37, 16, 0, 53, 1), 9, 3, 64, 64)
+    for i, layout in enumerate(("NHD", "HND")):
+        for placement in ("pre_softmax", "post_softmax"):
+            base = random_case(f"paged_reused_{placement}", shape, h.dtype, placement=placement, vmc=True,
+                               seed=h.seed("pagedreused", layout, placement))
+            case = reused_block_case(base, (16, 32)[i], layout, seed=h.seed("pagedreused", layout),
+                                     value_sum=PagedValueSum)
+            own = dict(case.kwargs, value_mean=None)  # the mean of the sequence's own cache rows
+            h.check(case, expected_out=Case(case.name, own).oracle().out)
 
 
 @rule("paged_block_sizes", "paged with block sizes that do not divide a kernel tile (1, 8, 24, 48, 100): correct, or refused with a reason")

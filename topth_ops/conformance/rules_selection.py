@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .cases import random_case
 from .harness import Harness, rule
 
@@ -26,3 +28,59 @@ def _sets(h: Harness) -> None:
         h.check(random_case("threshold_sets", shape, h.dtype, placement=placement, sdc=sdc,
                             vmc=True, selection=selection, num_sets=2 + i % 3,
                             seed=h.seed("sets", shape.id)))
+
+
+def _bits(*words: int) -> list:
+    return torch.tensor(words, dtype=torch.int32).view(torch.float32).tolist()
+
+
+# float32 thresholds at the edges of the format, compared exactly as docs/semantics.md
+# defines: positive subnormals (smallest, 2^-140, 2^16 x smallest, largest), the smallest
+# normal, +-0, a negative subnormal, a small normal, +-largest finite, +-inf, NaN.
+EDGE_THRESHOLDS = (*_bits(0x00000001, 0x00000200, 0x00010000, 0x007FFFFF, 0x00800000, 0x00000000, -0x80000000,
+                          -0x7FFFFFFF), 1e-30, 3.4028234663852886e38, -3.4028234663852886e38,
+                   float("inf"), float("-inf"), float("nan"))
+# Scores of the first positions: 1 and 0 (pre_softmax ties at +-0 and +-subnormals), then
+# log-probabilities (LSE ~ 1.31) at -85.3, -90.3, ..., -105.3, -121.3: every ln(theta) above
+# lies 1.5 or more from each of them, and a threshold clamped up to 1e-38 (ln -87.5) or
+# flushed to 0 keeps other positions than theta itself.
+_EDGE_SCORES = (1.0, 0.0, -84.0, -89.0, -94.0, -99.0, -104.0, -120.0)
+
+
+def edge_threshold_case(dtype: torch.dtype, placement: str, selection: str, seed: int):
+    """A call whose sequence b reads ``EDGE_THRESHOLDS[b]`` (its row id picks that column);
+    scores exactly representable in every dtype (integers, scale 1). Two query heads per
+    KV head read their scores in opposite order, so the group maximum differs from each
+    head's own."""
+    from .cases import Case
+
+    B, Hkv, G, D = len(EDGE_THRESHOLDS), 2, 2, 64
+    lens = torch.arange(len(_EDGE_SCORES), len(_EDGE_SCORES) + B)
+    S = int(lens.max())
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.zeros(B, Hkv * G, D)
+    q[:, 0::2, 0] = 1.0
+    q[:, 1::2, 1] = 1.0
+    scores = torch.tensor(_EDGE_SCORES + tuple(-130.0 - j for j in range(S - len(_EDGE_SCORES))))
+    k = torch.randn(B, Hkv, S, D, generator=gen).round()
+    k[:, :, :, 0] = scores
+    k[:, :, :, 1] = scores
+    k[:, :, : len(_EDGE_SCORES), 1] = scores[: len(_EDGE_SCORES)].flip(0)
+    q[:, :, 2:] = 0.0
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    rows = Hkv if selection == "group" else Hkv * G
+    th = torch.full((rows, S), float("nan"))  # other columns: NaN, a wrong column keeps nothing
+    for b, theta in enumerate(EDGE_THRESHOLDS):
+        th[:, int(lens[b]) - 1] = theta
+    kw = dict(query=q.to(dtype), key_cache=k.to(dtype), value_cache=v.to(dtype), seq_lens=lens,
+              thresholds=th, scale=1.0, placement=placement, sdc="none", sdc_gamma=0.05, vmc=True,
+              selection=selection)
+    return Case(f"threshold_edges_{placement}_{selection}", kw)
+
+
+@rule("threshold_edges", "float32 edge thresholds (subnormals, +-0, +-largest finite, +-inf, NaN) compared exactly as defined, both placements and selections")
+def _edges(h: Harness) -> None:
+    for placement in ("pre_softmax", "post_softmax"):
+        for selection in ("head", "group"):
+            h.check(edge_threshold_case(h.dtype, placement, selection, h.seed("edges", placement, selection)),
+                    guarded=False)

@@ -111,8 +111,9 @@ def valid_value_mean(value: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     denom = n.clamp(min=1).to(torch.float32).view(B, 1, 1)
     if bool((n == n_max).all()):  # no padding: one prefix for the whole batch
         return value[:, :, :n_max].sum(2, dtype=torch.float32) / denom
-    valid = (torch.arange(n_max, device=value.device).view(1, n_max) < n.view(B, 1)).to(torch.float32)
-    return torch.einsum("bs,bhsd->bhd", valid, value[:, :, :n_max].to(torch.float32)) / denom
+    valid = torch.arange(n_max, device=value.device).view(1, 1, n_max, 1) < n.view(B, 1, 1, 1)
+    # where, not a product with the mask: 0 x NaN of a row past n would be NaN
+    return torch.where(valid, value[:, :, :n_max].to(torch.float32), 0.0).sum(2) / denom
 
 
 def sdpa_can_skip_mask(row_ids: torch.Tensor, key_valid: Optional[torch.Tensor], S: int) -> bool:

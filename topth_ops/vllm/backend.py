@@ -318,7 +318,7 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         bt = m.block_table[:B, :width]
         if bt.dtype != torch.int32:
             bt = bt.to(torch.int32)
-        value_mean = self._value_sum(v_cache).mean(bt, n) if self._vmc else None
+        value_mean = self._value_sum(v_cache).mean(bt, n, v_cache) if self._vmc else None
         want_stats = self.rt.stats is not None
         res = decode_attention(
             query[:B], k_cache, v_cache, n, self._th, scale=self.scale,
