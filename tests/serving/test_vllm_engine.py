@@ -162,3 +162,16 @@ def test_openai_server_with_topth_serve(tiny, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
         log.close()
+
+
+def test_nan_v_rows_of_one_request_do_not_reach_a_later_request_on_its_blocks(tiny, tmp_path):
+    """Request A stores NaN in every V row; request B then runs on blocks A used (a small
+    pool, VMC's per-block V sums in the loop). B's tokens equal B's on a fresh engine."""
+    th = vc.write_threshold_file(tiny, str(tmp_path / "th.safetensors"), kind="uniform", scale=0.5, k=4)
+    out = tmp_path / "iso.json"
+    r = _run(["-m", "topth_ops.bench.vllm_isolation", "--model", tiny, "--thresholds", th, "--json", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["reused_blocks"], res  # B was given a block that A left NaN in
+    assert set(res["tokens_a"]) == {0}, res  # A's own answer is NaN garbage: the injection took
+    assert res["tokens_b_after_a"] == res["tokens_b_fresh"], res
