@@ -300,3 +300,37 @@ def test_paged_value_mean_ignores_unused_table_entries_over_a_nan_block():
     got = paged_value_mean(value_sum, table, torch.tensor([BS, 2 * BS]), BS)
     assert torch.equal(got[0], torch.full((H, D), 1.0 / BS))
     assert torch.isnan(got[1]).all()  # its own block 0 is NaN: its own answer
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_rows_out_of_order_are_re_summed_from_the_cache(layout):
+    """Slot 0 rewritten in place (which restarts the block's count) then an append, and a
+    call with a gap (slot 1 never written): the mean is still that of the cache rows."""
+    shape = (2, BS, H, D) if layout == "NHD" else (2, H, BS, D)
+    cache = torch.full(shape, float("nan"))
+    kc = cache.clone()
+    vs = PagedValueSum(2, BS, H, D, kv_layout=layout)
+    rows = torch.randn(6, H, D, generator=torch.Generator().manual_seed(6))
+
+    def put(r, slots):
+        vs.update(cache, r, slots)
+        write_kv(kc, cache, r, r, slots, layout)
+
+    put(rows[:3], torch.arange(3))           # block 0: rows 0-2
+    put(rows[3:4], torch.tensor([0]))         # slot 0 rewritten in place
+    put(rows[4:5], torch.tensor([3]))         # then appended: n = 4
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    own = torch.stack([rows[3], rows[1], rows[2], rows[4]]).double().mean(0)
+    got = vs.mean(table, torch.tensor([4, 0]), cache)
+    torch.testing.assert_close(got[0].double(), own, rtol=1e-6, atol=1e-6)
+    put(rows[:2], torch.tensor([BS, BS + 2]))  # block 1: slots 0 and 2, slot 1 never written (NaN)
+    got = vs.mean(table, torch.tensor([4, 3]), cache)
+    assert torch.isnan(got[1]).all()  # the cache's rows 0..2 of block 1 hold a NaN: so does their mean
+
+
+def test_value_sum_refuses_a_cache_of_another_dtype_or_device():
+    vs = PagedValueSum(2, BS, H, D)
+    with pytest.raises(TypeError, match="value_cache must be a floating-point tensor"):
+        vs.mean(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]), torch.zeros(2, BS, H, D, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="value_cache must be a floating-point tensor"):
+        vs.update(torch.zeros(2, BS, H, D, dtype=torch.int32), torch.zeros(1, H, D), torch.tensor([0]))

@@ -131,9 +131,10 @@ class PagedValueSum:
     already written (vLLM recomputes a prompt's last token into its shared, already counted
     block after a full prefix-cache hit). So each block also records how many of its
     leading slots the sum holds (``fill``): a write at offset 0 starts the block afresh
-    (a freed and reallocated block forgets its old rows), other writes add their rows. A
-    write at an offset below ``fill`` (a counted slot overwritten in place) re-sums that
-    block from the cache with the new rows in place, never by subtracting the old row.
+    (a freed and reallocated block forgets its old rows), writes at ``fill``, ``fill + 1``,
+    ... add their rows. A write at an offset below ``fill`` (a counted slot overwritten in
+    place) re-sums that block from the cache with the new rows in place, never by
+    subtracting the old row; rows out of order (a gap) mark the block unknown.
     Blocks only read (shared prefix blocks) keep their sums.
 
     Requests are isolated from what earlier users of a block left there: the old contents
@@ -141,7 +142,10 @@ class PagedValueSum:
     through a slot that the sum counts, and :meth:`mean` with ``value_cache`` re-sums from
     the cache any block whose ``fill`` is not the number of rows the sequence uses there.
     Each update costs O(new tokens x num_kv_heads x head_dim), plus O(block_size x
-    num_kv_heads x head_dim) per block with a rewritten slot.
+    num_kv_heads x head_dim) per block with a rewritten slot. Writes that bypass
+    :meth:`update` (e.g. blocks loaded from an offload tier) are not seen: call
+    :meth:`update` for them too, or build a new PagedValueSum. Whether a block needs the
+    slow path is decided on the host (one device sync per call on accelerators).
 
     Parameters
     ----------
@@ -161,7 +165,9 @@ class PagedValueSum:
     sum : torch.Tensor
         ``[num_blocks, num_kv_heads, head_dim]`` float32.
     fill : torch.Tensor
-        ``[num_blocks]`` int64: leading slots of each block counted in ``sum``.
+        ``[num_blocks]`` int64: leading slots of each block counted in ``sum``; -1 where
+        the rows did not arrive in order (``sum`` not trusted until the next write at
+        offset 0).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
@@ -220,7 +226,19 @@ class PagedValueSum:
             blk, off, new = blk[fresh], off[fresh], new[fresh]
         # never a product with the old row: 0 x NaN of a slot's old contents would be NaN
         self.sum.index_add_(0, blk, new)
-        self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
+        # A block's rows must arrive in order: the new rows of a block are the slots fill,
+        # fill + 1, ... exactly. Anything else (a gap, or appending after slot 0 was
+        # rewritten and restarted the block) marks it unknown (fill -1) until its next write
+        # at offset 0; :meth:`mean` with the value cache re-sums such a block.
+        if blk.numel():
+            nb = self.num_blocks
+            cnt = torch.zeros(nb, dtype=torch.int64, device=blk.device).index_add_(0, blk, torch.ones_like(blk))
+            lo = torch.full((nb,), self.block_size, dtype=torch.int64, device=blk.device)
+            lo.scatter_reduce_(0, blk, off, reduce="amin")
+            hi = torch.full((nb,), -1, dtype=torch.int64, device=blk.device).scatter_reduce_(0, blk, off, reduce="amax")
+            touched = cnt > 0
+            in_order = touched & (lo == self.fill) & (hi == self.fill + cnt - 1)
+            self.fill = torch.where(in_order, hi + 1, torch.where(touched, -1, self.fill))
 
     def _resum(self, value_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, new: torch.Tensor,
                blocks: torch.Tensor) -> None:
@@ -285,6 +303,12 @@ class PagedValueSum:
         want = (nb, self.block_size, heads, head_dim) if self.kv_layout == "NHD" else (nb, heads, self.block_size,
                                                                                        head_dim)
         require_tensor("value_cache", value_cache)
+        if not value_cache.is_floating_point():
+            raise TypeError(f"value_cache must be a floating-point tensor (the V rows), got "
+                            f"{str(value_cache.dtype).replace('torch.', '')}")
+        if value_cache.device != self.sum.device:
+            raise ValueError(f"value_cache must be on this PagedValueSum's device {self.sum.device}, "
+                             f"got {value_cache.device}")
         if tuple(value_cache.shape) != want:
             raise ValueError(f"value_cache must have shape [{', '.join(map(str, want))}] ({self.kv_layout} "
                              f"{LAYOUT_DIMS[self.kv_layout]} of this PagedValueSum), got {shape_str(value_cache)}")

@@ -1,0 +1,298 @@
+"""Cold-cache CPU decode benchmark over the KV layouts serving engines use.
+
+Decode inside a model reads each layer's KV cache once per step, from DRAM. This benchmark
+times that: every timed call reads a different per-layer cache, and the layers rotate over
+more bytes than the last-level cache holds (sized from the machine), so no call finds its
+cache in LLC. Each variant reports ms per layer, GB/s of K + V actually read, and that as a
+percentage of a read-bandwidth probe (a sum over a 1 GiB tensor) taken in the same run with
+the same thread count.
+
+Layouts of the same data (``topth_ops.decode_attention`` backend ``cpu``):
+
+- ``BNSD``: contiguous ``[batch, kv_heads, seq, head_dim]``;
+- ``NHD<bs>``, ``HND<bs>``: paged caches (:func:`topth_ops.paged.to_paged`), blocks in
+  random order;
+- ``vllm<bs>``: vLLM CPU_ATTN's own cache ``[num_blocks, kv_heads, block_size, 2 * head_dim]``
+  (K then V per block and head), read through strided HND views.
+
+Variants: ``dense`` (thresholds -inf: every V row read), ``f=0.1`` (pre_softmax, group
+selection, one threshold per KV head at the 90th percentile of the group-maximum scores:
+about 10% of the V rows read; the measured fraction is reported), ``sdpa`` (torch's ``scaled_dot_product_attention`` with
+``enable_gqa`` on BNSD), ``vllm-kernel`` (vLLM's ``cpu_attention_with_kv_cache`` on its own
+layout, block 128, written by its own ``cpu_attn_reshape_and_cache``) when vLLM's CPU build
+imports.
+
+Usage: ``python -m topth_ops.bench.cpu_cold [--shapes smollm2,llama8b] [--threads 1,2]
+[--json OUT]``. Record the printed machine line with every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from topth_ops import decode_attention
+from topth_ops.paged import to_paged
+
+SHAPES = {
+    # name: (batch, q heads, kv heads, head_dim, seq_len, dtype)
+    "smollm2": (8, 9, 3, 64, 8192, torch.bfloat16),
+    "llama8b": (8, 32, 8, 128, 8192, torch.bfloat16),
+    "llama8b-fp32-b1": (1, 32, 8, 128, 32768, torch.float32),
+}
+LAYOUTS = ("BNSD", "NHD16", "NHD32", "HND128", "vllm128")
+PROBE_BYTES = 1 << 30
+MAX_POOL_BYTES = 6 << 30
+"""Upper bound of the rotated caches of one layout (memory of these 24 GiB machines)."""
+
+
+@dataclass
+class Machine:
+    model: str
+    flags: list
+    cores: int
+    llc_bytes: int
+
+
+@dataclass
+class Row:
+    shape: str
+    layout: str
+    variant: str
+    threads: int
+    layers: int
+    ms_per_layer: float = float("nan")
+    gb_read: float = float("nan")
+    gbps: float = float("nan")
+    pct_probe: float = float("nan")
+    v_rows_frac: float = 1.0
+    note: str = ""
+    times_ms: list = field(default_factory=list)
+
+
+def machine() -> Machine:
+    """CPU model, ISA flags that matter here, usable cores, last-level cache size."""
+    model, flags = platform.processor() or "unknown", []
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        m = re.search(r"Model name:\s*(.+)", text)
+        model = m.group(1).strip() if m else model
+        f = re.search(r"Flags:\s*(.+)", text)
+        have = set(f.group(1).split()) if f else set()
+        flags = [x for x in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+                 if x in have]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return Machine(model, flags, len(os.sched_getaffinity(0)), llc_bytes())
+
+
+def llc_bytes() -> int:
+    """Size of the largest cache level the kernel reports for cpu0 (default 512 MiB)."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for d in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        try:
+            size = open(os.path.join(base, d, "size")).read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, int(size.rstrip("KMG")) * mult)
+    return best or (512 << 20)
+
+
+def read_probe(threads: int, reps: int = 5) -> float:
+    """Read bandwidth (GB/s) of a float32 sum over :data:`PROBE_BYTES`, best of ``reps``."""
+    torch.set_num_threads(threads)
+    x = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return PROBE_BYTES / best / 1e9
+
+
+def _layer_count(per_layer: int, llc: int) -> int:
+    return max(3, min(MAX_POOL_BYTES // max(per_layer, 1), 2 * llc // max(per_layer, 1) + 2))
+
+
+def _caches(layout: str, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, gen: torch.Generator):
+    """(key_cache, value_cache, extra kwargs) of one layer in ``layout``."""
+    if layout == "BNSD":
+        return k, v, {}
+    bs = int(re.sub(r"\D", "", layout))
+    if layout.startswith("vllm"):
+        kc, vc, table = to_paged(k, v, lens, bs, kv_layout="HND", generator=gen)
+        kv = torch.cat([kc, vc], dim=-1)  # [num_blocks, kv_heads, bs, 2 * head_dim]
+        D = k.shape[-1]
+        return kv[..., :D], kv[..., D:], {"block_table": table, "kv_layout": "HND"}
+    kc, vc, table = to_paged(k, v, lens, bs, kv_layout=layout[:3], generator=gen)
+    return kc, vc, {"block_table": table, "kv_layout": layout[:3]}
+
+
+def _time_rotating(calls: list[Callable[[], None]], rounds: int) -> list[float]:
+    """ms per call of each round, every round calling each layer's function once in order."""
+    calls[0]()
+    out = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for fn in calls:
+            fn()
+        out.append((time.perf_counter() - t) * 1e3 / len(calls))
+    return out
+
+
+def _vllm_calls(layers, q, lens, scale):
+    """vLLM's own CPU attention over its own cache (block 128), one per layer; (calls, note)."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except Exception as e:  # noqa: BLE001 - vLLM's CPU build absent or broken: say why
+        return None, f"vLLM's CPU build not importable ({type(e).__name__})"
+    B, Hq, D = q.shape
+    bs = 128
+    calls = []
+    for k, v in layers:
+        Hkv, S = k.shape[1], k.shape[2]
+        nb = -(-S // bs)
+        kv = torch.zeros(B * nb, Hkv, bs, 2 * D, dtype=k.dtype)
+        key_cache, value_cache = kv.view(B * nb, Hkv, 2 * bs, D).chunk(2, dim=2)
+        table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
+        pos = torch.arange(S)
+        slots = (table[:, pos // bs].to(torch.int64) * bs + pos % bs).reshape(-1)
+        isa = _get_attn_isa(k.dtype, bs, D, "auto")
+        ops.cpu_attn_reshape_and_cache(k.transpose(1, 2).reshape(B * S, Hkv, D),
+                                       v.transpose(1, 2).reshape(B * S, Hkv, D), key_cache, value_cache, slots, isa)
+        l32 = lens.to(torch.int32)
+        qsl = torch.arange(B + 1, dtype=torch.int32)
+        meta = ops.cpu_attn_get_scheduler_metadata(B, Hq, Hkv, D, l32, k.dtype, qsl, True, -1, isa, True)
+        out = torch.empty_like(q)
+
+        def fn(kc=key_cache, vc=value_cache, t=table, m=meta, o=out, l=l32, s=qsl):
+            ops.cpu_attention_with_kv_cache(q, kc, vc, o, s, l, scale, True, None, -1, t, 0.0, m, None)
+
+        calls.append(fn)
+    return calls, f"isa {isa}"
+
+
+def run_shape(name: str, threads: list[int], mach: Machine, probes: dict, rounds: int, layouts=LAYOUTS,
+              seed: int = 0) -> list[Row]:
+    B, Hq, Hkv, D, S, dt = SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+    per_layer = 2 * B * Hkv * S * D * dt.itemsize
+    L = _layer_count(per_layer, mach.llc_bytes)
+    layers = [(torch.randn(B, Hkv, S, D, generator=gen).to(dt), torch.randn(B, Hkv, S, D, generator=gen).to(dt))
+              for _ in range(L)]
+    q = torch.randn(B, Hq, D, generator=gen).to(dt)
+    lens = torch.full((B,), S, dtype=torch.int64)
+    scale = 1.0 / math.sqrt(D)
+    # f = 0.1: group selection, per KV head the 90th percentile of layer 0's group-maximum
+    # scores (pre_softmax): about 10% of each group's V rows read
+    a = torch.einsum("bkgd,bksd->bkgs", q.float().view(B, Hkv, Hq // Hkv, D), layers[0][0].float()) * scale
+    gmax = a.amax(2).permute(1, 0, 2).reshape(Hkv, -1)
+    theta = torch.quantile(gmax[:, :: max(1, B * S // 100000)], 0.9, dim=1)
+    dense_th = torch.full((Hkv, 1), float("-inf"))
+    rows = []
+    kv_bytes = per_layer
+    for layout in layouts:
+        caches = [_caches(layout, k, v, lens, gen) for k, v in layers]
+        for variant, th in (("dense", dense_th), ("f=0.1", theta[:, None].contiguous())):
+            st = decode_attention(q, caches[0][0], caches[0][1], lens, th, scale=scale, placement="pre_softmax",
+                                  selection="group", backend="cpu", return_stats=True, **caches[0][2])[1]
+            frac = float(st.v_rows.double().sum()) / (B * Hkv * S)
+            read = B * Hkv * S * D * dt.itemsize * (1 + frac)
+            calls = [lambda c=c, t=th: decode_attention(q, c[0], c[1], lens, t, scale=scale, placement="pre_softmax",
+                                                        selection="group", backend="cpu", **c[2]) for c in caches]
+            for n in threads:
+                torch.set_num_threads(n)
+                times = _time_rotating(calls, rounds)
+                rows.append(_row(name, layout, variant, n, L, times, read, probes[n], frac))
+        del caches
+    for n in threads:
+        torch.set_num_threads(n)
+        calls = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, scale=scale, enable_gqa=True) for k, v in layers]
+        rows.append(_row(name, "BNSD", "sdpa", n, L, _time_rotating(calls, rounds), kv_bytes, probes[n], 1.0))
+    calls, note = _vllm_calls(layers, q, lens, scale)
+    for n in threads:
+        if calls is None:
+            rows.append(Row(name, "vllm128", "vllm-kernel", n, L, note=note))
+            continue
+        torch.set_num_threads(n)
+        r = _row(name, "vllm128", "vllm-kernel", n, L, _time_rotating(calls, rounds), kv_bytes, probes[n], 1.0)
+        r.note = note
+        rows.append(r)
+    return rows
+
+
+def _row(shape, layout, variant, threads, layers, times, read_bytes, probe, frac) -> Row:
+    ms = statistics.median(times)
+    gbps = read_bytes / (ms * 1e-3) / 1e9
+    return Row(shape, layout, variant, threads, layers, ms, read_bytes / 1e9, gbps, 100.0 * gbps / probe, frac,
+               times_ms=[round(t, 4) for t in times])
+
+
+def format_rows(rows: list[Row], probes: dict) -> str:
+    lines = ["| shape | layout | variant | threads | ms/layer | GB/s | % of probe | V rows read |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if math.isnan(r.ms_per_layer):
+            lines.append(f"| {r.shape} | {r.layout} | {r.variant} | {r.threads} | - | - | - | {r.note} |")
+            continue
+        lines.append(f"| {r.shape} | {r.layout} | {r.variant} | {r.threads} | {r.ms_per_layer:.2f} | {r.gbps:.1f} | "
+                     f"{r.pct_probe:.0f}% | {r.v_rows_frac:.3f} |")
+    lines.append("read probe (1 GiB float32 sum): " + ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in probes.items()))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(description="Cold-cache CPU decode benchmark over KV layouts (docs/cpu.md)")
+    ap.add_argument("--shapes", default="smollm2,llama8b", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3, help="rotations over the layers per variant (median)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error(f"--shapes: unknown shape {s!r}; known: {', '.join(SHAPES)}")
+    layouts = [x for x in args.layouts.split(",") if x]
+    for x in layouts:
+        if x not in LAYOUTS:
+            ap.error(f"--layouts: unknown layout {x!r}; known: {', '.join(LAYOUTS)}")
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(f"--threads must be a comma list of ints >= 1, got {args.threads!r}")
+    if not threads or min(threads) < 1:
+        ap.error(f"--threads must be a comma list of ints >= 1, got {args.threads!r}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    mach = machine()
+    print(f"machine: {mach.model}; flags {' '.join(mach.flags)}; {mach.cores} cores; LLC {mach.llc_bytes >> 20} MiB",
+          flush=True)
+    probes = {n: read_probe(n) for n in threads}
+    rows = []
+    for s in shapes:
+        rows += run_shape(s, threads, mach, probes, args.rounds, layouts)
+        print(format_rows([r for r in rows if r.shape == s], probes), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": asdict(mach), "probe_gbps": probes, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
