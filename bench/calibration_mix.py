@@ -35,11 +35,11 @@ def main(argv=None) -> None:
     import torch
     from calibration_transfer import prefill_stats  # bench/ is on sys.path when run as a script
 
+    from topth_ops.hf.calib_sources import calibration_texts, mixed_samples
     from topth_ops.hf.calibrate import CalibrationText, calibrate
     from topth_ops.hf.model import load_model
-    from topth_ops.hf.calib_sources import calibration_texts, mixed_samples
     from topth_ops.hf.texts import humaneval_problems, stdlib_documents
-    from topth_ops.layer_k import parse_layer_k
+    from topth_ops.thresholds import parse_layer_k
 
     torch.set_num_threads(2)
     lm = load_model(None, progress=False)

@@ -70,11 +70,11 @@ def main(argv=None) -> None:
 
     import torch
 
+    from topth_ops.hf.calib_sources import calibration_documents
     from topth_ops.hf.calibrate import CalibrationText, calibrate
     from topth_ops.hf.model import load_model
-    from topth_ops.hf.calib_sources import calibration_documents
     from topth_ops.hf.texts import humaneval_problems, stdlib_documents, token_samples
-    from topth_ops.layer_k import parse_layer_k
+    from topth_ops.thresholds import parse_layer_k
 
     torch.set_num_threads(2)
     lm = load_model(None, progress=False)

@@ -87,13 +87,13 @@ def _run_cpu(args: argparse.Namespace) -> int:
 
 
 def compile_report(json_path=None) -> int:
-    """``python -m topth_ops.cuda_kernels.report`` in a subprocess without TRITON_INTERPRET
+    """``python -m topth_ops.bench.compile_report`` in a subprocess without TRITON_INTERPRET
     (the interpreter has no compiler; Triton binds the mode when the kernels are imported)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "topth_ops.cuda_kernels.report"] + (["--json", json_path] if json_path else [])
+    cmd = [sys.executable, "-m", "topth_ops.bench.compile_report"] + (["--json", json_path] if json_path else [])
     return subprocess.run(cmd, env=env).returncode
 
 

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     from topth_ops.hf.attention import disable, enable
     from topth_ops.hf.model import load_model
     from topth_ops.rowstats import StatsCollector
-    from topth_ops.threshold_file import load_thresholds
+    from topth_ops.thresholds import load_thresholds
 
     ts = load_thresholds(args.thresholds)
     lm = load_model(None, progress=False)

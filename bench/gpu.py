@@ -87,8 +87,8 @@ def resources(case_names=("h200-pre-f0.1", "h200-post-f0.1", "h200-pre-f0.1-page
                 fn()
         torch.cuda.synchronize()
     rows = []
-    for mod, kname in ((attn_pre, "_pre_kernel"), (attn_post, "_post_scores_kernel"),
-                       (attn_post, "_post_select_kernel"), (combine, "_combine_kernel")):
+    for mod, kname in ((attn_pre, "pre_kernel"), (attn_post, "post_scores_kernel"),
+                       (attn_post, "post_select_kernel"), (combine, "combine_kernel")):
         kernel = getattr(mod, kname)
         for caches in kernel.device_caches.values():
             for compiled in caches[0].values():

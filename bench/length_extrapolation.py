@@ -86,7 +86,8 @@ def _mean(nll, lo: int, hi: int) -> float:
 def _layer_spread(col, layer_k, ranges) -> str:
     """Per row range, the range of k~/k over the thresholded layers taken one at a time."""
     from length_extrapolation_dense import spread
-    from topth_ops.layer_k import DENSE
+
+    from topth_ops.thresholds import DENSE
 
     def one(layer):
         return [DENSE] * layer + [layer_k[layer]] + [DENSE] * (len(layer_k) - layer - 1)
@@ -99,7 +100,7 @@ def run_op(args) -> None:
     from topth_ops.hf.attention import TopthSettings, disable, enable
     from topth_ops.hf.calibrate import CalibrationText, calibrate
     from topth_ops.hf.evaluate import _collector
-    from topth_ops.layer_k import parse_layer_k
+    from topth_ops.thresholds import parse_layer_k
 
     lm, held = _setup(args.docs, args.model)
     L = int(lm.model.config.num_hidden_layers)

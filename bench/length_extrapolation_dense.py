@@ -13,7 +13,7 @@ PLACEMENTS, SELECTIONS = ("pre_softmax", "post_softmax"), ("head", "group")
 
 def collect(model, seqs, ks, path) -> None:
     """One dense forward pass per sequence; save the CountAccumulator's histograms to ``path``."""
-    from topth_ops.calib_count import CountAccumulator
+    from topth_ops.calibration import CountAccumulator
     from topth_ops.hf.attention import TopthSettings
     from topth_ops.hf.calibrate import _run
 
@@ -38,7 +38,7 @@ def save(acc, ks, path) -> None:
 def _load(path):
     import torch
 
-    from topth_ops.calib_count import CountAccumulator
+    from topth_ops.calibration import CountAccumulator
 
     d = torch.load(path, weights_only=False)
     acc = CountAccumulator(*d["shape"], d["ks"], PLACEMENTS, SELECTIONS)
@@ -69,7 +69,7 @@ def spread(values) -> str:
 
 def compare(calib_path, held_path, t, ranges, ks, first_layer: int = 2) -> None:
     """Print k~/k by row range (calibration text | held-out) of each length model, fitted on row ids <= t."""
-    from topth_ops.length_model import LengthModel, fit_length_model
+    from topth_ops.thresholds import LengthModel, fit_length_model
 
     A, B = _load(calib_path), _load(held_path)
     edges = A.edges

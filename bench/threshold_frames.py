@@ -2,7 +2,7 @@
 (docs/model.md, "Samples from document starts").
 
 On dense activations (no layer thresholded, so only the transfer is measured), kept-count
-thresholds (:mod:`topth_ops.calib_count`, target k per row-length bucket) are calibrated in
+thresholds (:mod:`topth_ops.calibration.count`, target k per row-length bucket) are calibrated in
 four frames of the same logits a of a row:
 
 - ``raw``: a (the op's pre_softmax),
@@ -52,13 +52,13 @@ def main(argv=None) -> None:
     import numpy as np
     import torch
 
-    from topth_ops.calib_count import CountAccumulator
+    from topth_ops.calibration import CountAccumulator
     from topth_ops.hf.attention import TopthSettings
+    from topth_ops.hf.calib_sources import calibration_documents
     from topth_ops.hf.calibrate import _run
     from topth_ops.hf.model import load_model
-    from topth_ops.hf.calib_sources import calibration_documents
     from topth_ops.hf.texts import humaneval_problems, stdlib_documents, token_samples
-    from topth_ops.layer_k import parse_layer_k
+    from topth_ops.thresholds import parse_layer_k
 
     torch.set_num_threads(2)
     lm = load_model(None, progress=False)

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune: needs a CUDA device")
         return 2
-    from topth_ops.cuda_kernels import LaunchConfig, choose_config, decode_attn_fwd
+    from topth_ops.backends.triton.launch import LaunchConfig, choose_config, decode_attn_fwd
 
     from .cases import H200_TARGET, Case
     from .synth import make_case_inputs

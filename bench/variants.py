@@ -77,7 +77,7 @@ class TritonDenseVariant(Variant):
         return get_backend("triton").not_supported_reasons(ci.dense)
 
     def prepare(self, ci):
-        from topth_ops.cuda_kernels import decode_attn_fwd
+        from topth_ops.backends.triton.launch import decode_attn_fwd
 
         d = ci.dense
         out = torch.empty_like(d.query)

@@ -37,7 +37,7 @@ def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale
     ``topth-ops calibrate``."""
     from transformers import AutoConfig
 
-    from topth_ops.threshold_file import ThresholdSet, attention_config_of
+    from topth_ops.thresholds import ThresholdSet, attention_config_of
 
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     ac = attention_config_of(cfg)

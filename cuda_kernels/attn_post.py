@@ -3,7 +3,7 @@
 ``s_j > theta`` is decided in the log domain as ``a_j - LSE > ln(theta)``, which needs the
 LSE of the whole row (paper section 3.1, docs/semantics.md step 3).
 
-Pass 1 (``_post_scores_kernel``) reads K once, keeps the per-split max m and sum l, and
+Pass 1 (``post_scores_kernel``) reads K once, keeps the per-split max m and sum l, and
 writes a compact **candidate list** per (sequence, KV head, split): the positions, and
 their G scores, that can still be kept. The filter is exact in one direction: LSE of the
 whole row >= LSE of the part of the split seen so far (adding terms only raises it), so
@@ -14,7 +14,7 @@ prefix seen, so at most ``G e^slack / theta`` entries, however long the split. M
 ``capacity x (G + 1) x 4`` bytes per split (the launcher's ``post_capacity``, a constant),
 not ``4 x Hq x S`` per sequence.
 
-Pass 2 (``_post_select_kernel``) combines every split's (m, l) into the row LSE, decides
+Pass 2 (``post_select_kernel``) combines every split's (m, l) into the row LSE, decides
 each candidate exactly and reads only kept V rows, with the same skewed pipeline as the
 pre_softmax kernel. A split whose candidates overflowed the capacity recomputes its scores
 from K instead (correct, slower; the launcher sizes the capacity so that this is rare).
@@ -71,7 +71,7 @@ def _compact(C_POS, C_S, c_base, count, lse_run, cut, offs_g, gmask, G, BLOCK_N:
 
 
 @triton.jit(do_not_specialize=POST_NO_SPEC)
-def _post_scores_kernel(
+def post_scores_kernel(
     Q, K, V, LENS, TH, TSET, BT,
     P_M, P_L, P_VSUM, C_POS, C_S, C_CNT,
     stride_qb, stride_qh, stride_qd,
@@ -168,7 +168,7 @@ def _select_tile(s, valid, lse, cut, w_prev, v, acc, w_sum, cnt, vrows,
 
 
 @triton.jit(do_not_specialize=POST_NO_SPEC)
-def _post_select_kernel(
+def post_select_kernel(
     Q, K, V, LENS, TH, TSET, BT,
     P_M, P_L, P_R, P_CNT, P_ACC, P_VROWS, C_POS, C_S, C_CNT,
     stride_qb, stride_qh, stride_qd,

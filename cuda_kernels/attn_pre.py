@@ -1,4 +1,4 @@
-"""pre_softmax in one pass, and the dense mode: ``_pre_kernel``.
+"""pre_softmax in one pass, and the dense mode: ``pre_kernel``.
 
 One program per (sequence b, KV head, split): all ``G`` query heads of the group at once
 (``G_PAD`` >= 16 rows of one tensor-core product), so a K row
@@ -36,7 +36,7 @@ NO_SPEC = ["num_kv_heads", "max_seq_len", "block_size", "block_shift", "num_bloc
 
 
 @triton.jit(do_not_specialize=NO_SPEC)
-def _pre_kernel(
+def pre_kernel(
     Q, K, V, LENS, TH, TSET, BT,
     P_M, P_L, P_R, P_CNT, P_ACC, P_VROWS, P_VSUM,
     stride_qb, stride_qh, stride_qd,

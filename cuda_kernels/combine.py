@@ -25,7 +25,7 @@ COMBINE_NO_SPEC = NO_SPEC + ["st_sset", "st_shead", "st_srow", "stride_mb", "str
 
 
 @triton.jit(do_not_specialize=COMBINE_NO_SPEC)
-def _combine_kernel(
+def combine_kernel(
     LENS, TH, TSET, SDC_TAB, VMEAN, OUT, ST_KEPT, ST_VROWS, ST_DROPPED,
     P_M, P_L, P_R, P_CNT, P_ACC, P_VROWS, P_VSUM,
     stride_l, stride_ts, st_set, st_head, st_row, st_sset, st_shead, st_srow,

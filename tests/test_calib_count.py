@@ -1,4 +1,4 @@
-"""Kept-count calibration (topth_ops.calib_count) against float64 brute force: the
+"""Kept-count calibration (topth_ops.calibration.count) against float64 brute force: the
 bucket thresholds keep k per row on average, per head and per GQA group, and the length
 model is fitted and applied as documented."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calib_count import CountAccumulator, LengthModel, bucket_edges, fit_length_model
-from topth_ops.calibration import DENSE
+from topth_ops.calibration import CountAccumulator, bucket_edges
+from topth_ops.thresholds import DENSE, LengthModel, fit_length_model
 
 HQ, HKV = 4, 2
 
@@ -175,7 +175,7 @@ def test_sdc_table_continues_as_its_last_octave_mean():
     its last calibrated octave (rows n > k), whatever the trend inside: a fitted growth
     (even n^3 just above a large k, the regression that once gave +12,000% long-document
     perplexity) is not continued."""
-    from topth_ops.length_model import constant_table_model
+    from topth_ops.thresholds import constant_table_model
 
     R, k = 1024, 256
     n = np.arange(1, R + 1, dtype=np.float64)

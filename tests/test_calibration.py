@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calibration import (DENSE, SdcAccumulator, ThresholdAccumulator, fill_unsampled,
-                                   format_layer_k, parse_layer_k)
+from topth_ops.calibration import SdcAccumulator, ThresholdAccumulator
 from topth_ops.prefill import RowRule, prefill_attention
+from topth_ops.thresholds import DENSE, fill_unsampled, format_layer_k, parse_layer_k
 
 L, HQ, HKV, D = 3, 4, 2, 8
 

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calib_count import CountAccumulator
-from topth_ops.calibration import CalibrationResult, SdcAccumulator, ThresholdAccumulator, to_host
+from topth_ops.calibration import CalibrationResult, CountAccumulator, SdcAccumulator, ThresholdAccumulator, to_host
 
 HQ, HKV, T = 4, 2, 64
 DEVICE = "cuda"  # the device compared with the CPU

@@ -187,11 +187,10 @@ def test_layerwise_flag_where_nothing_is_calibrated_is_refused(tmp_path, capsys,
 def test_evaluate_refuses_a_file_calibrated_on_the_problems_it_evaluates(tmp_path, capsys, monkeypatch):
     """A threshold file whose calibration text read HumanEval problems that evaluate --thresholds
     would score is refused before the model loads, naming the file; one that left them out is not."""
-    import topth_ops.hf.model
-    from topth_ops.calibration import DENSE
     import torch
 
-    from topth_ops.threshold_file import ThresholdSet, save_threshold_sets
+    import topth_ops.hf.model
+    from topth_ops.thresholds import DENSE, ThresholdSet, save_threshold_sets
 
     def no_model(*args, **kwargs):
         raise RuntimeError("model loading reached")

@@ -4,14 +4,16 @@ cache, VMC, padding, mismatched files."""
 
 import pytest
 import torch
-
 import transformers  # noqa: E402,F401 - the hf extra is part of the dev extra
 
-from topth_ops.calibration import DENSE, parse_layer_k  # noqa: E402
 from topth_ops.hf.attention import TopthSettings, disable, enable  # noqa: E402
 from topth_ops.hf.calibrate import CalibrationText, calibrate  # noqa: E402
 from topth_ops.hf.runner import forward, greedy  # noqa: E402
-from topth_ops.threshold_file import ThresholdFileError  # noqa: E402
+from topth_ops.thresholds import (  # noqa: E402
+    DENSE,
+    ThresholdFileError,  # noqa: E402
+    parse_layer_k,
+)
 
 from .hf_steps import collector, prefill_equals_steps  # noqa: E402
 

@@ -20,11 +20,10 @@ import math
 import numpy as np
 import pytest
 import torch
-
 import transformers  # noqa: F401 - the hf extra is part of the dev extra
 
-from topth_ops.calibration import DENSE
 from topth_ops.hf.calibrate import CalibrationText, calibrate
+from topth_ops.thresholds import DENSE
 
 L, HQ, HKV, D, HIDDEN, VOCAB = 3, 6, 2, 16, 96, 96
 LENGTHS = [40, 40, 33, 40]  # row ids 34..40 get 3 samples, 1..33 get 4
@@ -234,11 +233,11 @@ def counted(model, samples):
 @pytest.mark.parametrize("selection", ["head", "group"])
 @pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
 def test_hf_kept_count_thresholds_keep_k_per_row_id_on_the_oracle(counted, oracle, placement, selection):
-    """Kept-count estimator (topth_ops.calib_count) through the model integration: at every
+    """Kept-count estimator (topth_ops.calibration.count) through the model integration: at every
     row id of a bucket that holds one row id, the oracle's rows keep k on average (per
     query head, or per GQA group against the maximum over the group's heads), in every
     layer. Wrong layer, head, group or domain wiring misses this by far."""
-    from topth_ops.calib_count import bucket_edges
+    from topth_ops.calibration import bucket_edges
 
     G = HQ // HKV
     for target, layer_k in enumerate(TARGETS):

@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 import torch
-
 import transformers  # the hf extra is part of the dev extra
 import transformers.cache_utils
 
@@ -24,7 +23,7 @@ from topth_ops.hf.attention import TopthSettings, disable, enable
 from topth_ops.hf.cache_view import rows_from_mask, valid_value_mean
 from topth_ops.hf.runner import forward
 from topth_ops.rowstats import StatsCollector
-from topth_ops.threshold_file import ThresholdSet, attention_config_of
+from topth_ops.thresholds import ThresholdSet, attention_config_of
 
 L, HQ, HKV, D, VOCAB, P, NEW = 2, 4, 2, 64, 64, 12, 6
 

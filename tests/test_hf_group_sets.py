@@ -11,14 +11,12 @@ sparsity) and sliding-window layers, on tiny random models (no downloads):
 
 import pytest
 import torch
-
 import transformers  # noqa: F401 - the hf extra is part of the dev extra
 
-from topth_ops.calibration import parse_layer_k
 from topth_ops.hf.attention import TopthSettings, disable, enable
 from topth_ops.hf.calibrate import CalibrationText, calibrate
 from topth_ops.hf.runner import forward, new_cache
-from topth_ops.threshold_file import ThresholdFileError, load_threshold_sets, save_threshold_sets
+from topth_ops.thresholds import ThresholdFileError, load_threshold_sets, parse_layer_k, save_threshold_sets
 
 from .hf_steps import prefill_equals_steps
 

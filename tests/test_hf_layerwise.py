@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calib_count import bucket_edges
-from topth_ops.calibration import DENSE
+from topth_ops.calibration import bucket_edges
 from topth_ops.hf import TopthSettings
 from topth_ops.hf.calibrate import CalibrationText, calibrate
+from topth_ops.thresholds import DENSE
 
-from .test_hf_calibrate import HKV, HQ, L, LENGTHS, _oracle_logits, model, samples  # noqa: F401 (fixtures)
+from .test_hf_calibrate import HKV, HQ, LENGTHS, L, _oracle_logits, model, samples  # noqa: F401 (fixtures)
 
 TARGET = [3, 3, 3]
 EXTEND = 320
@@ -94,7 +94,7 @@ def test_layerwise_applied_tables_are_the_saved_ones(model, samples, tmp_path): 
     """What a layer ran with during the pass is what the file holds (thresholds and the
     offline SDC row), and the flag survives a save and load."""
     from topth_ops.hf.calib_layerwise import LayerwiseCalibrator, run_layerwise
-    from topth_ops.threshold_file import load_threshold_sets, save_threshold_sets
+    from topth_ops.thresholds import load_threshold_sets, save_threshold_sets
 
     layer_k = [DENSE, 6, 2]
     cal = LayerwiseCalibrator(L, HQ, HKV, [int(s.numel()) for s in samples], layer_k, "pre_softmax", "head",
@@ -197,7 +197,7 @@ def test_layerwise_batch_matches_each_sample_at_inference_sliding_window(placeme
 
     from topth_ops.hf import disable, enable
     from topth_ops.hf.calib_layerwise import LayerwiseCalibrator, run_layerwise
-    from topth_ops.threshold_file import ThresholdSet, attention_config_of
+    from topth_ops.thresholds import ThresholdSet, attention_config_of
 
     torch.manual_seed(1)
     cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -251,7 +251,7 @@ def test_layerwise_rule_is_recorded_and_a_mismatch_warns(model, samples, tmp_pat
     import warnings
 
     from topth_ops.hf import disable, enable
-    from topth_ops.threshold_file import ThresholdFileError, load_threshold_sets, save_threshold_sets
+    from topth_ops.thresholds import ThresholdFileError, load_threshold_sets, save_threshold_sets
 
     text = CalibrationText(samples=list(samples), description="random token ids")
     sets = calibrate(model, text, [TARGET], ["pre_softmax", "post_softmax"], model_name="tiny", progress=False,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calib_count import CountAccumulator
+from topth_ops.calibration import CountAccumulator
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 L, HQ, HKV, T = 2, 4, 2, 256

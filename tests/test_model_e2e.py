@@ -81,8 +81,7 @@ def test_generation_past_the_context_is_an_error(evaluated, capsys):
 
 
 def test_thresholds_of_another_model_are_rejected(evaluated, tmp_path, capsys):
-    from topth_ops.calibration import DENSE
-    from topth_ops.threshold_file import ThresholdSet
+    from topth_ops.thresholds import DENSE, ThresholdSet
 
     cfg = dict(model_type="llama", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
     th = torch.full((2, 4, 8), -torch.inf)
@@ -167,7 +166,7 @@ def test_reference_import_needs_no_k(tmp_path, capsys):
     out = tmp_path / "imp.safetensors"
     assert main(["calibrate", "--import-reference", str(tmp_path / "th.txt"), "--placement", "post_softmax",
                  "--out", str(out)]) == 0
-    from topth_ops.threshold_file import load_thresholds
+    from topth_ops.thresholds import load_thresholds
 
     ts = load_thresholds(out)
     assert ts.k == 8 and ts.placement == "post_softmax" and ts.max_row_id == 39
@@ -188,11 +187,10 @@ def test_repeated_flags_extend_and_files_are_checked_before_the_model_loads(eval
     assert "no variant of --variants topth-pre-offline-vmc applies" in capsys.readouterr().err
     assert main(["generate", "--thresholds", post, "--prompt", "x", "--sdc", "exact"]) == 2
     assert "--sdc exact" in capsys.readouterr().err
-    from topth_ops.hf.cli_evaluate import _file_variants
-    from topth_ops.threshold_file import load_thresholds
-
     # --thresholds A --thresholds B keeps both files (argparse "extend"), as --k 16 --k 32 keeps both k
     from topth_ops.cli import build_parser
+    from topth_ops.hf.cli_evaluate import _file_variants
+    from topth_ops.thresholds import load_thresholds
 
     a = build_parser().parse_args(["evaluate", "--thresholds", post, "--thresholds", pre, "--json", "x.json"])
     assert a.thresholds == [post, pre]
@@ -207,7 +205,7 @@ def test_repeated_flags_extend_and_files_are_checked_before_the_model_loads(eval
 def test_calibrate_writes_threshold_sets_per_placement_and_selection(tmp_path, capsys):
     """Several k from one pass go into one file per (placement, selection) as threshold
     sets; --threshold-set picks one in generate; a bad index names the file."""
-    from topth_ops.threshold_file import load_threshold_sets
+    from topth_ops.thresholds import load_threshold_sets
 
     assert main(["calibrate", "--k", "16,32", "--placement", "both", "--selection", "both", "--samples", "1",
                  "--max-tokens", "96", "--layer-k", "0:dense,1:dense", "--no-sdc-table",
@@ -233,7 +231,7 @@ def test_layerwise_calibration_through_evaluate_and_calibrate(tmp_path, capsys):
     """--layerwise-calibration: evaluate calibrates only the (placement, selection) pairs
     its variants use, records the flag (and --calib-align document) in the JSON and the files; calibrate refuses it
     with the mean estimator (named in the message) before loading the model."""
-    from topth_ops.threshold_file import load_threshold_sets
+    from topth_ops.thresholds import load_threshold_sets
 
     assert main(["evaluate", "--k", "16", "--variants", "topth-pre-offline-vmc", "--problems", "2",
                  "--agreement-problems", "1", "--agreement-tokens", "2", "--long-docs", "0", "--calib-samples", "2",

@@ -7,9 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calibration import DENSE
-from topth_ops.threshold_file import (ThresholdFileError, ThresholdSet, fingerprint, import_reference_text,
-                                      load_thresholds)
+from topth_ops.thresholds import (
+    DENSE,
+    ThresholdFileError,
+    ThresholdSet,
+    fingerprint,
+    import_reference_text,
+    load_thresholds,
+)
 
 CFG = dict(model_type="llama", num_layers=3, num_q_heads=2, num_kv_heads=1, head_dim=8)
 

@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calib_count import LengthModel
-from topth_ops.calibration import DENSE
 from topth_ops.hf.settings import TopthSettings, set_choice
-from topth_ops.threshold_file import (ThresholdFileError, ThresholdSet, attention_config_of, extend_table,
-                                      load_thresholds, pick_set)
-from topth_ops.threshold_format import MAX_ROW_IDS
-from topth_ops.threshold_validate import extend_sdc
+from topth_ops.thresholds import (
+    DENSE,
+    MAX_ROW_IDS,
+    LengthModel,
+    ThresholdFileError,
+    ThresholdSet,
+    attention_config_of,
+    extend_sdc,
+    extend_table,
+    load_thresholds,
+    pick_set,
+)
 
 CFG = dict(model_type="llama", num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8)
 LAYER_K = [DENSE, 2, 3]

@@ -8,12 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from topth_ops.calib_count import LengthModel
-from topth_ops.calibration import DENSE
-from topth_ops.threshold_file import (ThresholdFileError, ThresholdSet, extend_table, fingerprint,
-                                      load_threshold_sets, load_thresholds, pick_set, save_threshold_sets,
-                                      stack_sets)
-from topth_ops.threshold_validate import extend_sdc
+from topth_ops.thresholds import (
+    DENSE,
+    LengthModel,
+    ThresholdFileError,
+    ThresholdSet,
+    extend_sdc,
+    extend_table,
+    fingerprint,
+    load_threshold_sets,
+    load_thresholds,
+    pick_set,
+    save_threshold_sets,
+    stack_sets,
+)
 
 CFG = dict(model_type="llama", num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8)
 LAYER_K = [DENSE, 2, 3]
@@ -180,7 +188,7 @@ def test_threshold_length_features_round_trip(tmp_path, feature):
 
 
 def test_unknown_length_feature_is_a_clear_error():
-    from topth_ops.length_model import feature_of
+    from topth_ops.thresholds import feature_of
 
     with pytest.raises(ValueError, match="feature must be one of"):
         feature_of(np.array([10.0]), "sqrt_n", 4)
@@ -223,7 +231,7 @@ def test_bad_length_metadata_is_a_file_error_naming_the_file(tmp_path, feature, 
 
 
 def test_k_features_need_k():
-    from topth_ops.length_model import feature_of
+    from topth_ops.thresholds import feature_of
 
     for feature in ("log_one_minus_k_over_n", "inverse_n_over_k", "log_log_n_over_k"):
         with pytest.raises(ValueError, match="needs k"):

@@ -51,7 +51,7 @@ def to_dev(t: torch.Tensor) -> torch.Tensor:
 
 def launch(kw: dict, config=None):
     """decode_attn_fwd on ``kw`` (no value checks: the device path), outputs poisoned."""
-    from topth_ops.cuda_kernels import decode_attn_fwd
+    from topth_ops.backends.triton.launch import decode_attn_fwd
 
     kw = {k: (to_dev(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     inputs = make_inputs(**kw, return_stats=True, check_values=False)

@@ -309,7 +309,7 @@ def test_interpreter_off_reason(monkeypatch):
 def test_choose_num_splits():
     """One full wave of resident slots (SMs x CTAs per SM), never a partial second one."""
     f = kernels().choose_num_splits
-    from topth_ops.cuda_kernels import occupancy
+    from topth_ops.backends.triton import occupancy
 
     # target case on an H200 (132 SMs): 64 (b, kv head) programs, 2 or 3 CTAs per SM
     assert f(8, 8, 32768, 64, 132, 2) == 4  # 256 programs <= 264 slots
@@ -327,7 +327,7 @@ def test_choose_num_splits():
 def test_occupancy_arithmetic():
     """CUDA occupancy calculator on sm_90: registers per warp in units of 256, 1 KiB of
     shared memory reserved per CTA."""
-    from topth_ops.cuda_kernels import occupancy
+    from topth_ops.backends.triton import occupancy
 
     assert occupancy.ctas_per_sm(128, 0, 4) == 4  # 65536 / (128 * 32 * 4)
     assert occupancy.ctas_per_sm(130, 0, 4) == 3  # 130 regs round up to 136 per thread
@@ -339,7 +339,7 @@ def test_occupancy_arithmetic():
 
 def test_spills_in_loops_parser():
     """The report's spill gate: STL/LDL inside a backward branch's range count, others not."""
-    from topth_ops.cuda_kernels.aot_check import spills_in_loops_of
+    from topth_ops.bench.triton_compile import spills_in_loops_of
 
     sass = """
         /*0000*/                   STL [R1], R0 ;
@@ -358,7 +358,7 @@ def test_occupancy_from_compiled_kernel(monkeypatch):
     shared memory (Triton's warmup, cached per variant); without them it falls back."""
     import types
 
-    from topth_ops.cuda_kernels import launch as la
+    from topth_ops.backends.triton import launch as la
 
     calls = []
 

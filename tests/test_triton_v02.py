@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
 
 
 def cfg(ns, block_n=32, **kw):
-    from topth_ops.cuda_kernels import LaunchConfig
+    from topth_ops.backends.triton.launch import LaunchConfig
 
     return LaunchConfig(block_n=block_n, num_splits=ns, **kw)
 

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import validation as V
-from .validation import KV_LAYOUTS, LAYOUT_DIMS, cache_dims, cache_strides  # noqa: F401 (re-export)
+from .validation import LAYOUT_DIMS, cache_dims, cache_strides
 
 PLACEMENTS = ("pre_softmax", "post_softmax")
 SDC_MODES = ("none", "exact", "exp_threshold", "offline")
@@ -185,6 +185,12 @@ class DecodeInputs:
         :func:`topth_ops.validation.cache_strides`)."""
         t = self.key_cache if which == "key" else self.value_cache
         return cache_strides(t, self.kv_layout)
+
+    def clamped_lengths(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``[batch]`` lengths clamped into ``[0, max_seq_len]`` in their own dtype's full range
+        first, then cast to ``dtype``: the contract's rule for paths that do not check values
+        (an int64 of 1 << 40 becomes max_seq_len, never a wrapped int32)."""
+        return self.seq_lens.clamp(0, self.max_seq_len).to(dtype)
 
     def block_table_or_identity(self) -> torch.Tensor:
         """int32 ``[batch, max_blocks_per_seq]``: the block table, or for BNSD the identity

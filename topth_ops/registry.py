@@ -36,7 +36,7 @@ ENV_BACKEND = "TOPTH_BACKEND"
 _BUILTIN_MODULES: tuple[str, ...] = (
     "topth_ops.backends.cpu",
     "topth_ops.backends.torch_ref",
-    "topth_ops.backends.triton_backend",
+    "topth_ops.backends.triton.backend",
     "topth_ops.backends.ascendc",
 )
 

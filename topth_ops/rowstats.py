@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .calibration import DENSE
+from .thresholds.layer_k import DENSE
 
 DEFAULT_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -156,7 +156,7 @@ class StatsCollector:
         return float(self.beta[ls][..., sel].sum() / cnt) if cnt > 0 else float("nan")
 
 
-def bucket_edges(max_row: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> list[tuple[int, int]]:
+def length_buckets(max_row: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> list[tuple[int, int]]:
     """(lo, hi] pairs covering 1..max_row from ``buckets`` (extended by doubling)."""
     edges = list(buckets)
     while edges[-1] < max_row:

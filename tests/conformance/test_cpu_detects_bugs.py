@@ -7,6 +7,7 @@ stays in bounds (no crash): it reads the wrong elements, never foreign memory.""
 import pytest
 import torch
 
+from topth_ops.codes import Sdc, VmcMode
 from topth_ops.backends import cpu as cpu_backend
 from topth_ops.conformance import run_rule
 from topth_ops.registry import get_backend
@@ -59,12 +60,12 @@ def _int64_lengths_as_int32(args, inputs):
 
 
 def _exact_as_none(args, inputs):
-    args["options"][2] = cpu_backend.SDC_CODES["none"]
+    args["options"][2] = int(Sdc.NONE)
 
 
 def _value_mean_ignored(args, inputs):
-    if args["options"][3] == cpu_backend.VMC_GIVEN:
-        args["options"][3] = cpu_backend.VMC_COMPUTED
+    if args["options"][3] == VmcMode.GIVEN:
+        args["options"][3] = int(VmcMode.COMPUTED)
         args["value_mean"] = None
 
 

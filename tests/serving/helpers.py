@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from topth_ops.threshold_file import ThresholdSet, attention_config_of
+from topth_ops.thresholds import ThresholdSet, attention_config_of
 
 
 class Cfg:

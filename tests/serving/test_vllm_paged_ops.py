@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from topth_ops.paged import write_kv
-from topth_ops.vllm.paged_ops import PagedValueSum, gather_sequence, nhd_views, prefill_dense
+from topth_ops.paged import PagedValueSum
+from topth_ops.vllm.paged_ops import gather_sequence, nhd_views, prefill_dense
 
 
 def test_nhd_views_of_lbnhc_cache():

@@ -7,10 +7,17 @@ import sys
 import pytest
 import torch
 
-from topth_ops.threshold_file import ThresholdFileError
+from topth_ops.thresholds import ThresholdFileError
 from topth_ops.vllm import enable
-from topth_ops.vllm.settings import (ENV, TopthConfigError, from_sources, is_active, load_for_model,
-                                     model_name_of, rank_rows)
+from topth_ops.vllm.settings import (
+    ENV,
+    TopthConfigError,
+    from_sources,
+    is_active,
+    load_for_model,
+    model_name_of,
+    rank_rows,
+)
 
 from .helpers import Cfg, threshold_set
 
@@ -243,7 +250,7 @@ def test_serve_op_backend_and_sdc_gamma_options_and_ignored_env(tmp_path, capsys
 
 
 def test_threshold_set_picks_one_set_of_a_multi_set_file(tmp_path):
-    from topth_ops.threshold_file import save_threshold_sets
+    from topth_ops.thresholds import save_threshold_sets
 
     cfg = Cfg(name="tiny")
     sets = [threshold_set(cfg, k=k, seed=k) for k in (2, 4, 8)]
@@ -268,7 +275,7 @@ def test_serve_threshold_set_option(tmp_path, capsys):
     from transformers import LlamaConfig
 
     from topth_ops.cli import main
-    from topth_ops.threshold_file import save_threshold_sets
+    from topth_ops.thresholds import save_threshold_sets
 
     model = tmp_path / "m"
     LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,

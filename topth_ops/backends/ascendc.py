@@ -27,9 +27,9 @@ import torch
 
 from ..contract import DecodeInputs, DecodeStats
 from ..registry import Backend
-from .ascendc_host import (  # noqa: F401 (re-exported for tests and benchmarks)
-    DTYPE_CODES, PLACEMENT_CODES, SDC_CODES, SELECTION_CODES, cache_layout_reason, clamped_lengths,
-    kept_union_masks, kernel_tensors, problem_shape, split_plan, split_workspace_reads, v_fetch_plan, value_mean_of)
+from ..env import env_choice, env_int
+from .ascendc_host import (cache_layout_reason, kept_union_masks, kernel_tensors, problem_shape, split_plan,
+                           split_workspace_reads, v_fetch_plan)
 
 FEATURES = frozenset({"paged", "group_selection", "threshold_sets"})
 
@@ -146,21 +146,13 @@ def cpu_target() -> dict:
         variable and the expected values.
     """
     t = dict(A2_TARGET)
-    path = os.environ.get(PATH_ENV, "").strip()
-    if path:
-        if path not in PATHS:
-            raise ValueError(f"{PATH_ENV} must be one of {', '.join(PATHS)} (which kernel runs), got {path!r}")
-        t["path"] = path
+    t["path"] = env_choice(PATH_ENV, PATHS, default=t["path"])
     for env, key, lo, hi, what in CPU_KNOBS:
-        raw = os.environ.get(env, "").strip()
-        if not raw:
+        v = env_int(env, lo, hi, what)
+        if v is None:
             continue
-        try:
-            v = int(raw, 10)
-        except ValueError:
-            raise _knob_error(env, lo, hi, what, raw) from None
-        if not lo <= v <= hi or (key == "ub_bytes" and v % 32):
-            raise _knob_error(env, lo, hi, what, raw)
+        if key == "ub_bytes" and v % 32:
+            raise _knob_error(env, lo, hi, what, str(v))
         t[key] = v
     return t
 
@@ -284,7 +276,7 @@ class AscendCCpuBackend(Backend):
 
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         self.last_report = run_cpu_model(inputs, out, stats)
-        self._last_lens = clamped_lengths(inputs).tolist()
+        self._last_lens = inputs.clamped_lengths(torch.int32).tolist()
         self._last_inputs = inputs
 
     def bench_counters(self) -> dict:

@@ -17,12 +17,10 @@ from typing import Optional
 
 import torch
 
+from ..codes import DType, Placement, Sdc, Selection
 from ..contract import DecodeInputs
+from ..vmean import valid_value_mean
 
-DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
-SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
-SELECTION_CODES = {"head": 0, "group": 1}
 
 
 def cache_layout_reason(inputs: DecodeInputs, which: str) -> Optional[str]:
@@ -59,13 +57,13 @@ def problem_shape(inputs: DecodeInputs) -> dict:
         "max_seq_len": inputs.max_seq_len,
         "head_dim": inputs.head_dim,
         "max_row_id": inputs.max_row_id,
-        "dtype": DTYPE_CODES[inputs.dtype],
-        "placement": PLACEMENT_CODES[inputs.placement],
-        "sdc": SDC_CODES[inputs.sdc],
+        "dtype": int(DType.of(inputs.dtype)),
+        "placement": int(Placement.of(inputs.placement)),
+        "sdc": int(Sdc.of(inputs.sdc)),
         "vmc": int(inputs.vmc),
         "scale": float(inputs.scale),
         "sdc_gamma": float(inputs.sdc_gamma),
-        "selection": SELECTION_CODES[inputs.selection],
+        "selection": int(Selection.of(inputs.selection)),
         "num_sets": inputs.num_sets,
         "has_sets": int(inputs.threshold_set is not None),
         "paged": int(inputs.paged),
@@ -75,12 +73,6 @@ def problem_shape(inputs: DecodeInputs) -> dict:
         "k_strides": [int(x) for x in ks[:3]],
         "v_strides": [int(x) for x in vs[:3]],
     }
-
-
-def clamped_lengths(inputs: DecodeInputs) -> torch.Tensor:
-    """int32 ``[batch]`` lengths clamped into [0, max_seq_len] in their own dtype's range
-    first (an int64 of 1 << 40 becomes max_seq_len, never a wrapped int32)."""
-    return inputs.seq_lens.clamp(0, inputs.max_seq_len).to(torch.int32).contiguous()
 
 
 def value_mean_of(inputs: DecodeInputs) -> torch.Tensor:
@@ -93,12 +85,9 @@ def value_mean_of(inputs: DecodeInputs) -> torch.Tensor:
     """
     from .torch_ref import dense_caches
 
-    n = inputs.seq_lens.to(torch.int64).clamp(0, inputs.max_seq_len)
+    n = inputs.clamped_lengths()
     _k, v = dense_caches(inputs, n)
-    pos = torch.arange(inputs.max_seq_len, device=inputs.device)
-    valid = (pos[None, :] < n[:, None]).view(inputs.batch, 1, -1, 1)
-    v = torch.where(valid, v.to(torch.float32), 0.0)
-    return (v.sum(2) / n.clamp(min=1).to(torch.float32).view(-1, 1, 1)).contiguous()
+    return valid_value_mean(v, n).contiguous()
 
 
 def kernel_tensors(inputs: DecodeInputs) -> dict:
@@ -111,7 +100,7 @@ def kernel_tensors(inputs: DecodeInputs) -> dict:
         "query": inputs.query.contiguous(),
         "key_cache": inputs.key_cache,
         "value_cache": inputs.value_cache,
-        "seq_lens": clamped_lengths(inputs),
+        "seq_lens": inputs.clamped_lengths(torch.int32).contiguous(),
         "thresholds": inputs.thresholds_3d().contiguous(),
         "sdc_table": inputs.sdc_table_3d().contiguous() if inputs.sdc_table is not None else None,
         "value_mean": None,
@@ -169,7 +158,7 @@ def split_workspace_reads(tiling: dict, seq_lens: list[int]) -> int:
     """
     _u, pieces = split_plan(tiling, seq_lens)
     pw, rec = 4 * tiling["pairWidth"], 4 * tiling["partFloats"]
-    post = tiling["placement"] == PLACEMENT_CODES["post_softmax"]
+    post = tiling["placement"] == Placement.POST_SOFTMAX
     total = 0
     for p in pieces:
         if p > 1:
@@ -210,7 +199,7 @@ def v_fetch_plan(kept: list, tiling: dict, seq_lens: list[int], elem_bytes: int,
     """
     # selection runs per K tile in pre_softmax (one pass), per 64-position score tile in
     # post_softmax's pass B
-    W = tiling["tileK"] if tiling["placement"] == PLACEMENT_CODES["pre_softmax"] else 64
+    W = tiling["tileK"] if tiling["placement"] == Placement.PRE_SOFTMAX else 64
     bs, granule = tiling["blockSize"], tiling["mergeGapBytes"]
     s_blk, s_h, s_slot, D = tiling["vStrideBlk"], tiling["vStrideH"], tiling["vStrideSlot"], tiling["headDim"]
     table = None if block_table is None else block_table.to(torch.int64).clamp(0, tiling["numBlocks"] - 1).tolist()

@@ -31,7 +31,9 @@ from typing import Optional
 
 import torch
 
+from ..codes import DType, Placement, Sdc, Selection, VmcMode
 from ..contract import DecodeInputs, DecodeStats
+from ..env import env_choice, env_int
 from ..registry import Backend
 
 ENV_SIMD = "TOPTH_CPU_SIMD"
@@ -39,10 +41,6 @@ ENV_SPLIT = "TOPTH_CPU_SPLIT_LEN"
 ENV_PARALLEL = "TOPTH_CPU_PARALLEL"
 SIMD_CHOICES = ("auto", "avx512bf16", "avx512", "avx2", "generic")
 PARALLEL_CHOICES = ("auto", "pool")
-DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-PLACEMENT_CODES = {"pre_softmax": 0, "post_softmax": 1}
-SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
-VMC_OFF, VMC_GIVEN, VMC_COMPUTED = 0, 1, 2
 
 
 def cpu_module():
@@ -50,15 +48,6 @@ def cpu_module():
     from topth_ops.cpu_kernels import _topth_cpu
 
     return _topth_cpu
-
-
-def _env_choice(var: str, choices) -> str:
-    """The value of environment variable ``var``, lower-cased (``auto`` when unset or
-    blank); ValueError naming ``var`` when it is not one of ``choices``."""
-    raw = os.environ.get(var, "").strip().lower() or "auto"
-    if raw not in choices:
-        raise ValueError(f"{var} must be one of {', '.join(choices)}, got {raw!r}")
-    return raw
 
 
 def simd_request() -> str:
@@ -69,7 +58,7 @@ def simd_request() -> str:
     ValueError
         A value outside :data:`SIMD_CHOICES`, naming the variable.
     """
-    return _env_choice(ENV_SIMD, SIMD_CHOICES)
+    return env_choice(ENV_SIMD, SIMD_CHOICES)
 
 
 def split_len() -> int:
@@ -80,14 +69,7 @@ def split_len() -> int:
     ValueError
         Not an integer >= 0, naming the variable.
     """
-    raw = os.environ.get(ENV_SPLIT, "").strip() or "0"
-    try:
-        v = int(raw, 10)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise ValueError(f"{ENV_SPLIT} must be an integer >= 0 (positions per KV split, 0: automatic), got {raw!r}")
-    return v
+    return env_int(ENV_SPLIT, 0, 2**63 - 1, "positions per KV split, 0: automatic", default=0)
 
 
 def parallel_request() -> str:
@@ -98,7 +80,7 @@ def parallel_request() -> str:
     ValueError
         A value outside :data:`PARALLEL_CHOICES`, naming the variable.
     """
-    return _env_choice(ENV_PARALLEL, PARALLEL_CHOICES)
+    return env_choice(ENV_PARALLEL, PARALLEL_CHOICES)
 
 
 def threads_line() -> str:
@@ -210,15 +192,15 @@ def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeS
         Written when given (any strides).
     """
     knobs = _knobs()
-    vmc = VMC_OFF
+    vmc = VmcMode.OFF
     if inputs.vmc:
-        vmc = VMC_GIVEN if inputs.value_mean is not None else VMC_COMPUTED
+        vmc = VmcMode.GIVEN if inputs.value_mean is not None else VmcMode.COMPUTED
     return {
         "simd_level": knobs[0],  # read by CpuBackend.forward; the kernel ignores it in the dict
         "shape": [inputs.batch, inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim, inputs.block_size,
                   inputs.num_blocks, inputs.max_blocks_per_seq, inputs.max_row_id, inputs.num_sets],
-        "options": [DTYPE_CODES[inputs.dtype], PLACEMENT_CODES[inputs.placement], SDC_CODES[inputs.sdc], vmc,
-                    int(inputs.selection == "group"), torch.get_num_threads(), knobs[1], knobs[2]],
+        "options": [int(DType.of(inputs.dtype)), int(Placement.of(inputs.placement)), int(Sdc.of(inputs.sdc)),
+                    int(vmc), int(Selection.of(inputs.selection)), torch.get_num_threads(), knobs[1], knobs[2]],
         "scale": float(inputs.scale),
         "sdc_gamma": float(inputs.sdc_gamma),
         "query": _tensor(inputs.query),
@@ -229,7 +211,7 @@ def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeS
         "thresholds": _tensor(inputs.thresholds_3d()),
         "threshold_set": _index(inputs.threshold_set),
         "sdc_table": _tensor(inputs.sdc_table_3d()),
-        "value_mean": _tensor(inputs.value_mean) if vmc == VMC_GIVEN else None,
+        "value_mean": _tensor(inputs.value_mean) if vmc == VmcMode.GIVEN else None,
         "out": _tensor(out),
         "kept": _tensor(stats.kept) if stats is not None else None,
         "v_rows": _tensor(stats.v_rows) if stats is not None else None,

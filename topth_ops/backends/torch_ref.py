@@ -13,13 +13,8 @@ from typing import Optional
 import torch
 
 from ..contract import DecodeInputs, DecodeStats
+from ..vmean import valid_value_mean
 from ..registry import Backend
-
-
-def clamped_lengths(inputs: DecodeInputs) -> torch.Tensor:
-    """int64 ``[batch]`` lengths clamped into [0, max_seq_len] in their own dtype's full
-    range (the contract's rule for paths that do not check values; no int32 wrap-around)."""
-    return inputs.seq_lens.to(torch.int64).clamp(0, inputs.max_seq_len)
 
 
 def dense_caches(inputs: DecodeInputs, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +84,7 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
     Hkv, S, G = inputs.num_kv_heads, inputs.max_seq_len, inputs.group_size
     dev = inputs.device
     f32 = torch.float32
-    n = clamped_lengths(inputs)  # [B]
+    n = inputs.clamped_lengths()  # [B] int64
     k_cache, v_cache = dense_caches(inputs, n)
     pos = torch.arange(S, device=dev)
     valid = (pos[None, :] < n[:, None])[:, None, :]  # [B, 1, S]
@@ -147,8 +142,7 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
         if inputs.value_mean is not None:
             mu = inputs.value_mean.to(f32)
         else:
-            v_valid = torch.where(valid.view(B, 1, S, 1), v, 0.0)
-            mu = v_valid.sum(2) / n.clamp(min=1).to(f32).view(B, 1, 1)
+            mu = valid_value_mean(v_cache, n)
         out = out.view(B, Hkv, G, D) + beta.view(B, Hkv, G, 1) * mu.view(B, Hkv, 1, D)
         out = out.reshape(B, Hq, D)
 

@@ -44,11 +44,12 @@ from typing import Callable, Optional
 
 import torch
 
-from ..calibration import DENSE
 from ..prefill import RowRule, prefill_attention
 from ..rowstats import StatsCollector
-from .cache_view import check_supported, rows_from_mask, sdpa_can_skip_mask, topth_mask, valid_value_mean
-from .settings import MODES, PREFILL_MODES, TopthSettings, check_set_indices  # noqa: F401 (re-exported)
+from ..thresholds import DENSE
+from ..vmean import valid_value_mean
+from .cache_view import check_supported, rows_from_mask, sdpa_can_skip_mask, topth_mask
+from .settings import TopthSettings, check_set_indices
 from .vmean import value_sums_for
 
 logger = logging.getLogger("topth_ops")
@@ -116,7 +117,7 @@ class TopthAttention:
                 src = getattr(sets[0], name)
                 t = None if src is None else src[layer]
             else:
-                from ..threshold_file import stack_sets
+                from ..thresholds import stack_sets
 
                 t = stack_sets(sets, layer, name)
             self._tables[key] = None if t is None else t.to(device, torch.float32).contiguous()

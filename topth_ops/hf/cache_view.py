@@ -87,35 +87,6 @@ def rows_from_mask(mask: Optional[torch.Tensor], B: int, T: int, S: int,
     return n, valid
 
 
-def valid_value_mean(value: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Mean of each sequence's n valid V rows (positions 0..n-1 of the cache), the mu of VMC
-    (paper section 3.2.2).
-
-    Cost: one read of the valid V rows, O(n * head_dim) per sequence and KV head; the decode
-    path calls it only when the running sums of :mod:`topth_ops.hf.vmean` must be rebuilt.
-
-    Parameters
-    ----------
-    value : torch.Tensor
-        ``[B, num_kv_heads, S, head_dim]`` (BNSD), any float dtype.
-    n : torch.Tensor
-        ``[B]`` int64, valid rows per sequence (0..S).
-
-    Returns
-    -------
-    torch.Tensor
-        ``[B, num_kv_heads, head_dim]`` float32 (zeros where n = 0).
-    """
-    B, H, S, D = value.shape
-    n_max = int(n.max()) if n.numel() else 0
-    denom = n.clamp(min=1).to(torch.float32).view(B, 1, 1)
-    if bool((n == n_max).all()):  # no padding: one prefix for the whole batch
-        return value[:, :, :n_max].sum(2, dtype=torch.float32) / denom
-    valid = torch.arange(n_max, device=value.device).view(1, 1, n_max, 1) < n.view(B, 1, 1, 1)
-    # where, not a product with the mask: 0 x NaN of a row past n would be NaN
-    return torch.where(valid, value[:, :, :n_max].to(torch.float32), 0.0).sum(2) / denom
-
-
 def sdpa_can_skip_mask(row_ids: torch.Tensor, key_valid: Optional[torch.Tensor], S: int) -> bool:
     """Whether SDPA without a mask (its convention, see :func:`rows_from_mask`) attends
     exactly the keys given by ``row_ids`` / ``key_valid``: then the dense path drops the

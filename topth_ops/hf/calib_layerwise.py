@@ -8,10 +8,10 @@ calibration removes the mismatch: all calibration samples run as one batch, and 
 forward reaches layer l (layers 0..l-1 already thresholded with their new thresholds and the
 inference compensation), layer l
 
-1. records the kept-count histograms of its dense scores (:class:`~topth_ops.calib_count.
+1. records the kept-count histograms of its dense scores (:class:`~topth_ops.calibration.count.
    CountAccumulator`, the same estimator and length model as the one-pass calibration),
 2. solves its thresholds from them (and, pre_softmax with the offline SDC, records the
-   dropped exponent mass at those thresholds: :class:`~topth_ops.calib_sdc.SdcAccumulator`),
+   dropped exponent mass at those thresholds: :class:`~topth_ops.calibration.sdc.SdcAccumulator`),
 3. returns the thresholded attention (the inference rule: VMC, offline SDC) to the layers
    above.
 
@@ -28,10 +28,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..calib_count import CountAccumulator
-from ..calib_sdc import SdcAccumulator
-from ..calibration import DENSE, CalibrationResult
+from ..calibration import CalibrationResult, CountAccumulator, SdcAccumulator
 from ..prefill import RowRule, prefill_attention
+from ..thresholds import DENSE
 
 
 class LayerwiseCalibrator:
@@ -44,7 +43,7 @@ class LayerwiseCalibrator:
         Token count of each sample of the batch (shorter samples are right-padded; their
         padding rows get row id 0 and are not recorded).
     layer_k : list of int
-        The target's k per layer (:data:`~topth_ops.calibration.DENSE` = dense layer).
+        The target's k per layer (:data:`~topth_ops.thresholds.DENSE` = dense layer).
     placement : {"pre_softmax", "post_softmax"}
     selection : {"head", "group"}
     extend_to : int

@@ -2,7 +2,7 @@
 
 One forward pass per calibration sample records, for every target k, placement and
 selection mode at once, the bounded-memory statistics of the estimator: kept-count
-histograms (:class:`topth_ops.calib_count.CountAccumulator`, the default) or algorithm 1's
+histograms (:class:`topth_ops.calibration.count.CountAccumulator`, the default) or algorithm 1's
 per-row-id means (:class:`topth_ops.calibration.ThresholdAccumulator`), through the "topth" attention function's score hook (the chunked prefill path, so no
 attention matrix is ever stored). With top-k at calibration (TAC) the activations depend
 on k, so each target gets its own pass. The offline SDC table is a second pass at the
@@ -18,10 +18,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..calib_count import SELECTIONS, CountAccumulator
-from ..calibration import DENSE, CalibrationResult, SdcAccumulator, ThresholdAccumulator, base_k
-from ..threshold_file import ThresholdSet, attention_config_of
-from ..threshold_format import MAX_ROW_IDS
+from ..calibration import CalibrationResult, CountAccumulator, SdcAccumulator, ThresholdAccumulator
+from ..contract import SELECTIONS
+from ..thresholds import DENSE, MAX_ROW_IDS, ThresholdSet, attention_config_of, base_k
 from .attention import TopthSettings, disable, enable, model_display_name
 
 
@@ -92,7 +91,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     text : CalibrationText
         Samples (token id tensors); each sample is one forward pass.
     targets : sequence of list of int
-        Layer-k maps (see :func:`topth_ops.calibration.parse_layer_k`); with group
+        Layer-k maps (see :func:`topth_ops.thresholds.parse_layer_k`); with group
         selection, k is the number of V rows a GQA group keeps.
     placements : sequence of str
         "pre_softmax" and/or "post_softmax".
@@ -110,7 +109,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         Show tqdm progress bars.
     estimator : {"count", "mean"}
         "count" (default): theta whose mean kept count is k per row-length bucket, with
-        the length model beyond (:mod:`topth_ops.calib_count`); "mean": the
+        the length model beyond (:mod:`topth_ops.calibration.count`); "mean": the
         paper's algorithm 1 (per-row-id mean + alpha * std), no length model.
     selections : sequence of {"head", "group"}
         "head": one threshold per query head; "group": one per KV head, calibrated on the
@@ -118,7 +117,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     extend_to : int, optional
         Estimator "count": table length in row ids (default: 8 x the longest sample,
         capped at the model's context and at MAX_ROW_IDS, at least the longest sample);
-        given: from the longest sample to :data:`~topth_ops.threshold_format.MAX_ROW_IDS`
+        given: from the longest sample to :data:`~topth_ops.thresholds.format.MAX_ROW_IDS`
         (ValueError otherwise).
     layerwise : bool
         Calibrate each layer on the activations of the layers below it, thresholded with

@@ -8,9 +8,22 @@ import os
 import time
 from typing import Optional
 
-from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_context,
-                         check_extend_to, check_layer_k_syntax, check_layerwise, check_output_file, check_sizes,
-                         fail, flat_k, note_short_text, parse_k_list, show_progress)
+from .cli_common import (
+    add_calibration_arguments,
+    add_model_argument,
+    check_alpha,
+    check_context,
+    check_extend_to,
+    check_layer_k_syntax,
+    check_layerwise,
+    check_output_file,
+    check_sizes,
+    fail,
+    flat_k,
+    note_short_text,
+    parse_k_list,
+    show_progress,
+)
 
 PLACEMENT_CHOICES = ("pre_softmax", "post_softmax", "both")
 
@@ -51,7 +64,7 @@ def out_path(template: str, k: Optional[int], placement: str, multi_p: bool, sel
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..calibration import parse_layer_k
+    from ..thresholds import parse_layer_k
     from .model import ModelNotAvailable
 
     try:
@@ -83,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
             for p in placements:
                 for sel in selections:
                     check_output_file(out_path(args.out, k, p, len(placements) > 1, sel, len(selections) > 1), "--out")
-        from ..threshold_file import save_threshold_sets
+        from ..thresholds import save_threshold_sets
+        from .calib_sources import calibration_texts, mixed_samples
         from .calibrate import CalibrationText, calibrate
         from .model import load_model
-        from .calib_sources import calibration_texts, mixed_samples
 
         sources = calibration_texts(args.text)
         if args.samples < len(sources):
@@ -123,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _import(args) -> int:
+    from ..thresholds import import_reference_text
     from .model import load_config
-    from ..threshold_file import import_reference_text
 
     if args.placement == "both":
         return fail("--import-reference needs --placement pre_softmax or post_softmax (th.txt does not record it)")

@@ -179,8 +179,8 @@ def check_sizes(args: argparse.Namespace, minimum: dict) -> None:
 def check_extend_to(args: argparse.Namespace, tokens_flag: str) -> None:
     """Raise ValueError unless ``--extend-to`` (when given) lies between the sample length
     (``tokens_flag``: "--max-tokens" or "--calib-max-tokens", the calibrated row ids) and
-    :data:`~topth_ops.threshold_format.MAX_ROW_IDS` (before the model loads)."""
-    from ..threshold_format import MAX_ROW_IDS
+    :data:`~topth_ops.thresholds.format.MAX_ROW_IDS` (before the model loads)."""
+    from ..thresholds import MAX_ROW_IDS
 
     tokens = getattr(args, tokens_flag[2:].replace("-", "_"))
     if args.extend_to is not None and not tokens <= args.extend_to <= MAX_ROW_IDS:
@@ -212,7 +212,7 @@ def check_context(tokens: int, flag: str, max_context: int) -> None:
 
 def check_layer_k_syntax(spec: Optional[str]) -> None:
     """Check ``--layer-k`` syntax before the model loads (its layer range needs the model)."""
-    from ..calibration import layer_k_overrides
+    from ..thresholds import layer_k_overrides
 
     layer_k_overrides(spec)
 

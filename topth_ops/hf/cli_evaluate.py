@@ -12,10 +12,24 @@ import platform
 import time
 from pathlib import Path
 
-from .cli_common import (add_calibration_arguments, add_model_argument, check_alpha, check_backend,
-                         check_context, check_extend_to, check_layer_k_syntax, check_layerwise, check_output_dir,
-                         check_output_file, check_sizes, fail, flat_k, note_short_text, parse_k_list,
-                         show_progress)
+from .cli_common import (
+    add_calibration_arguments,
+    add_model_argument,
+    check_alpha,
+    check_backend,
+    check_context,
+    check_extend_to,
+    check_layer_k_syntax,
+    check_layerwise,
+    check_output_dir,
+    check_output_file,
+    check_sizes,
+    fail,
+    flat_k,
+    note_short_text,
+    parse_k_list,
+    show_progress,
+)
 
 DEFAULT_KS = "16,32,96"
 
@@ -144,8 +158,7 @@ def _run(args) -> int:
         _check_layerwise_variants(args.variants, args.no_sdc_table)
     from tqdm.auto import tqdm
 
-    from ..calibration import parse_layer_k
-    from ..threshold_file import load_threshold_sets, save_threshold_sets
+    from ..thresholds import load_threshold_sets, parse_layer_k, save_threshold_sets
     from .model import load_model
     from .report import format_table, group_vs_head, make_plots, num, pct
     from .texts import humaneval_problems, stdlib_documents
@@ -197,8 +210,8 @@ def _run(args) -> int:
         selections = sorted({f["selection"] for f in topth}, reverse=True)  # head first
         wanted = {(f["placement"], f["selection"]) for f in topth}  # calibrate computes every pair
         if placements:
-            from .calibrate import CalibrationText, calibrate
             from .calib_sources import calibration_texts, mixed_samples
+            from .calibrate import CalibrationText, calibrate
 
             held = [name for name, _ in long_docs] + problem_ids
             samples, desc = mixed_samples(lm.tokenizer, calibration_texts(args.calib_text, exclude=held),

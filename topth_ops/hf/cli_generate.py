@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         check_backend(args.backend)
-        from ..rowstats import StatsCollector, bucket_edges
-        from ..threshold_file import load_thresholds
+        from ..rowstats import StatsCollector, length_buckets
+        from ..thresholds import load_thresholds
         from .attention import TopthSettings, disable, enable
         from .model import load_model
         from .runner import greedy
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{stats.v_rows_frac(layers=at_k):.3f} ({plural(len(at_k), 'layer')} at k={ts.k}); attention "
                   f"kept {stats.attn_kept_frac():.3f}; k~/k "
                   + (f"{ktk:.3f}" if ktk_rows else "n/a (no decode row longer than its layer's k)"))
-            for lo, hi in bucket_edges(stats.R):
+            for lo, hi in length_buckets(stats.R):
                 r, rows = stats.k_tilde_over_k(layer_k, lo, hi)
                 if rows:
                     print(f"  rows ({lo},{hi}]: k~/k {r:.3f}, V rows {stats.v_rows_frac(lo, hi):.3f}")

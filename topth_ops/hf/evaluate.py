@@ -29,9 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..calibration import DENSE, format_layer_k
-from ..rowstats import StatsCollector, bucket_edges
-from ..threshold_file import ThresholdSet
+from ..rowstats import StatsCollector, length_buckets
+from ..thresholds import ThresholdSet, format_layer_k
 from .attention import TopthSettings, disable, enable
 from .runner import greedy, token_nll
 
@@ -293,7 +292,7 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
     allrows = _merge(*by_text.values())
     calib_max = variant.thresholds.max_calibrated_row_id if variant.thresholds is not None else None
     buckets = {}
-    for lo, hi in bucket_edges(allrows.R):
+    for lo, hi in length_buckets(allrows.R):
         r, rows = allrows.k_tilde_over_k(layer_k, lo, hi)
         if rows:
             parts = {name: c.k_tilde_over_k(layer_k, lo, hi) for name, c in by_text.items()}

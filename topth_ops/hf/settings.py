@@ -10,9 +10,8 @@ from typing import Optional
 
 import torch
 
-from ..calibration import DENSE
 from ..contract import DEFAULT_SDC_GAMMA, PLACEMENTS, SDC_MODES, SELECTIONS
-from ..threshold_file import ThresholdSet, as_index
+from ..thresholds import DENSE, ThresholdSet, as_index
 
 MODES = ("dense", "topth", "topk")
 PREFILL_MODES = ("thresholded", "dense")
@@ -31,13 +30,13 @@ class TopthSettings:
         sets (of one file: same model, placement and selection) make one batch mix
         requests at different k: the op gets 3-D thresholds and a per-sequence
         ``threshold_set`` (op contract v0.2). A ``str`` / ``os.PathLike`` loads every set
-        of the file (:func:`topth_ops.threshold_file.load_threshold_sets`; TypeError for
+        of the file (:func:`topth_ops.thresholds.load_threshold_sets`; TypeError for
         other types).
     threshold_set : int or sequence of int, optional
         With several sets: the set of each request (one int for the whole batch, or one
         per batch row; a batch that ``generate`` expanded for beams or several return
         sequences repeats each entry). Default 0 with one set; required with several.
-        Out of range: :class:`~topth_ops.threshold_file.ThresholdFileError` naming the file;
+        Out of range: :class:`~topth_ops.thresholds.ThresholdFileError` naming the file;
         not an int, a sequence of int or a 1-D integer tensor: TypeError. Stored as a list
         of int.
     selection : {"head", "group"}, optional
@@ -73,7 +72,7 @@ class TopthSettings:
             raise ValueError(f"selection must be one of {SELECTIONS} or None, got {self.selection!r}")
         self.threshold_set = set_choice(self.threshold_set)
         if isinstance(self.thresholds, (str, os.PathLike)):
-            from ..threshold_file import load_threshold_sets
+            from ..thresholds import load_threshold_sets
 
             sets = load_threshold_sets(self.thresholds)
             self.thresholds = sets[0] if len(sets) == 1 else sets
@@ -83,7 +82,7 @@ class TopthSettings:
                                 "path to a threshold file")
             self.thresholds = self.thresholds[0] if len(self.thresholds) == 1 else list(self.thresholds)
         elif self.thresholds is not None and not isinstance(self.thresholds, ThresholdSet):
-            raise TypeError("thresholds must be a ThresholdSet (topth_ops.threshold_file.load_thresholds), a "
+            raise TypeError("thresholds must be a ThresholdSet (topth_ops.thresholds.load_thresholds), a "
                             f"sequence of them, or a path to a threshold file, got {type(self.thresholds).__name__}")
 
     @property
@@ -207,7 +206,7 @@ def check_set_indices(choice, sets) -> Optional[list]:
             raise ValueError(f"{sets[0].name()} holds {len(sets)} threshold sets ({ks}): give threshold_set "
                              "(one index for the batch, or one per request)")
         return None
-    from ..threshold_file import pick_set
+    from ..thresholds import pick_set
 
     for v in vals:
         pick_set(sets, v, sets[0].path or "(unsaved)")

@@ -14,7 +14,7 @@ and users call): a reorder / batch selection / repeat applies the same index to 
 a crop or reset drops them. A decode step then adds only the newly appended row,
 O(head_dim). Whenever the lengths do not continue the sums (first decode step after the
 prompt, a crop, any edit not made through those methods that changes lengths), the sums
-are rebuilt from the valid V rows once (:func:`~topth_ops.hf.cache_view.valid_value_mean`).
+are rebuilt from the valid V rows once (:func:`~topth_ops.vmean.valid_value_mean`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .cache_view import valid_value_mean
+from ..vmean import valid_value_mean
 
 _ATTR = "_topth_value_sums"
 _INDEXED = ("reorder_cache", "batch_select_indices")

@@ -40,9 +40,9 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from .. import decode_attention
 from ..contract import DEFAULT_SDC_GAMMA
-from ..paged import write_kv
+from ..paged import PagedValueSum, write_kv
 from . import stats as stats_mod
-from .paged_ops import PagedValueSum, nhd_views, prefill_dense
+from .paged_ops import nhd_views, prefill_dense
 from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of, rank_kv_rows, rank_rows
 
 logger = logging.getLogger("vllm.topth_ops")

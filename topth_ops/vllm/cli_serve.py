@@ -88,7 +88,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
         the model (the message of the underlying error).
     """
     from ..cli import CliError
-    from ..threshold_file import ThresholdFileError
+    from ..thresholds import ThresholdFileError
     from .settings import ENV, TopthConfigError, from_sources, load_for_model, model_name_of
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ..paged import PagedValueSum  # noqa: F401 (re-exported for the backend)
 
 
 def nhd_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

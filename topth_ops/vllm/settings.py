@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..contract import DEFAULT_SDC_GAMMA, SDC_MODES
-from ..threshold_file import ThresholdFileError, ThresholdSet, attention_config_of, load_thresholds
+from ..thresholds import ThresholdFileError, ThresholdSet, attention_config_of, load_thresholds
 
 MODES = ("topth", "dense")
 CONFIG_KEY = "topth"

@@ -1,5 +1,5 @@
 """Compile the real launches of :func:`decode_attn_fwd` for a GPU architecture, on a
-machine without a GPU: ``python -m topth_ops.cuda_kernels.aot_check [--arch 90]``.
+machine without a GPU: ``python -m topth_ops.bench.triton_compile [--arch 90]``.
 
 The launcher is run with its kernels replaced by recorders (nothing executes); every
 recorded launch is then compiled ahead of time by Triton for ``cuda:<arch>`` (PTX and
@@ -28,9 +28,11 @@ from functools import lru_cache
 
 import torch
 
+from topth_ops.env import interpreter_enabled
+
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int32: "i32", torch.int64: "i64"}
-KERNELS = ("_pre_kernel", "_post_scores_kernel", "_post_select_kernel", "_combine_kernel")
+KERNELS = ("pre_kernel", "post_scores_kernel", "post_select_kernel", "combine_kernel")
 
 
 class _Recorder:
@@ -86,7 +88,7 @@ def record(label, dtype, placement, sdc, vmc, vmean_given, dense, hq, hkv, d, *,
            selection="head", paged=None, sets=0, stats=None, config=None):
     """Run :func:`decode_attn_fwd` with recorders in place of the kernels; returns the
     launches as ``(name, kernel, args, kwargs, grid)``. ``paged`` = (layout, block_size)."""
-    from . import launch as la
+    from topth_ops.backends.triton import launch as la
 
     calls = []
     saved = {name: getattr(la, name) for name in KERNELS}
@@ -282,11 +284,11 @@ def compile_call(name, fn, args, kwargs, arch, *, usage=True):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m topth_ops.cuda_kernels.aot_check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m topth_ops.bench.triton_compile", description=__doc__)
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90 = H100/H200)")
     parser.add_argument("--cases", default="all", help="comma-separated case labels, or all")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreter_enabled():
         print("aot_check: unset TRITON_INTERPRET (the interpreter has no compiler)", file=sys.stderr)
         return 2
     wanted = None if args.cases == "all" else set(args.cases.split(","))

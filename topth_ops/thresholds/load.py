@@ -1,5 +1,5 @@
 """Reading threshold files: format version 2 (several threshold sets, selection, length
-model) and format version 1 (one set, still read). See :mod:`topth_ops.threshold_file` for
+model) and format version 1 (one set, still read). See :mod:`topth_ops.thresholds` for
 the layout; everything here is re-exported there."""
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ..contract import SELECTIONS
+from .format import FORMAT, FORMAT_VERSION, MAX_ROW_IDS, ThresholdFileError, attention_config_of, fingerprint
 from .length_model import FEATURES, LengthModel
-from .threshold_file import ThresholdSet
-from .contract import SELECTIONS
-from .threshold_format import (FORMAT, FORMAT_VERSION, MAX_ROW_IDS, ThresholdFileError, attention_config_of,
-                               fingerprint)
-from .threshold_validate import extend_sdc, extend_table, is_layer_k, validate_set
+from .sets import ThresholdSet
+from .validate import extend_sdc, extend_table, is_layer_k, validate_set
 
 
 def _read(path: Path):

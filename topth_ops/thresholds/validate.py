@@ -3,20 +3,16 @@ its tables beyond the calibrated row ids by the length model."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from .contract import PLACEMENTS, SELECTIONS
+from ..contract import PLACEMENTS, SELECTIONS
+from ..validation import dtype_str
+from .format import ESTIMATORS, MAX_ROW_IDS, ThresholdFileError, describe_config
 from .layer_k import DENSE
 from .length_model import DOMAINS, FEATURES, LengthModel
-from .threshold_format import ESTIMATORS, MAX_ROW_IDS, ThresholdFileError, describe_config
-from .validation import dtype_str
-
-if TYPE_CHECKING:
-    from .threshold_file import ThresholdSet
-
 
 _LOG_F32_MAX = float(np.log(np.finfo(np.float32).max))
 
@@ -103,7 +99,7 @@ def _check_model_values(m: LengthModel, name: str, layer_k, Rc: int, R: int, bad
             f"({Rc + 1}..{R}), got {v[layer, head, c]:.6g} at row id {Rc + 1 + c}")
 
 
-def validate_set(ts: ThresholdSet, *, where: str) -> None:
+def validate_set(ts, *, where: str) -> None:
     """Check a threshold set's fields, tensor dtypes and shapes, and values.
 
     Parameters

@@ -20,7 +20,7 @@ Tensors of set i (``H`` = num_q_heads for selection "head", num_kv_heads for "gr
     the length model of theta (a line in ``length_feature``: log(1 - k / n); -k / n or
     log log(n / k) in files written earlier) and of the SDC table (held constant: slope 0; older
     files a line in log n) beyond the calibrated row ids: anchor row id, anchor value and
-    slope (:class:`topth_ops.length_model.LengthModel`).
+    slope (:class:`topth_ops.thresholds.length_model.LengthModel`).
     When present, loading extends the table to ``extend_to`` row ids with it.
 
 Metadata: ``format`` = "topth-thresholds", ``format_version`` = "2", ``model_name``,
@@ -44,12 +44,12 @@ Writes are atomic (temporary file in the target folder, fsync, rename), so an in
 calibration never leaves a half-written file. Loading checks the format, the metadata,
 every tensor's dtype and shape and the values; :meth:`ThresholdSet.check_model` compares a
 set with a model, naming both on mismatch. The paper reference code's text format is
-imported by :func:`topth_ops.threshold_import.import_reference_text` (re-exported here).
+imported by :func:`topth_ops.thresholds.reference.import_reference_text` (re-exported here).
 
 This module holds :class:`ThresholdSet` and re-exports the rest: format constants and the
-attention config (:mod:`topth_ops.threshold_format`), checks and length-model extension
-(:mod:`topth_ops.threshold_validate`), writing (:mod:`topth_ops.threshold_save`) and
-reading (:mod:`topth_ops.threshold_load`).
+attention config (:mod:`topth_ops.thresholds.format`), checks and length-model extension
+(:mod:`topth_ops.thresholds.validate`), writing (:mod:`topth_ops.thresholds.save`) and
+reading (:mod:`topth_ops.thresholds.load`).
 """
 
 from __future__ import annotations
@@ -62,16 +62,10 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .length_model import LengthModel
+from .format import _CONFIG_KEYS, ThresholdFileError, attention_config_of, describe_config, fingerprint
 from .layer_k import base_k, format_layer_k
-from .threshold_format import (_CONFIG_KEYS, ESTIMATORS, FORMAT, FORMAT_VERSION, ThresholdFileError,
-                               attention_config_of, describe_config, fingerprint)
-from .threshold_save import save_threshold_sets
-from .threshold_validate import extend_table
-
-__all__ = ["ESTIMATORS", "FORMAT", "FORMAT_VERSION", "ThresholdFileError", "ThresholdSet", "as_index",
-           "attention_config_of", "describe_config", "extend_table", "fingerprint", "import_reference_text",
-           "load_threshold_sets", "load_thresholds", "pick_set", "save_threshold_sets", "stack_sets"]
+from .length_model import LengthModel
+from .save import save_threshold_sets
 
 
 @dataclass(eq=False)  # compared by identity: tensor fields have no truth value
@@ -88,7 +82,7 @@ class ThresholdSet:
         each value over the calibrated row ids. Columns beyond R_cal come from
         ``length_model``.
     layer_k : list of int
-        k per layer, 0 (:data:`topth_ops.calibration.DENSE`) for a dense layer; with
+        k per layer, 0 (:data:`topth_ops.thresholds.DENSE`) for a dense layer; with
         selection "group" the number of V rows a group keeps.
     placement : str
         "pre_softmax" (thresholds are logits) or "post_softmax" (probabilities).
@@ -102,7 +96,7 @@ class ThresholdSet:
     selection : {"head", "group"}
     estimator : {"mean", "count"}
         "mean": algorithm 1 (mean + alpha * std of per-row (k+1)-th values); "count":
-        mean kept count k per row-length bucket (:mod:`topth_ops.calib_count`).
+        mean kept count k per row-length bucket (:mod:`topth_ops.calibration.count`).
     length_model, sdc_length_model : LengthModel or None
         theta (SDC table) as a function of the row id beyond the calibrated row ids.
     calibration_text, calibration_samples, calibration_tokens, topk_at_calibration, layerwise,
@@ -302,21 +296,3 @@ def stack_sets(sets: Sequence[ThresholdSet], layer: int, name: str = "thresholds
             x = torch.cat([x, x[:, -1:].expand(x.shape[0], R - x.shape[-1])], dim=-1)
         rows.append(x)
     return torch.stack(rows)
-
-
-def import_reference_text(*args, **kwargs):
-    """See :func:`topth_ops.threshold_import.import_reference_text` (kept here for
-    compatibility)."""
-    from .threshold_import import import_reference_text as f
-
-    return f(*args, **kwargs)
-
-
-def __getattr__(name):
-    """The readers (format 1 and 2) live in threshold_load.py (which uses this module);
-    re-exported lazily so that either module can be imported first."""
-    if name in ("as_index", "load_threshold_sets", "load_thresholds", "pick_set"):
-        from . import threshold_load
-
-        return getattr(threshold_load, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Used twice: at run time by the launcher, to choose the split count from the compiled
 kernel's registers and shared memory and the device's SM count (so that the grid fills
 the resident slots in one wave); and by the static performance report
-(:mod:`topth_ops.cuda_kernels.report`), which applies the same formulas to kernels compiled
+(:mod:`topth_ops.bench.compile_report`), which applies the same formulas to kernels compiled
 ahead of time for sm_90.
 
 Formulas: the CUDA occupancy calculator (CUDA C Programming Guide, "Occupancy" and the

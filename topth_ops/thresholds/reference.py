@@ -17,9 +17,11 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from .calibration import DENSE, PLACEMENTS, _dense_rows, fill_unsampled
-from .threshold_file import ThresholdFileError, ThresholdSet, attention_config_of, describe_config
-
+from ..contract import PLACEMENTS
+from .format import ThresholdFileError, attention_config_of, describe_config
+from .layer_k import DENSE
+from .sets import ThresholdSet
+from .tables import dense_rows, fill_unsampled
 
 _TH_LINE = re.compile(r"^L(\d+)_H(\d+):(\d+)$")
 
@@ -140,7 +142,7 @@ def import_reference_text(th_path: Union[str, os.PathLike], sdc_path: Optional[U
                 f"{vals.max():.4g}), which cannot be post_softmax probabilities: were they calibrated "
                 "on logits? then use placement pre_softmax")
     theta = fill_unsampled(np.where(present, theta, 0.0), present.astype(np.int64))
-    theta = _dense_rows(theta, layer_k, -np.inf)
+    theta = dense_rows(theta, layer_k, -np.inf)
     sdc_table = None
     if sdc is not None:
         table = np.zeros((L, H, R))
@@ -151,7 +153,7 @@ def import_reference_text(th_path: Union[str, os.PathLike], sdc_path: Optional[U
             table[l, h, s - 1] = value
             sdc_present[l, h, s - 1] = True
         table = fill_unsampled(table, sdc_present.astype(np.int64))
-        table = _dense_rows(table, layer_k, 0.0)
+        table = dense_rows(table, layer_k, 0.0)
         sdc_table = torch.from_numpy(table.astype(np.float32))
     return ThresholdSet(
         thresholds=torch.from_numpy(theta.astype(np.float32)),

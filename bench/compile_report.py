@@ -1,5 +1,5 @@
 """Static performance report of the Triton kernels, without a GPU:
-``python -m topth_ops.cuda_kernels.report`` (also ``topth-ops bench --compile-report``).
+``python -m topth_ops.bench.compile_report`` (also ``topth-ops bench --compile-report``).
 
 Every production variant of the kernels is compiled for sm_90 exactly as the JIT would
 (:mod:`.aot_check`); the report gives per kernel the registers and spills (ptxas), shared
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from . import occupancy
+from topth_ops.env import interpreter_enabled
+
+from topth_ops.backends.triton import occupancy
 
 # Registers per thread allowed per warps-per-CTA. 4 warps: 168 keeps 3 CTAs (12 warps,
 # three independent K pipelines) resident per SM; with 4 stages of 8 KiB K tiles that is
@@ -54,7 +55,7 @@ class Variant:
     extra: dict = field(default_factory=dict)
 
     def record(self):
-        from .aot_check import record
+        from .triton_compile import record
 
         return record(self.label, self.dtype, self.placement, self.sdc, self.vmc, self.vmean, self.dense,
                       self.hq, self.hkv, self.d, selection=self.selection, paged=self.paged, sets=self.sets,
@@ -82,7 +83,7 @@ VARIANTS = [
 
 def compile_variants(variants=VARIANTS, arch: int = 90) -> list[dict]:
     """Compile every kernel of every variant; one row per (variant, kernel)."""
-    from .aot_check import compile_call
+    from .triton_compile import compile_call
 
     rows, cache = [], {}
     for var in variants:
@@ -100,9 +101,9 @@ def compile_variants(variants=VARIANTS, arch: int = 90) -> list[dict]:
 def h200_waves(arch: int = 90, num_sms: int = occupancy.H200_SMS) -> list[dict]:
     """For each case of the bench ``h200`` set: the split count the launcher derives from
     the compiled kernels' occupancy, programs vs resident slots, waves."""
-    from topth_ops.bench.cases import CASE_SETS
+    from .cases import CASE_SETS
 
-    from .launch import MAX_SPLITS
+    from topth_ops.backends.triton.launch import MAX_SPLITS
 
     out, seen = [], {}
     for case in CASE_SETS["h200"]:
@@ -112,11 +113,11 @@ def h200_waves(arch: int = 90, num_sms: int = occupancy.H200_SMS) -> list[dict]:
         key = (var.placement, var.hq, var.hkv, var.d, var.dtype, paged)
         if key not in seen:
             rows = compile_variants([var], arch)
-            main = [r for r in rows if r["kernel"] != "_combine_kernel"]
+            main = [r for r in rows if r["kernel"] != "combine_kernel"]
             seen[key] = (min(r["ctas_per_sm"] for r in main), main[0]["num_warps"])
         ctas, _warps = seen[key]
         groups = case.batch * case.num_kv_heads
-        from .launch import gpu_tiles
+        from topth_ops.backends.triton.launch import gpu_tiles
 
         block_n, _ = gpu_tiles(case.head_dim, case.num_q_heads // case.num_kv_heads,
                                torch.tensor([], dtype=case.torch_dtype).element_size(), case.placement)
@@ -135,7 +136,7 @@ SMs at 1.755 GHz: about 59. An estimate to compare instruction issue with, not a
 
 def issue_cycles_per_kib(row: dict):
     """Issue cycles per KiB of K tile of a main kernel's tile loop (None elsewhere)."""
-    if row["kernel"] not in ("_pre_kernel", "_post_scores_kernel") or not row.get("tile_kib") or not row["loop_instrs"]:
+    if row["kernel"] not in ("pre_kernel", "post_scores_kernel") or not row.get("tile_kib") or not row["loop_instrs"]:
         return None
     return round(row["loop_instrs"] * row["num_warps"] / 4 / row["tile_kib"])
 
@@ -152,13 +153,13 @@ def gates(rows: list[dict], waves: list[dict]) -> list[tuple[str, bool, str]]:
                                                                  else ", no spill at all")))
     over = [f"{r['variant']}/{r['kernel']}: {r['regs']} > {REG_BUDGET.get(r['num_warps'], 255)} "
             f"({r['num_warps']} warps)" for r in rows
-            if r["kernel"] != "_combine_kernel" and r["regs"] > REG_BUDGET.get(r["num_warps"], 255)]
+            if r["kernel"] != "combine_kernel" and r["regs"] > REG_BUDGET.get(r["num_warps"], 255)]
     out.append(("registers within budget " + str(REG_BUDGET), not over, "; ".join(over) or "all"))
     second = [f"{w['case']}: {w['programs']} programs, {w['slots']} slots" for w in waves if w["waves"] != 1]
     out.append(("one wave for every h200 case", not second, "; ".join(second) or f"{len(waves)} cases"))
     unpred = []
     for r in rows:
-        if r["kernel"] in ("_pre_kernel", "_post_select_kernel") and "dense" not in r["variant"]:
+        if r["kernel"] in ("pre_kernel", "post_select_kernel") and "dense" not in r["variant"]:
             kinds = r["loads"]["V"]
             if not kinds or any("predicated" not in k for k in kinds):
                 unpred.append(f"{r['variant']}/{r['kernel']}: {kinds}")
@@ -196,11 +197,11 @@ def format_report(rows, waves, checks) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m topth_ops.cuda_kernels.report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m topth_ops.bench.compile_report", description=__doc__)
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--json", default=None, help="also write the rows, waves and gates as JSON here")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreter_enabled():
         print("report: unset TRITON_INTERPRET (the interpreter has no compiler)", file=sys.stderr)
         return 2
     rows = compile_variants(VARIANTS, args.arch)

@@ -20,8 +20,8 @@ recorded from the same forward passes (one ``topk`` per row chunk), which is the
 bounded-memory form of the paper's multi-k calibration (appendix D).
 
 The offline SDC table (section 3.2.1) is a second pass over the calibration text,
-:class:`topth_ops.calib_sdc.SdcAccumulator` (re-exported here); the layer-k maps live in
-:mod:`topth_ops.layer_k` (re-exported here).
+:class:`topth_ops.calibration.sdc.SdcAccumulator` (re-exported here); the layer-k maps live in
+:mod:`topth_ops.thresholds.layer_k` (re-exported here).
 
 This module has no dependency on transformers: the model integration feeds it scores.
 """
@@ -35,93 +35,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .contract import PLACEMENTS
-from .layer_k import DENSE, LayerK, base_k, format_layer_k, layer_k_overrides, parse_layer_k
-
-__all__ = ["DENSE", "PLACEMENTS", "CalibrationResult", "LayerK", "SdcAccumulator", "ThresholdAccumulator",
-           "base_k", "fill_unsampled", "format_layer_k", "layer_k_overrides", "no_long_rows_error", "parse_layer_k",
-           "row_log_z", "row_max"]
-
-
-def row_max(scores: torch.Tensor) -> torch.Tensor:
-    """Row maximum m ``[..., 1]`` of logits ``[..., S]`` (-inf at invalid keys); 0 for rows
-    without a finite value, so that ``exp(a - m)`` stays defined."""
-    m = scores.amax(-1, keepdim=True)
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-
-
-def row_log_z(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row maximum m and log sum_j exp(a_j - m), both ``[..., 1]``, of logits ``[..., S]``
-    (-inf at invalid keys): the log-softmax of a row is ``a - m - log_z``."""
-    m = row_max(scores)
-    return m, torch.log(torch.exp(scores - m).sum(-1, keepdim=True))
-
-
-def to_host(*tensors: Optional[torch.Tensor]) -> tuple:
-    """The tensors on the CPU (None stays None): the calibration accumulators keep their
-    histograms, sums and tables in host memory, so what they record from a GPU or NPU
-    forward pass (the recorded rows, or a row's top values) is copied over instead of
-    mixing devices in index operations.
-
-    Parameters
-    ----------
-    *tensors : torch.Tensor or None
-        Any shape and dtype, on any device.
-
-    Returns
-    -------
-    tuple
-        The same number of entries: detached CPU tensors (same shape and dtype; sharing
-        storage with the input when it is already on the CPU), None where None was given.
-    """
-    return tuple(None if t is None else t.detach().cpu() for t in tensors)
-
-
-def no_long_rows_error(k: int, layer: int) -> ValueError:
-    """The error of a thresholded layer without a calibration row longer than its k."""
-    return ValueError(
-        f"no calibration row longer than k={k} in layer {layer} (k per layer comes "
-        f"from k and the --layer-k overrides): use longer calibration samples, a "
-        f"smaller k, or another --layer-k (e.g. {layer}:dense)"
-    )
-
-
-def fill_unsampled(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Fill row ids without samples from the nearest sampled row id.
-
-    Parameters
-    ----------
-    values : numpy.ndarray
-        ``[..., R]``, column c holds row id c + 1.
-    counts : numpy.ndarray
-        ``[..., R]`` sample counts (integers); 0 marks an unsampled row id.
-
-    Returns
-    -------
-    numpy.ndarray
-        Copy of ``values`` where every unsampled column takes the value of the nearest
-        sampled column of the same leading index (ties: the smaller row id; before the
-        first sampled row id the first, after the last the last). Vectors with no sample
-        at all are returned unchanged.
-    """
-    out = np.array(values, copy=True)
-    R = out.shape[-1]
-    flat_v = out.reshape(-1, R)
-    flat_c = np.asarray(counts).reshape(-1, R)
-    cols = np.arange(R)
-    for i in range(flat_v.shape[0]):
-        sampled = np.flatnonzero(flat_c[i] > 0)
-        if sampled.size == 0 or sampled.size == R:
-            continue
-        right = np.searchsorted(sampled, cols, side="left")  # first sampled >= col
-        right_c = np.clip(right, 0, sampled.size - 1)
-        left_c = np.clip(right - 1, 0, sampled.size - 1)
-        r_pos, l_pos = sampled[right_c], sampled[left_c]
-        d_right = np.where(r_pos >= cols, r_pos - cols, np.iinfo(np.int64).max)
-        d_left = np.where(l_pos <= cols, cols - l_pos, np.iinfo(np.int64).max)
-        src = np.where(d_left <= d_right, l_pos, r_pos)  # ties -> the smaller row id
-        flat_v[i] = flat_v[i][src]
-    return out
+from ..contract import PLACEMENTS
+from ..thresholds.layer_k import DENSE, LayerK
+from ..thresholds.tables import dense_rows, fill_unsampled
+from .rows import no_long_rows_error, row_log_z, to_host
 
 
 class _Welford:
@@ -169,8 +86,8 @@ class CalibrationResult:
     selection : {"head", "group"}
         With "group", thresholds are ``[num_layers, num_kv_heads, max_row_id]``.
     estimator : {"mean", "count"}
-        Algorithm 1 (this module) or kept-count (:mod:`topth_ops.calib_count`).
-    length_model, sdc_length_model : topth_ops.length_model.LengthModel or None
+        Algorithm 1 (this module) or kept-count (:mod:`topth_ops.calibration.count`).
+    length_model, sdc_length_model : topth_ops.thresholds.length_model.LengthModel or None
         Where the table continues beyond the calibrated row ids (``counts.shape[-1]``).
     """
 
@@ -320,7 +237,7 @@ class ThresholdAccumulator:
                 f"(mean + alpha * std < 0); use a smaller |alpha| (--alpha), or alpha >= 0"
             )
         theta = fill_unsampled(theta, cnt[..., :R])
-        theta = _dense_rows(theta, layer_k, -np.inf)
+        theta = dense_rows(theta, layer_k, -np.inf)
         return CalibrationResult(
             thresholds=torch.from_numpy(theta.astype(np.float32)),
             counts=torch.from_numpy(cnt[..., :R].astype(np.int64)),
@@ -328,25 +245,3 @@ class ThresholdAccumulator:
             placement=placement,
             alpha=float(alpha),
         )
-
-
-def _dense_rows(values: np.ndarray, layer_k: Sequence[int], fill: float) -> np.ndarray:
-    """Set columns of row ids n <= k (and whole dense layers) to ``fill``."""
-    out = np.array(values, copy=True)
-    R = out.shape[-1]
-    for layer, k in enumerate(layer_k):
-        if k == DENSE:
-            out[layer] = fill
-        else:
-            out[layer, :, : min(k, R)] = fill
-    return out
-
-
-def __getattr__(name):
-    """The second pass lives in calib_sdc.py (which uses this module); re-exported lazily
-    so that either module can be imported first."""
-    if name == "SdcAccumulator":
-        from .calib_sdc import SdcAccumulator
-
-        return SdcAccumulator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

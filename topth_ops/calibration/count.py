@@ -57,14 +57,17 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .calibration import DENSE, LayerK, no_long_rows_error, row_log_z, to_host
-from .contract import PLACEMENTS, SELECTIONS
-from .length_model import (DEFAULT_FIT_OCTAVES, DOMAINS, FEATURES, MIN_FIT_POINTS, THRESHOLD_FEATURE, LengthModel,
-                           constant_table_model, fit_length_model, from_domain, to_domain)
-
-__all__ = ["DEFAULT_BINS", "DEFAULT_BUCKETS_PER_OCTAVE", "DEFAULT_FIT_OCTAVES", "DEFAULT_ROWS_PER_OCTAVE", "DOMAINS",
-           "FEATURES", "LOG_PROB_FLOOR", "MIN_FIT_POINTS", "SELECTIONS", "CountAccumulator", "LengthModel",
-           "bucket_edges", "constant_table_model", "fit_length_model", "from_domain", "to_domain"]
+from ..contract import PLACEMENTS, SELECTIONS
+from ..thresholds.layer_k import DENSE, LayerK
+from ..thresholds.length_model import (
+    DEFAULT_FIT_OCTAVES,
+    DOMAINS,
+    THRESHOLD_FEATURE,
+    LengthModel,
+    fit_length_model,
+    from_domain,
+)
+from .rows import no_long_rows_error, row_log_z, to_host
 
 DEFAULT_BINS = 512
 DEFAULT_BUCKETS_PER_OCTAVE = 4
@@ -308,7 +311,7 @@ class CountAccumulator:
         ----------
         placement, selection : str
         layer_k : list of int
-            k per layer (:data:`~topth_ops.calibration.DENSE` = dense layer).
+            k per layer (:data:`~topth_ops.thresholds.DENSE` = dense layer).
         extend_to : int, optional
             Table length (row ids); default the longest calibration row. Row ids beyond
             the last bucket centre follow the length model.

@@ -17,9 +17,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .calibration import CalibrationResult, _dense_rows, fill_unsampled, row_max, to_host
-from .layer_k import DENSE
-from .length_model import constant_table_model
+from ..thresholds.layer_k import DENSE
+from ..thresholds.length_model import constant_table_model
+from ..thresholds.tables import dense_rows, fill_unsampled
+from .mean import CalibrationResult
+from .rows import row_max, to_host
 
 
 class SdcAccumulator:
@@ -44,7 +46,7 @@ class SdcAccumulator:
     (``counts.shape[-1]``); rows n <= k hold 0; unsampled row ids take the nearest
     sampled one. When a result has a length model (its table extends beyond the
     calibrated row ids), the SDC table is continued too: its mean over the last calibrated
-    octave, held constant (:func:`topth_ops.length_model.constant_table_model`).
+    octave, held constant (:func:`topth_ops.thresholds.length_model.constant_table_model`).
     """
 
     def __init__(self, results: Sequence[CalibrationResult], num_q_heads: Optional[int] = None):
@@ -119,7 +121,7 @@ class SdcAccumulator:
             cnt = counts.numpy()
             mean = sums.numpy() / np.maximum(cnt, 1)
             table = fill_unsampled(mean, cnt)
-            table = _dense_rows(table, r.layer_k, 0.0).astype(np.float32)
+            table = dense_rows(table, r.layer_k, 0.0).astype(np.float32)
             R, Rc = r.thresholds.shape[-1], table.shape[-1]
             if R > Rc:
                 model = constant_table_model(table.astype(np.float64), cnt, r.layer_k)

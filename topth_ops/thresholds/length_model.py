@@ -1,13 +1,13 @@
 """Length models: theta (or the offline SDC table) as a function of the row id beyond the
 calibrated row ids, a line in a feature of n.
 
-Kept-count calibration (:mod:`topth_ops.calib_count`) fits one per (layer, head) by
+Kept-count calibration (:mod:`topth_ops.calibration.count`) fits one per (layer, head) by
 weighted least squares on its bucket values in log(1 - k / n) (:func:`fit_length_model`;
 earlier files used log log(n / k) or -k / n and still load with their own law); the offline SDC
 table is held constant, slope 0 (:func:`constant_table_model`; older files hold a line in
-log n, which still loads). Threshold files store them (:mod:`topth_ops.threshold_file`)
+log n, which still loads). Threshold files store them (:mod:`topth_ops.thresholds`)
 and extend their tables with them when loaded. Why these laws: see
-:mod:`topth_ops.calib_count`, :func:`constant_table_model` and docs/model.md.
+:mod:`topth_ops.calibration.count`, :func:`constant_table_model` and docs/model.md.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def constant_table_model(table: np.ndarray, counts: np.ndarray, layer_k, octaves
     table, counts : numpy.ndarray
         ``[L, H, R]`` values and samples per row id (column c = row id c + 1).
     layer_k : sequence of int
-        k per layer (:data:`~topth_ops.layer_k.DENSE` layers get NaN: extended as 0).
+        k per layer (:data:`~topth_ops.thresholds.layer_k.DENSE` layers get NaN: extended as 0).
     octaves : float
         Width of the averaging window below the last sampled row id, in octaves.
 

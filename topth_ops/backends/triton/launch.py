@@ -12,19 +12,17 @@ from typing import Optional
 
 import torch
 
-from topth_ops.backends.triton_backend import interpreter_enabled  # one parser of TRITON_INTERPRET
-from topth_ops.validation import cache_dims, cache_strides
-
+from ...codes import MAX_POSITIONS, Sdc
+from ...cuda_kernels.attn_post import post_scores_kernel, post_select_kernel
+from ...cuda_kernels.attn_pre import pre_kernel
+from ...cuda_kernels.combine import combine_kernel
+from ...env import interpreter_enabled
+from ...validation import cache_dims, cache_strides
 from . import occupancy
-from .attn_post import _post_scores_kernel, _post_select_kernel
-from .attn_pre import _pre_kernel
-from .combine import _combine_kernel
 
 logger = logging.getLogger("topth_ops")
 
-_SDC_CODES = {"none": 0, "exact": 1, "exp_threshold": 2, "offline": 3}
 MAX_SPLITS = 64
-MAX_POSITIONS = 2**31 - 4096  # positions are int32 in the kernels
 
 
 @dataclass(frozen=True)
@@ -96,7 +94,7 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int,
                       num_sms: int, ctas_per_sm: int = 2) -> int:
     """Split count: one full wave of ``num_sms x ctas_per_sm`` slots (see
-    :func:`topth_ops.cuda_kernels.occupancy.choose_splits`)."""
+    :func:`topth_ops.backends.triton.occupancy.choose_splits`)."""
     return occupancy.choose_splits(batch * num_kv_heads, max_seq_len, block_n, num_sms, ctas_per_sm,
                                    max_splits=MAX_SPLITS)
 
@@ -302,8 +300,8 @@ def decode_attn_fwd(
         kw = dict(flags, DENSE=bool(dense), COUNT=count, UNION=union, COMPUTE_MEAN=compute_mean,
                   TILE_SKIP=bool(cfg.tile_skip) and not dense, V_EARLY=bool(dense or compute_mean))
         if run:
-            _pre_kernel[(B * Hkv, ns)](*args, **kw)
-        return [(_pre_kernel, args, kw)]
+            pre_kernel[(B * Hkv, ns)](*args, **kw)
+        return [(pre_kernel, args, kw)]
 
     def post_launch(ns, P, run=True):
         cap = cfg.post_capacity or post_capacity(chunk_of(ns), cfg.block_n)
@@ -324,9 +322,9 @@ def decode_attn_fwd(
               P["VROWS"], c_pos, c_s, c_cnt, *common_args(ns), cap)
         k2 = dict(flags, COUNT=count, UNION=union, GATHER_PAGING=gather_paging)
         if run:
-            _post_scores_kernel[(B * Hkv, ns)](*a1, **k1)
-            _post_select_kernel[(B * Hkv, ns)](*a2, **k2)
-        return [(_post_scores_kernel, a1, k1), (_post_select_kernel, a2, k2)]
+            post_scores_kernel[(B * Hkv, ns)](*a1, **k1)
+            post_select_kernel[(B * Hkv, ns)](*a2, **k2)
+        return [(post_scores_kernel, a1, k1), (post_select_kernel, a2, k2)]
 
     launch = post_launch if post else pre_launch
     ns = int(cfg.num_splits)
@@ -344,13 +342,13 @@ def decode_attn_fwd(
     else:
         st_kept = st_vrows = st_dropped = P["M"].view(1, -1)
     vmean = value_mean if value_mean is not None else P["M"].view(1, 1, -1)
-    _combine_kernel[(B * Hkv,)](
+    combine_kernel[(B * Hkv,)](
         seq_lens, th, tset, tab, vmean, out, st_kept, st_vrows, st_dropped,
         P["M"], P["L"], P["R"], P["CNT"], P["ACC"], P["VROWS"], P["VSUM"],
         seq_lens.stride(0), tset.stride(0), *th_strides, *tab_strides,
         *vmean.stride(), *out.stride(), *st_kept.stride(), *st_dropped.stride(), *st_vrows.stride(),
         Hkv, S, max_row_id, num_sets, ns, float(sdc_gamma),
-        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, POST=post, DENSE=bool(dense), SDC=_SDC_CODES[sdc], VMC=bool(vmc),
+        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, POST=post, DENSE=bool(dense), SDC=int(Sdc.of(sdc)), VMC=bool(vmc),
         COMPUTE_MEAN=compute_mean, STATS=stats is not None, GROUP=group, HAS_SETS=has_sets,
         COUNT=count, UNION=union, num_warps=8 if G_PAD >= 64 else 4,
     )

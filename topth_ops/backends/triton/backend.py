@@ -9,23 +9,17 @@ module level: ``import topth_ops`` works without it.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from typing import Optional
 
 import torch
 
-from ..contract import DecodeInputs, DecodeStats, _dtype
-from ..registry import Backend
+from ...codes import MAX_POSITIONS
+from ...contract import DecodeInputs, DecodeStats, _dtype
+from ...env import interpreter_enabled
+from ...registry import Backend
 
 HEAD_DIMS = tuple(range(16, 257, 16))  # every multiple of 16 up to 256 (FlashAttention's set)
-MAX_POSITIONS = 2**31 - 4096  # positions are int32 inside the kernels
-
-
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter: ``TRITON_INTERPRET`` read now and
-    parsed as Triton 3.6 parses boolean knobs (``1``, ``true``, ``on``, ``yes``, any case)."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 
 
 class TritonBackend(Backend):
@@ -49,7 +43,7 @@ class TritonBackend(Backend):
             return ["triton is not installed (pip install 'topth-ops[triton]')"]
         if interpreter_enabled():
             mod = sys.modules.get("topth_ops.cuda_kernels.attn_pre")
-            if mod is not None and type(mod._pre_kernel).__name__ != "InterpretedFunction":
+            if mod is not None and type(mod.pre_kernel).__name__ != "InterpretedFunction":
                 return ["TRITON_INTERPRET=1 was set after topth_ops.cuda_kernels was imported "
                         "(set it before the first Triton call)"]
             return []
@@ -92,7 +86,7 @@ class TritonBackend(Backend):
     def forward(self, inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> None:
         """Launch the kernels; every tensor (small ones included) is read and written through
         its strides, unchecked values are clamped on the device (contract v0.2)."""
-        from ..cuda_kernels import decode_attn_fwd
+        from .launch import decode_attn_fwd
 
         decode_attn_fwd(
             inputs.query, inputs.key_cache, inputs.value_cache, inputs.seq_lens, inputs.thresholds,

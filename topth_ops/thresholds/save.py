@@ -1,5 +1,5 @@
 """Writing threshold files (format version 2, atomically). Layout:
-:mod:`topth_ops.threshold_file`."""
+:mod:`topth_ops.thresholds`."""
 
 from __future__ import annotations
 
@@ -7,17 +7,14 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 import torch
 
+from .format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, describe_config
 from .length_model import LengthModel
-from .threshold_format import FORMAT, FORMAT_VERSION, ThresholdFileError, attention_config_of, describe_config
-from .threshold_validate import validate_set
-
-if TYPE_CHECKING:
-    from .threshold_file import ThresholdSet
+from .validate import validate_set
 
 
 def _model_tensor(m: LengthModel) -> torch.Tensor:
@@ -30,7 +27,7 @@ def _umask() -> int:
     return mask
 
 
-def save_threshold_sets(path: Union[str, os.PathLike], sets: Sequence[ThresholdSet]) -> Path:
+def save_threshold_sets(path: Union[str, os.PathLike], sets: Sequence) -> Path:
     """Validate and write threshold sets to one file atomically (temporary file + fsync +
     rename).
 
@@ -59,7 +56,7 @@ def save_threshold_sets(path: Union[str, os.PathLike], sets: Sequence[ThresholdS
     """
     from safetensors.torch import save_file
 
-    from . import __version__
+    from .. import __version__
 
     sets = list(sets)
     if not sets:

@@ -1,5 +1,5 @@
 """Threshold file format: constants, the error type, and the attention shape a file is
-made for (config, fingerprint, description). Layout: :mod:`topth_ops.threshold_file`."""
+made for (config, fingerprint, description). Layout: :mod:`topth_ops.thresholds`."""
 
 from __future__ import annotations
 
