@@ -146,7 +146,8 @@ def cpu_target() -> dict:
         variable and the expected values.
     """
     t = dict(A2_TARGET)
-    t["path"] = env_choice(PATH_ENV, PATHS, default=t["path"])
+    if os.environ.get(PATH_ENV, "").strip():
+        t["path"] = env_choice(PATH_ENV, PATHS)
     for env, key, lo, hi, what in CPU_KNOBS:
         v = env_int(env, lo, hi, what)
         if v is None:
