@@ -107,11 +107,12 @@ def run(args: argparse.Namespace) -> int:
     from topth_ops.cli import CliError
 
     from .cases import CASE_SETS
-    from .harness import (DENSE_VARIANTS, FAILED_STATUSES, BackendVariant, check_targets, device_name,
-                          fill_speedups, format_bytes_table, format_table, plot, resolve_device, run_cases,
-                          timing_method, write_csv)
-
     from .cpu_cases import CPU_SHAPE_SETS
+    from .harness import fill_speedups, run_cases
+    from .report import check_targets, format_bytes_table, format_table, plot, write_csv
+    from .rows import FAILED_STATUSES
+    from .timing import device_name, resolve_device, timing_method
+    from .variants import DENSE_VARIANTS, BackendVariant
 
     if args.reps is not None and args.reps < 1:
         raise CliError(f"--reps must be >= 1, got {args.reps}")

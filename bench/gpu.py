@@ -1,5 +1,6 @@
-"""CUDA-only parts of the benchmark: CUDA-graph timing, the compiled kernels' registers and
-spills as the driver reports them, and DRAM bytes read under Nsight Compute.
+"""CUDA-only parts of the benchmark: the compiled kernels' registers and spills as the driver
+reports them, and DRAM bytes read under Nsight Compute (CUDA-graph timing is
+:func:`topth_ops.bench.timing.time_cuda_graph`).
 
 ``python -m topth_ops.bench.gpu resources``  registers / spills / shared memory of every
     Triton kernel variant the h200 target cases compile (run after the benchmark, or it
@@ -20,35 +21,8 @@ import io
 import shutil
 import subprocess
 import sys
-from typing import Callable
 
 import torch
-
-
-def time_cuda_graph(fn: Callable[[], None], *, budget_ms: float) -> tuple[float, str]:
-    """Median time of ``fn`` replayed from a CUDA graph (``triton.testing.do_bench``, L2
-    flushed), in ms, and "" ; or (nan, reason) when ``fn`` cannot be captured."""
-    import triton.testing
-
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm: compile, allocate, cache occupancy outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench(graph.replay, warmup=max(5.0, budget_ms / 4), rep=budget_ms,
-                                     return_mode="median")
-        return float(ms), ""
-    except Exception as e:  # noqa: BLE001 - report it in the row, keep the plain timing
-        torch.cuda.synchronize()
-        return float("nan"), f"{type(e).__name__}: {e}"[:160]
 
 
 def _case(name: str):
@@ -62,7 +36,7 @@ def _case(name: str):
 
 
 def _variant(name: str):
-    from .harness import DENSE_VARIANTS, BackendVariant
+    from .variants import DENSE_VARIANTS, BackendVariant
 
     for cls in DENSE_VARIANTS:
         if cls.name == name:
@@ -75,8 +49,8 @@ def resources(case_names=("h200-pre-f0.1", "h200-post-f0.1", "h200-pre-f0.1-page
     compiled variant of the Triton kernels with the driver's register and spill counts."""
     from topth_ops.cuda_kernels import attn_post, attn_pre, combine
 
-    from .harness import TritonDenseVariant
     from .synth import make_case_inputs
+    from .variants import TritonDenseVariant
 
     dev = torch.device("cuda")
     for name in case_names:
@@ -130,8 +104,9 @@ def _ncu_bytes(case: str, variant: str) -> float:
 
 def ncu_report(cases=("h200-pre-f0.1", "h200-pre-f1"), variants=("triton", "triton-dense", "flashinfer",
                                                                   "flashinfer-tc", "flash-attn", "sdpa")) -> list[dict]:
-    from .harness import must_move_bytes, reference_for
+    from .harness import reference_for
     from .synth import make_case_inputs
+    from .traffic import must_move_bytes
 
     rows = []
     for case in cases:

@@ -90,7 +90,8 @@ fi
 
 # 5. correctness on the GPU last, bf16 included (the interpreter cannot run bf16): the
 #    conformance suite on its quick shape set plus the Triton kernel tests, time permitting.
-TESTS=(tests/test_triton_kernels.py tests/test_triton_v02.py tests/test_triton_inputs.py)
+TESTS=(tests/backends/triton/test_triton_kernels.py tests/backends/triton/test_triton_v02.py
+       tests/backends/triton/test_triton_inputs.py)
 [ -d tests/conformance ] && TESTS=(tests/conformance "${TESTS[@]}")
 t=$(left)
 if "$PY" -c "import pytest" 2>/dev/null && [ "$t" -gt 20 ]; then
@@ -105,8 +106,8 @@ else
 fi
 # 6. calibration accumulators fed from CUDA tensors (a few seconds)
 if "$PY" -c "import pytest" 2>/dev/null && [ "$(left)" -gt 10 ]; then
-    echo "== [6] pytest tests/test_calibration_device.py"
-    timeout -s INT "$(left)" "$PY" -m pytest -q -p no:cacheprovider tests/test_calibration_device.py 2>&1 \
+    echo "== [6] pytest tests/calibration/test_calibration_device.py"
+    timeout -s INT "$(left)" "$PY" -m pytest -q -p no:cacheprovider tests/calibration/test_calibration_device.py 2>&1 \
         | tee "$RESULTS_DIR/pytest_calibration_device.txt" | tail -5
     [ "${PIPESTATUS[0]}" -eq 1 ] && status=1
 fi

@@ -28,7 +28,7 @@ any difference makes the row ``wrong-bytes`` (see :func:`check_bytes`).
 Modules by role: :mod:`~topth_ops.bench.rows` (the CSV row), :mod:`~topth_ops.bench.variants`
 (what runs), :mod:`~topth_ops.bench.timing` (timers, devices), :mod:`~topth_ops.bench.traffic`
 (bytes), :mod:`~topth_ops.bench.report` (CSV, tables, targets, plot); this module checks,
-measures and runs the cases, and re-exports their public names.
+measures and runs the cases. Import each name from the module that defines it.
 """
 
 from __future__ import annotations
@@ -44,17 +44,12 @@ from topth_ops.conformance.compare import TOLERANCES
 from topth_ops.contract import DecodeStats
 
 from .cases import Case
+from .rows import Row
 from .synth import CaseInputs, make_case_inputs
+from .timing import _empty_cache, device_name, synchronize, time_cuda_graph, time_fn, timing_method
+from .traffic import check_bytes, expected_traffic, must_move_bytes
+from .variants import DENSE_VARIANTS, OWN_DENSE, Variant
 
-# The harness's pieces live in modules by role; their public names are re-exported here.
-from .report import check_targets, format_bytes_table, format_table, plot, write_csv  # noqa: F401
-from .rows import FAILED_STATUSES, Row  # noqa: F401
-from .timing import (_empty_cache, device_name, resolve_device, synchronize, time_fn,  # noqa: F401
-                     timing_method)
-from .traffic import check_bytes, expected_traffic, must_move_bytes  # noqa: F401
-from .variants import (DENSE_VARIANTS, OWN_DENSE, BackendVariant, FlashAttnVariant,  # noqa: F401
-                       FlashInferTCVariant, FlashInferVariant, IfaVariant, SdpaVariant,
-                       TritonDenseVariant, Variant, default_variants)
 
 def max_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
     """Max abs error and whether ``out`` is within the conformance suite's tolerance for the
@@ -175,8 +170,6 @@ def measure(variant: Variant, ci: CaseInputs, ref: CaseReference, device: torch.
         row.status, row.reason = "error", f"{type(e).__name__}: {e}"[:300]
         return row
     if device.type == "cuda":
-        from .gpu import time_cuda_graph
-
         row.time_graph_ms, why = time_cuda_graph(fn, budget_ms=budget_ms)
         if why:
             row.reason = (row.reason + "; " if row.reason else "") + f"no CUDA graph timing: {why}"
@@ -258,7 +251,3 @@ def run_cases(cases: list[Case], variants: list[Variant], device: torch.device, 
     fill_speedups(rows)
     return rows
 
-
-# --------------------------------------------------------------------------------------
-# reports
-# --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 #      selection, threshold sets), JSON saved, on the default path (the cube path's mix
 #      kernel for fp16/bf16, the all-vector kernel for fp32) and again with
 #      TOPTH_ASCENDC_PATH=vector (the all-vector kernel on every dtype); then the kept sets
-#      on inputs planted with a wide margin around every threshold (bench/npu_margin.py),
+#      on inputs planted with a wide margin around every threshold (bench/studies/npu_margin.py),
 #      compared exactly;
 #   2. the kernel benchmark on the issue-5 target cases (bench/cases.py, set "npu"):
 #      each case checked against the torch reference on the NPU (output, stats, V rows =
@@ -95,8 +95,8 @@ echo "conformance (all-vector kernel) exit code: $rc (124 = out of time)" | tee 
 # round differently, so a kept / v_rows mismatch in [1] can be rounding. This check plants
 # every score >= 0.5 nat away from its threshold (head and group selection, threshold
 # sets, BNSD and paged NHD / HND caches) and compares kept / v_rows exactly.
-echo "== [1b] kept sets with planted margins: python -m topth_ops.bench.npu_margin"
-timeout -s INT "${MARGIN_TIMEOUT:-600}" "$PY" -m topth_ops.bench.npu_margin --backend ascendc --device npu \
+echo "== [1b] kept sets with planted margins: python -m topth_ops.bench.studies.npu_margin"
+timeout -s INT "${MARGIN_TIMEOUT:-600}" "$PY" -m topth_ops.bench.studies.npu_margin --backend ascendc --device npu \
     2>&1 | tee "$RESULTS_DIR/margin.txt" | tail -20
 rc=${PIPESTATUS[0]}
 echo "margin check exit code: $rc" | tee -a "$RESULTS_DIR/margin.txt"

@@ -1,6 +1,6 @@
-"""Timing and devices of the benchmark: ``triton.testing.do_bench`` on cuda,
-``torch.npu.Event`` with an L2 flush on npu, the wall clock on the CPU; device names and
-resolution of ``--device``."""
+"""Timing and devices of the benchmark: ``triton.testing.do_bench`` on cuda (also replayed
+from a CUDA graph), ``torch.npu.Event`` with an L2 flush on npu, the wall clock on the CPU;
+device names and resolution of ``--device``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import time
 from typing import Callable, Optional
 
 import torch
-
-
 
 L2_FLUSH_BYTES = 256 << 20
 """Buffer zeroed before each timed NPU run (Ascend 910B L2: 192 MB), as do_bench does on CUDA."""
@@ -62,6 +60,32 @@ def time_fn(fn: Callable[[], None], device: torch.device, *, reps: int, budget_m
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def time_cuda_graph(fn: Callable[[], None], *, budget_ms: float) -> tuple[float, str]:
+    """Median time of ``fn`` replayed from a CUDA graph (``triton.testing.do_bench``, L2
+    flushed), in ms, and "" ; or (nan, reason) when ``fn`` cannot be captured."""
+    import triton.testing
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm: compile, allocate, cache occupancy outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(graph.replay, warmup=max(5.0, budget_ms / 4), rep=budget_ms,
+                                     return_mode="median")
+        return float(ms), ""
+    except Exception as e:  # noqa: BLE001 - report it in the row, keep the plain timing
+        torch.cuda.synchronize()
+        return float("nan"), f"{type(e).__name__}: {e}"[:160]
 
 
 def _time_npu(fn: Callable[[], None], device: torch.device, *, reps: int, budget_ms: float,

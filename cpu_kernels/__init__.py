@@ -4,3 +4,17 @@
 see setup.py and docs/cpu.md); the backend ``cpu`` (topth_ops/backends/cpu.py) loads it
 lazily, so ``import topth_ops`` works without it.
 """
+
+
+def extension():
+    """The compiled module ``_topth_cpu``.
+
+    Raises
+    ------
+    ImportError
+        The package install did not build it (no C++ compiler, or an import of the
+        source tree without an install).
+    """
+    from . import _topth_cpu
+
+    return _topth_cpu

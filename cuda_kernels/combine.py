@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .codes import SDC_EXACT, SDC_EXP_THRESHOLD, SDC_OFFLINE
+
 from .attn_pre import NO_SPEC
 from .selection import load_theta
 from .tiles import clamped_len, row_index, set_index
@@ -108,15 +110,15 @@ def combine_kernel(
         else:
             any_kept = r_all > 0  # the row maximum is kept whenever anything is: r >= 1
         e_est = tl.zeros([G_PAD], tl.float32)
-        if SDC == 1:  # exact: the dense denominator
+        if SDC == SDC_EXACT:  # the dense denominator
             e_est = tl.maximum(l_all - r_all, 0.0)
-        if SDC == 2:  # exp_threshold
+        if SDC == SDC_EXP_THRESHOLD:
             s_idx = set_index(TSET, stride_ts, b, num_sets, HAS_SETS)
             theta = load_theta(TH, s_idx, st_set, st_head, st_row, row_index(n, max_row_id), kvh, h,
                                gmask, GROUP)
             n_drop = (n - cnt).to(tl.float32)
             e_est = tl.where(n_drop > 0, sdc_gamma * n_drop * tl.exp(theta - m_big), 0.0)
-        if SDC == 3:  # offline: per query head, like the thresholds' set and row id
+        if SDC == SDC_OFFLINE:  # per query head, like the thresholds' set and row id
             s_idx = set_index(TSET, stride_ts, b, num_sets, HAS_SETS)
             row = row_index(n, max_row_id)
             e_est = tl.load(SDC_TAB + s_idx.to(tl.int64) * st_sset + h.to(tl.int64) * st_shead

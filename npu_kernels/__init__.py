@@ -9,3 +9,29 @@ Compiled modules (built by the package install, see setup.py):
 
 Nothing here is imported by ``import topth_ops``: the backends load these modules lazily.
 """
+
+
+def cpu_model_extension():
+    """The compiled module ``_ascendc_cpu`` (the kernel on the CPU model of Ascend C).
+
+    Raises
+    ------
+    ImportError
+        The package install did not build it.
+    """
+    from . import _ascendc_cpu
+
+    return _ascendc_cpu
+
+
+def npu_extension():
+    """The compiled module ``_ascendc_npu`` (the kernel built with CANN, docs/ascendc.md).
+
+    Raises
+    ------
+    ImportError
+        Not built: ASCEND_HOME_PATH, torch and torch_npu were not all there at install time.
+    """
+    from . import _ascendc_npu
+
+    return _ascendc_npu

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from .contract import DEFAULT_SDC_GAMMA, DecodeStats, make_inputs
-from .op import decode_attention_op, prevalidated
+from .op import decode_attention_op, run
 
 
 def decode_attention(
@@ -130,25 +130,19 @@ def decode_attention(
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    # Validate here, before the custom-op dispatcher coerces types (a list query, vmc=1) or
-    # replaces our messages with schema errors; the op validates again for direct callers
-    # and, in eager mode, reuses these inputs for this call (topth_ops.op.prevalidated).
+    if torch.compiler.is_compiling():  # traced: the public op validates (fake tensors) itself
+        out, kept, v_rows, dropped = decode_attention_op(
+            query, key_cache, value_cache, seq_lens, thresholds, scale, placement, sdc, sdc_gamma,
+            sdc_table, vmc, value_mean, return_stats, backend or "", block_table, kv_layout or "",
+            selection, threshold_set)
+        return (out, DecodeStats(kept, v_rows, dropped)) if return_stats is True else out
+    # Eager: validate once, here (before a dispatcher could coerce types or replace our
+    # messages with schema errors), then the direct path, which trusts these inputs.
     inputs = make_inputs(
         query, key_cache, value_cache, seq_lens, thresholds, scale=scale, placement=placement,
         sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
         return_stats=return_stats, block_table=block_table, kv_layout=kv_layout,
         selection=selection, threshold_set=threshold_set,
     )
-    op_args = (
-        query, key_cache, value_cache, seq_lens, thresholds, scale, placement, sdc, sdc_gamma,
-        sdc_table, vmc, value_mean, return_stats, backend or "", block_table, kv_layout or "",
-        selection, threshold_set,
-    )
-    if torch.compiler.is_compiling():  # traced: the op validates (fake tensors) itself
-        out, kept, v_rows, dropped = decode_attention_op(*op_args)
-    else:
-        with prevalidated(op_args, inputs):
-            out, kept, v_rows, dropped = decode_attention_op(*op_args)
-    if return_stats is True:
-        return out, DecodeStats(kept, v_rows, dropped)
-    return out
+    out, stats = run(inputs, backend)
+    return (out, stats) if return_stats is True else out

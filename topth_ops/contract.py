@@ -25,7 +25,6 @@ SEQ_LEN_DTYPES = (torch.int32, torch.int64)
 DEFAULT_SDC_GAMMA = 0.05  # paper section 3.2.1
 
 _shape = V.shape_str
-_dtype = V.dtype_str
 
 
 class DecodeStats(NamedTuple):
@@ -214,9 +213,9 @@ class DecodeInputs:
     def describe(self) -> str:
         """One line naming every shape, dtype, device and option; used in error messages."""
         parts = [
-            f"query {_shape(self.query)} {_dtype(self.dtype)} on {self.device}",
+            f"query {_shape(self.query)} {V.dtype_str(self.dtype)} on {self.device}",
             f"key/value cache {_shape(self.key_cache)} {self.kv_layout}",
-            f"seq_lens {_shape(self.seq_lens)} {_dtype(self.seq_lens.dtype)}",
+            f"seq_lens {_shape(self.seq_lens)} {V.dtype_str(self.seq_lens.dtype)}",
             f"thresholds {_shape(self.thresholds)}",
             f"placement={self.placement}",
             f"sdc={self.sdc}",
@@ -315,6 +314,32 @@ def make_inputs(
         reverse, sdc_gamma other than its default without "exp_threshold", scale not
         finite and > 0, sdc_gamma not finite and >= 0.
     """
+    q, k, v, lens, th, layout, selection = _check_tensors(
+        query, key_cache, value_cache, seq_lens, thresholds, sdc_table, value_mean, block_table, threshold_set,
+        kv_layout, selection)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size, max_seq_len = _check_layout(q, k, v, lens, block_table, layout)
+    sdc_gamma = _check_thresholds_and_sets(th, sdc_table, threshold_set, placement, sdc, sdc_gamma, selection,
+                                           num_q_heads, num_kv_heads, batch)
+    vmc, return_stats, scale = _check_options(vmc, return_stats, value_mean, scale, batch, num_kv_heads, head_dim)
+    if check_values:
+        _check_values(lens, block_table, threshold_set, sdc_table, th, max_seq_len, block_size, k.shape[0])
+
+    return DecodeInputs(
+        query=q, key_cache=k, value_cache=v, seq_lens=lens, thresholds=th, scale=scale,
+        placement=placement, sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc,
+        value_mean=value_mean, return_stats=return_stats, block_table=block_table,
+        kv_layout=layout, selection=selection, threshold_set=threshold_set,
+    )
+
+
+# ------------------------------------------------------------------ the checks of make_inputs
+# In the order make_inputs runs them, which is the order errors are reported in.
+
+def _check_tensors(query, key_cache, value_cache, seq_lens, thresholds, sdc_table, value_mean, block_table,
+                   threshold_set, kv_layout, selection):
+    """Tensor arguments (types, ranks, dtypes, one device), the layout and selection names;
+    returns (q, k, v, seq_lens, thresholds, layout, selection)."""
     q = V.require_tensor("query", query)
     k = V.require_tensor("key_cache", key_cache)
     v = V.require_tensor("value_cache", value_cache)
@@ -334,22 +359,27 @@ def make_inputs(
         V.require_rank("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
 
     if q.dtype not in INPUT_DTYPES:
-        raise TypeError(f"query dtype must be float16, bfloat16 or float32, got {_dtype(q.dtype)}")
+        raise TypeError(f"query dtype must be float16, bfloat16 or float32, got {V.dtype_str(q.dtype)}")
     for name, t in (("key_cache", k), ("value_cache", v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype must equal the query dtype {_dtype(q.dtype)}, got {_dtype(t.dtype)}")
+            raise TypeError(f"{name} dtype must equal the query dtype {V.dtype_str(q.dtype)}, "
+                            f"got {V.dtype_str(t.dtype)}")
     V.require_dtype("seq_lens", lens, SEQ_LEN_DTYPES, "int32 or int64")
     V.require_dtype("threshold_set", threshold_set, SEQ_LEN_DTYPES, "int32 or int64")
     V.require_dtype("block_table", block_table, (torch.int32,), "int32")
     for name, t in (("thresholds", th), ("sdc_table", sdc_table), ("value_mean", value_mean)):
         V.require_dtype(name, t, (torch.float32,), "float32")
 
-    named = [("key_cache", k), ("value_cache", v), ("seq_lens", lens), ("thresholds", th),
-             *optional.items()]
+    named = [("key_cache", k), ("value_cache", v), ("seq_lens", lens), ("thresholds", th), *optional.items()]
     for name, t in named:
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} must be on the query's device {q.device}, got {t.device}")
+    return q, k, v, lens, th, layout, selection
 
+
+def _check_layout(q, k, v, lens, block_table, layout: str) -> tuple[int, int, int]:
+    """Shapes of the query, the caches in ``layout`` and the block table; returns
+    (num_kv_heads, block_size, max_seq_len)."""
     batch, num_q_heads, head_dim = q.shape
     if batch < 1 or num_q_heads < 1 or head_dim < 1:
         raise ValueError(f"query must have batch, num_q_heads and head_dim >= 1, got shape {_shape(q)}")
@@ -366,7 +396,12 @@ def make_inputs(
             raise ValueError(f"block_table must have shape [{batch}, max_blocks_per_seq >= 1] (batch "
                              f"from query), got {_shape(block_table)}")
         max_seq_len = block_table.shape[1] * block_size
+    return num_kv_heads, block_size, max_seq_len
 
+
+def _check_thresholds_and_sets(th, sdc_table, threshold_set, placement, sdc, sdc_gamma, selection: str,
+                               num_q_heads: int, num_kv_heads: int, batch: int):
+    """Placement, SDC mode and gamma, thresholds / sdc_table / threshold_set shapes; returns sdc_gamma."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if sdc not in SDC_MODES:
@@ -381,7 +416,11 @@ def make_inputs(
         raise ValueError(
             f"sdc_gamma is only used with sdc='exp_threshold', got sdc={sdc!r} and "
             f"sdc_gamma={sdc_gamma!r} (leave it at its default {DEFAULT_SDC_GAMMA})")
+    return sdc_gamma
 
+
+def _check_options(vmc, return_stats, value_mean, scale, batch: int, num_kv_heads: int, head_dim: int):
+    """The flags, value_mean against vmc and its shape, the scale; returns (vmc, return_stats, scale)."""
     vmc = V.require_bool("vmc", vmc)
     return_stats = V.require_bool("return_stats", return_stats)
     if value_mean is not None:
@@ -391,13 +430,17 @@ def make_inputs(
             raise ValueError(
                 f"value_mean must have shape [{batch}, {num_kv_heads}, {head_dim}] "
                 f"([batch, num_kv_heads, head_dim]), got {_shape(value_mean)}")
-
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
         scale = V.require_real("scale", scale, positive=True)
+    return vmc, return_stats, scale
 
-    if check_values and V.values_checkable(lens):
+
+def _check_values(lens, block_table, threshold_set, sdc_table, th, max_seq_len: int, block_size: int,
+                  num_blocks: int) -> None:
+    """Values, where they need no device sync: lengths, used block ids, set indices, sdc_table."""
+    if V.values_checkable(lens):
         lo, hi = V.min_max(lens)
         if lo < 0 or hi > max_seq_len:
             where = (f"max_blocks_per_seq {block_table.shape[1]} x block_size {block_size}"
@@ -405,19 +448,12 @@ def make_inputs(
             raise ValueError(f"seq_lens values must lie in [0, max_seq_len={max_seq_len}] ({where}), "
                              f"got min {lo}, max {hi}")
         if block_table is not None and V.values_checkable(block_table):
-            V.check_block_table_values(block_table, lens, block_size, k.shape[0])
-    if check_values and threshold_set is not None and V.values_checkable(threshold_set):
+            V.check_block_table_values(block_table, lens, block_size, num_blocks)
+    if threshold_set is not None and V.values_checkable(threshold_set):
         V.check_index_values("threshold_set", threshold_set, th.shape[0], "thresholds dim 0, num_sets")
-    if check_values and sdc_table is not None and V.values_checkable(sdc_table):
+    if sdc_table is not None and V.values_checkable(sdc_table):
         bad = ~(torch.isfinite(sdc_table) & (sdc_table >= 0))
         if bool(bad.any()):
             raise ValueError(
                 "sdc_table values must be finite and >= 0 (an estimate of a sum of exponentials), "
                 f"got {int(bad.sum())} other values, e.g. {sdc_table[bad][0].item()!r}")
-
-    return DecodeInputs(
-        query=q, key_cache=k, value_cache=v, seq_lens=lens, thresholds=th, scale=scale,
-        placement=placement, sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc,
-        value_mean=value_mean, return_stats=return_stats, block_table=block_table,
-        kv_layout=layout, selection=selection, threshold_set=threshold_set,
-    )

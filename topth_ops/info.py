@@ -8,8 +8,8 @@ import platform
 
 import torch
 
-from .contract import _dtype
 from .registry import ENV_BACKEND, list_backends, priority
+from .validation import dtype_str
 
 
 def backend_rows() -> list[dict]:
@@ -21,7 +21,7 @@ def backend_rows() -> list[dict]:
         rows.append({
             "name": b.name,
             "device": b.device_type,
-            "dtypes": ",".join(_dtype(d) for d in b.dtypes),
+            "dtypes": ",".join(dtype_str(d) for d in b.dtypes),
             "head_dims": (b.head_dims_note or "any") if b.head_dims is None else ",".join(map(str, b.head_dims)),
             "available": not reasons,
             "runs_on": ",".join(sorted({d.type for d in b.devices()})) if not reasons else "-",

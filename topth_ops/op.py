@@ -1,23 +1,21 @@
 """The ``topth::decode_attention`` custom op (torch.library) and the direct call path.
 
-The op takes plain tensors and scalars, validates them with
-:func:`topth_ops.contract.make_inputs`, picks a backend and runs it. Its fake (meta)
-implementation validates shapes and allocates outputs, so the op traces under
-``torch.compile`` and passes ``torch.library.opcheck``. The op is inference-only: it has
-no autograd formula.
+Two ways in, each validating once:
 
-:func:`topth_ops.decode_attention` validates its arguments before the dispatcher sees them
-(so that the messages are ours). In eager mode it hands the validated
-:class:`~topth_ops.contract.DecodeInputs` to the op's implementation through
-:func:`prevalidated` (a thread-local slot), and the implementation reuses it when it is
-called with exactly those arguments (the same tensor objects, equal scalars), instead of
-validating the same call a second time. Any other call validates as before.
+- the public op ``torch.ops.topth.decode_attention`` takes plain tensors and scalars,
+  validates them with :func:`topth_ops.contract.make_inputs`, picks a backend and runs it.
+  Its fake (meta) implementation validates shapes and allocates outputs, so the op traces
+  under ``torch.compile`` and passes ``torch.library.opcheck``;
+- :func:`run` takes :class:`~topth_ops.contract.DecodeInputs` that its caller has already
+  validated and trusts them: :func:`topth_ops.decode_attention` validates its arguments
+  (so that the messages are ours) and calls it in eager mode, and the op's implementation
+  calls it after its own validation.
+
+The op is inference-only: it has no autograd formula.
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -28,48 +26,10 @@ from .registry import select_backend
 
 OP_NAME = "topth::decode_attention"
 
-_handoff = threading.local()
-
-
-@contextmanager
-def prevalidated(op_args: tuple, inputs: DecodeInputs):
-    """While the block runs, a call of the op's implementation with arguments ``op_args``
-    (the 18 positional arguments of the op) takes ``inputs`` instead of validating them
-    again. Used by :func:`topth_ops.decode_attention`, which has just built ``inputs`` from
-    those same arguments with :func:`~topth_ops.contract.make_inputs`; eager mode only."""
-    _handoff.pending = (op_args, inputs)
-    try:
-        yield
-    finally:
-        _handoff.pending = None
-
-
-def _same_args(given: tuple, got: tuple) -> bool:
-    """The op got the arguments it was handed: the same tensor objects (the dispatcher
-    passes them through), scalars equal after the schema's conversions (int scale -> float)."""
-    if len(given) != len(got):
-        return False
-    for a, b in zip(given, got):
-        if a is b:
-            continue
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a is None or b is None:
-            return False
-        if type(a) is bool or type(b) is bool or a != b:
-            return False
-    return True
-
-
-def _take_prevalidated(op_args: tuple) -> Optional[DecodeInputs]:
-    pending = getattr(_handoff, "pending", None)
-    if pending is None:
-        return None
-    _handoff.pending = None  # one use: a nested or later call validates its own arguments
-    given, inputs = pending
-    return inputs if _same_args(given, op_args) else None
-
 
 def run(inputs: DecodeInputs, backend: Optional[str] = None) -> tuple[Tensor, Optional[DecodeStats]]:
-    """Direct call path: select a backend and run it, without the custom-op dispatcher.
+    """Direct call path: select a backend and run it on inputs the caller has validated,
+    without the custom-op dispatcher.
 
     Parameters
     ----------
@@ -130,17 +90,12 @@ def decode_attention_op(
     Returns ``(out, kept, v_rows, dropped_mass)``; the three stats tensors are empty
     (shape ``[0]``) when ``return_stats`` is False.
     """
-    inputs = _take_prevalidated((
-        query, key_cache, value_cache, seq_lens, thresholds, scale, placement, sdc, sdc_gamma, sdc_table,
-        vmc, value_mean, return_stats, backend, block_table, kv_layout, selection, threshold_set,
-    ))
-    if inputs is None:
-        inputs = make_inputs(
-            query, key_cache, value_cache, seq_lens, thresholds, scale=scale, placement=placement,
-            sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
-            return_stats=return_stats, block_table=block_table, kv_layout=kv_layout or None,
-            selection=selection, threshold_set=threshold_set,
-        )
+    inputs = make_inputs(
+        query, key_cache, value_cache, seq_lens, thresholds, scale=scale, placement=placement,
+        sdc=sdc, sdc_gamma=sdc_gamma, sdc_table=sdc_table, vmc=vmc, value_mean=value_mean,
+        return_stats=return_stats, block_table=block_table, kv_layout=kv_layout or None,
+        selection=selection, threshold_set=threshold_set,
+    )
     return _flat(*run(inputs, backend or None))
 
 

@@ -26,7 +26,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .contract import DecodeInputs, DecodeStats, _dtype
+from .contract import DecodeInputs, DecodeStats
+from .validation import dtype_str
 
 logger = logging.getLogger("topth_ops")
 
@@ -107,8 +108,8 @@ class Backend:
         if self.device_type != "any" and inputs.device.type != self.device_type:
             reasons.append(f"needs {self.device_type} tensors, got {inputs.device.type}")
         if inputs.dtype not in self.dtypes:
-            names = ", ".join(_dtype(d) for d in self.dtypes)
-            reasons.append(f"dtype {_dtype(inputs.dtype)} not supported (supports {names})")
+            names = ", ".join(dtype_str(d) for d in self.dtypes)
+            reasons.append(f"dtype {dtype_str(inputs.dtype)} not supported (supports {names})")
         if self.head_dims is not None and inputs.head_dim not in self.head_dims:
             reasons.append(f"head_dim {inputs.head_dim} not supported (supports {list(self.head_dims)})")
         reasons.extend(self.feature_reasons(inputs))

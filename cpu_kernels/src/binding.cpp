@@ -132,6 +132,15 @@ PYBIND11_MODULE(_topth_cpu, m) {
     m.def("openmp_runtime", [] { return std::string(openmp_runtime()); },
           "path of the loaded OpenMP runtime the kernel runs on ('' when none, or after fork)");
     m.def("_convert_out", &convert_out, "float32 -> float16 (0) / bfloat16 (1) bits, as the kernel writes them");
+    py::dict codes;
+    codes["dtype"] = py::dict(py::arg("float16") = int(kF16), py::arg("bfloat16") = int(kBF16),
+                              py::arg("float32") = int(kF32));
+    codes["placement"] = py::dict(py::arg("pre_softmax") = int(kPre), py::arg("post_softmax") = int(kPost));
+    codes["sdc"] = py::dict(py::arg("none") = int(kSdcNone), py::arg("exact") = int(kSdcExact),
+                            py::arg("exp_threshold") = int(kSdcExpThreshold), py::arg("offline") = int(kSdcOffline));
+    codes["vmc"] = py::dict(py::arg("off") = int(kVmcOff), py::arg("given") = int(kVmcGiven),
+                            py::arg("computed") = int(kVmcComputed));
+    m.attr("CODES") = codes;  // params.h, compared with topth_ops/codes.py by the tests
     m.attr("LEVELS") = py::dict(py::arg("auto") = kLevelAuto, py::arg("generic") = kLevelGeneric,
                                 py::arg("avx2") = kLevelAvx2, py::arg("avx512") = kLevelAvx512,
                                 py::arg("avx512bf16") = kLevelAvx512Bf16);

@@ -19,6 +19,7 @@
 #include "aclrtlaunch_topth_decode_attn_cube.h"  // and the cube path's mix kernel
 #include "tiling/platform/platform_ascendc.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
+#include "topth_codes_py.h"
 
 #include "topth_launch.h"
 #include "topth_tiling_py.h"
@@ -195,6 +196,7 @@ void Run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
 
 PYBIND11_MODULE(_ascendc_npu, m) {
     m.doc() = "topth decode-attention Ascend C kernel, launched on the current torch_npu stream";
+    m.attr("CODES") = topth::CodesDict();
     m.def("compute_tiling", &ComputeTiling, py::arg("shape"), py::arg("device") = 0,
           "Tiling for this device (UB size and vector cores from the CANN platform API); ValueError when "
           "the shape does not fit.");

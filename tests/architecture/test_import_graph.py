@@ -169,9 +169,16 @@ def _module_level(body):
                 yield from _module_level(getattr(node, field, []))
 
 
+# Modules whose __getattr__ is behaviour, not a re-export: vLLM resolves the plugin's class
+# path with getattr while it builds the model, and the answer depends on the engine's config.
+GETATTR_ALLOWED = {"topth_ops.vllm.dispatch"}
+
+
 def test_no_module_getattr():
     bad = []
     for module, path in sorted(modules().items()):
+        if module in GETATTR_ALLOWED:
+            continue
         for node in _module_level(ast.parse(path.read_text(encoding="utf-8")).body):
             defined = (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "__getattr__"
                        or isinstance(node, (ast.Assign, ast.AnnAssign)) and any(

@@ -15,8 +15,8 @@ from topth_ops.vllm.paged_ops import gather_sequence
 from topth_ops.vllm.settings import VllmTopthSettings
 from topth_ops.vllm.stats import ServingStats
 
-from .helpers import Cfg, threshold_set
-from .test_vllm_paged_ops import _causal_reference
+pytestmark = pytest.mark.vllm
+
 
 LAYER = 2
 
@@ -81,10 +81,11 @@ def _impl(monkeypatch, ts, settings, tp_rank, tp_size, Hq, Hkv, D):
 
 @pytest.mark.parametrize("tp_rank,tp_size,vmc,dense_layer", [(0, 1, True, False), (1, 2, True, False),
                                                              (0, 1, False, False), (0, 1, True, True)])
-def test_mixed_batch_matches_oracle(monkeypatch, tp_rank, tp_size, vmc, dense_layer):
+def test_mixed_batch_matches_oracle(monkeypatch, tp_rank, tp_size, vmc, dense_layer, make_cfg, make_threshold_set,
+                                    causal_reference):
     Hq, Hkv, D = 8, 4, 16
-    cfg = Cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
-    ts = threshold_set(cfg, rows=64, k=4, seed=1)
+    cfg = make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
+    ts = make_threshold_set(cfg, rows=64, k=4, seed=1)
     if dense_layer:
         ts.layer_k[LAYER] = 0
         ts.thresholds[LAYER] = float("-inf")
@@ -108,7 +109,7 @@ def test_mixed_batch_matches_oracle(monkeypatch, tp_rank, tp_size, vmc, dense_la
         n = int(lens[2 + i])
         kk = gather_sequence(k_cache, bt[2 + i], n).double().numpy()
         vv = gather_sequence(v_cache, bt[2 + i], n).double().numpy()
-        ref = _causal_reference(q[lo:hi].double().numpy(), kk, vv, n - (hi - lo), 1 / math.sqrt(D))
+        ref = causal_reference(q[lo:hi].double().numpy(), kk, vv, n - (hi - lo), 1 / math.sqrt(D))
         np.testing.assert_allclose(out[lo:hi].double().numpy(), ref, rtol=2e-5, atol=2e-5)
     # statistics: the rows the oracle keeps, vs seq_len per sequence and KV head
     rep = stats.report()
@@ -123,7 +124,7 @@ def test_mixed_batch_matches_oracle(monkeypatch, tp_rank, tp_size, vmc, dense_la
     assert rep["prefill_tokens_dense"] == 30 + 12 + 16 + 14
 
 
-def test_dense_mode_keeps_every_row(monkeypatch):
+def test_dense_mode_keeps_every_row(monkeypatch, causal_reference):
     Hq, Hkv, D = 4, 2, 16
     settings = VllmTopthSettings(mode="dense")
     impl, stats = _impl(monkeypatch, None, settings, 0, 1, Hq, Hkv, D)
@@ -133,7 +134,7 @@ def test_dense_mode_keeps_every_row(monkeypatch):
     k_cache, v_cache = eng.kv_cache.transpose(1, 2)[..., :D], eng.kv_cache.transpose(1, 2)[..., D:]
     kk = gather_sequence(k_cache, bt[0], 21).double().numpy()
     vv = gather_sequence(v_cache, bt[0], 21).double().numpy()
-    ref = _causal_reference(q.double().numpy(), kk, vv, 20, 1 / math.sqrt(D))
+    ref = causal_reference(q.double().numpy(), kk, vv, 20, 1 / math.sqrt(D))
     np.testing.assert_allclose(out.double().numpy(), ref, rtol=2e-5, atol=2e-5)
     last = stats.report()["last_steps"][-1]
     assert last["v_rows_read"] == last["v_rows_dense"] == 21 * Hkv
@@ -147,24 +148,24 @@ def test_unsupported_features_fail_at_construction(monkeypatch):
         B.TopthAttentionImpl(4, 16, 0.25, 2, kv_cache_dtype="fp8")
 
 
-def _group_set(cfg, seed=3):
+def _group_set(make_threshold_set, cfg, seed=3):
     """A group-selection file: one threshold per (layer, KV head, row id)."""
     from dataclasses import replace
 
-    ts = threshold_set(cfg, rows=64, k=4, seed=seed)
+    ts = make_threshold_set(cfg, rows=64, k=4, seed=seed)
     Hkv = cfg.num_key_value_heads
     return replace(ts, thresholds=ts.thresholds[:, :Hkv].contiguous(), counts=ts.counts[:, :Hkv].contiguous(),
                    selection="group")
 
 
 @pytest.mark.parametrize("tp_rank,tp_size,Hkv", [(0, 1, 4), (1, 2, 4), (0, 2, 4), (3, 4, 2)])
-def test_group_selection_file_matches_oracle(monkeypatch, tp_rank, tp_size, Hkv):
+def test_group_selection_file_matches_oracle(monkeypatch, tp_rank, tp_size, Hkv, make_cfg, make_threshold_set):
     """A `--selection group` file: each rank uses its own KV heads' thresholds, compared with
     the group maximum (expected values from the float64 oracle with selection="group").
     tp_size 4 with 2 KV heads: vLLM replicates each KV head on two ranks."""
     Hq, D = 8, 16
-    cfg = Cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
-    ts = _group_set(cfg)
+    cfg = make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
+    ts = _group_set(make_threshold_set, cfg)
     settings = VllmTopthSettings(mode="topth", thresholds="unused", vmc=True)
     Hl, Hkl = Hq // tp_size, max(1, Hkv // tp_size)
     stats = ServingStats(settings.mode, None, 0.0)

@@ -17,6 +17,8 @@ import pytest
 
 from topth_ops.bench import vllm_common as vc
 
+pytestmark = [pytest.mark.vllm, pytest.mark.model]  # vLLM engines serving SmolLM2 (and a tiny Llama)
+
 TIMEOUT = 900
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 for _v in [k for k in ENV if k.startswith("TOPTH_VLLM_")]:

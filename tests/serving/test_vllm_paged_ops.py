@@ -10,6 +10,8 @@ from topth_ops.paged import write_kv
 from topth_ops.paged import PagedValueSum
 from topth_ops.vllm.paged_ops import gather_sequence, nhd_views, prefill_dense
 
+pytestmark = pytest.mark.vllm
+
 
 def test_nhd_views_of_lbnhc_cache():
     nb, bs, H, D = 5, 4, 3, 8
@@ -105,21 +107,8 @@ def test_value_sum_skips_padding_slots():
     assert torch.allclose(got[0], (vals[0] + vals[2]) / 2)
 
 
-def _causal_reference(q, k, v, ctx, scale):
-    """float64 softmax attention of new token i (position ctx + i) over positions 0..ctx+i."""
-    L, Hq, D = q.shape
-    G = Hq // k.shape[1]
-    out = np.zeros((L, Hq, D))
-    for i in range(L):
-        for h in range(Hq):
-            a = k[: ctx + i + 1, h // G] @ q[i, h] * scale
-            w = np.exp(a - a.max())
-            out[i, h] = (w / w.sum()) @ v[: ctx + i + 1, h // G]
-    return out
-
-
 @pytest.mark.parametrize("n,L,bs", [(7, 7, 4), (23, 5, 4), (16, 1, 16), (40, 9, 16)])
-def test_prefill_dense_matches_float64_causal_attention(n, L, bs):
+def test_prefill_dense_matches_float64_causal_attention(n, L, bs, causal_reference):
     g = torch.Generator().manual_seed(n * 100 + L)
     Hq, Hkv, D = 6, 2, 8
     nb = -(-n // bs)
@@ -132,7 +121,7 @@ def test_prefill_dense_matches_float64_causal_attention(n, L, bs):
     got = prefill_dense(q, k_cache, v_cache, row, n, scale)
     k = gather_sequence(k_cache, row, n).double().numpy()
     v = gather_sequence(v_cache, row, n).double().numpy()
-    want = _causal_reference(q.double().numpy(), k, v, n - L, scale)
+    want = causal_reference(q.double().numpy(), k, v, n - L, scale)
     np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5, atol=1e-5)
 
 

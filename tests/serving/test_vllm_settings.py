@@ -19,7 +19,7 @@ from topth_ops.vllm.settings import (
     rank_rows,
 )
 
-from .helpers import Cfg, threshold_set
+pytestmark = pytest.mark.vllm
 
 
 def test_import_topth_ops_never_imports_vllm():
@@ -77,58 +77,58 @@ def test_rank_rows_slices_each_ranks_heads():
         rank_rows(table, 0, 2, 3)
 
 
-def test_load_for_model_accepts_matching_file(tmp_path):
-    cfg = Cfg(name="tiny")
-    p = threshold_set(cfg).save(tmp_path / "th.safetensors")
+def test_load_for_model_accepts_matching_file(tmp_path, make_cfg, make_threshold_set):
+    cfg = make_cfg(name="tiny")
+    p = make_threshold_set(cfg).save(tmp_path / "th.safetensors")
     ts = load_for_model(from_sources({ENV["thresholds"]: str(p)}), cfg, "tiny", tp_size=2)
     assert ts.thresholds.shape == (4, 4, 64)
     assert load_for_model(from_sources({ENV["mode"]: "dense"}), cfg, "tiny", tp_size=4) is None
 
 
-def test_wrong_model_file_names_both_models(tmp_path):
-    p = threshold_set(Cfg(heads=8, kv_heads=2), name="other-model").save(tmp_path / "th.safetensors")
+def test_wrong_model_file_names_both_models(tmp_path, make_threshold_set, make_cfg):
+    p = make_threshold_set(make_cfg(heads=8, kv_heads=2), name="other-model").save(tmp_path / "th.safetensors")
     with pytest.raises(ThresholdFileError, match=r"other-model.*8 query heads.*'tiny'.*4 query heads"):
-        load_for_model(from_sources({ENV["thresholds"]: str(p)}), Cfg(), "tiny", tp_size=1)
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), make_cfg(), "tiny", tp_size=1)
 
 
-def test_same_shape_other_name_warns(tmp_path):
-    p = threshold_set(Cfg(), name="base-model").save(tmp_path / "th.safetensors")
+def test_same_shape_other_name_warns(tmp_path, make_threshold_set, make_cfg):
+    p = make_threshold_set(make_cfg(), name="base-model").save(tmp_path / "th.safetensors")
     with pytest.warns(UserWarning, match="base-model"):
-        load_for_model(from_sources({ENV["thresholds"]: str(p)}), Cfg(), "instruct-model", tp_size=1)
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), make_cfg(), "instruct-model", tp_size=1)
 
 
-def test_tp_not_dividing_heads(tmp_path):
-    p = threshold_set(Cfg(heads=6, kv_heads=2)).save(tmp_path / "th.safetensors")
+def test_tp_not_dividing_heads(tmp_path, make_threshold_set, make_cfg):
+    p = make_threshold_set(make_cfg(heads=6, kv_heads=2)).save(tmp_path / "th.safetensors")
     with pytest.raises(TopthConfigError, match="tensor-parallel size 4 does not divide the model's 6 query heads"):
-        load_for_model(from_sources({ENV["thresholds"]: str(p)}), Cfg(heads=6, kv_heads=2), "tiny", tp_size=4)
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), make_cfg(heads=6, kv_heads=2), "tiny", tp_size=4)
 
 
-def test_missing_and_corrupt_files(tmp_path):
+def test_missing_and_corrupt_files(tmp_path, make_cfg, make_threshold_set):
     with pytest.raises(ThresholdFileError, match="does not exist"):
-        load_for_model(from_sources({ENV["thresholds"]: str(tmp_path / "nope.safetensors")}), Cfg(), "t", 1)
+        load_for_model(from_sources({ENV["thresholds"]: str(tmp_path / "nope.safetensors")}), make_cfg(), "t", 1)
     bad = tmp_path / "bad.safetensors"
-    good = threshold_set(Cfg()).save(tmp_path / "good.safetensors")
+    good = make_threshold_set(make_cfg()).save(tmp_path / "good.safetensors")
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # truncated
     with pytest.raises(ThresholdFileError):
-        load_for_model(from_sources({ENV["thresholds"]: str(bad)}), Cfg(), "t", 1)
+        load_for_model(from_sources({ENV["thresholds"]: str(bad)}), make_cfg(), "t", 1)
     bad.write_bytes(b"not a safetensors file at all")
     with pytest.raises(ThresholdFileError):
-        load_for_model(from_sources({ENV["thresholds"]: str(bad)}), Cfg(), "t", 1)
+        load_for_model(from_sources({ENV["thresholds"]: str(bad)}), make_cfg(), "t", 1)
 
 
-def test_sdc_needs_pre_softmax_and_table(tmp_path):
-    post = threshold_set(Cfg()).save(tmp_path / "post.safetensors")
+def test_sdc_needs_pre_softmax_and_table(tmp_path, make_threshold_set, make_cfg):
+    post = make_threshold_set(make_cfg()).save(tmp_path / "post.safetensors")
     with pytest.raises(ThresholdFileError, match="needs pre_softmax"):
-        load_for_model(from_sources({ENV["thresholds"]: str(post), ENV["sdc"]: "exact"}), Cfg(), "tiny", 1)
-    pre = threshold_set(Cfg(), placement="pre_softmax", value=-2.0).save(tmp_path / "pre.safetensors")
+        load_for_model(from_sources({ENV["thresholds"]: str(post), ENV["sdc"]: "exact"}), make_cfg(), "tiny", 1)
+    pre = make_threshold_set(make_cfg(), placement="pre_softmax", value=-2.0).save(tmp_path / "pre.safetensors")
     with pytest.raises(ThresholdFileError, match="needs an sdc_table"):
-        load_for_model(from_sources({ENV["thresholds"]: str(pre), ENV["sdc"]: "offline"}), Cfg(), "tiny", 1)
+        load_for_model(from_sources({ENV["thresholds"]: str(pre), ENV["sdc"]: "offline"}), make_cfg(), "tiny", 1)
 
 
-def test_model_name_of():
-    assert model_name_of(Cfg(name="SmolLM2-135M-Instruct.Q4_1"), "/x/smol-hf") == "SmolLM2-135M-Instruct.Q4_1"
-    assert model_name_of(Cfg(), "/x/smol-hf/") == "smol-hf"
-    assert model_name_of(Cfg(), None) is None
+def test_model_name_of(make_cfg):
+    assert model_name_of(make_cfg(name="SmolLM2-135M-Instruct.Q4_1"), "/x/smol-hf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert model_name_of(make_cfg(), "/x/smol-hf/") == "smol-hf"
+    assert model_name_of(make_cfg(), None) is None
 
 
 def test_enable_sets_env_and_refuses_bad_settings(monkeypatch):
@@ -147,7 +147,7 @@ def test_enable_sets_env_and_refuses_bad_settings(monkeypatch):
     assert {v: os.environ.get(v) for v in ENV.values()} == before
 
 
-def test_serve_checks_before_starting(tmp_path, capsys):
+def test_serve_checks_before_starting(tmp_path, capsys, make_threshold_set, make_cfg):
     from transformers import LlamaConfig
 
     from topth_ops.cli import main
@@ -155,8 +155,10 @@ def test_serve_checks_before_starting(tmp_path, capsys):
     model = tmp_path / "m"
     LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
                 head_dim=16).save_pretrained(model)
-    good = threshold_set(Cfg(layers=4, heads=4, kv_heads=2, head_dim=16), name="m").save(tmp_path / "good.safetensors")
-    other = threshold_set(Cfg(layers=4, heads=8, kv_heads=2, head_dim=16), name="x").save(tmp_path / "bad.safetensors")
+    good = make_threshold_set(make_cfg(layers=4, heads=4, kv_heads=2, head_dim=16),
+                              name="m").save(tmp_path / "good.safetensors")
+    other = make_threshold_set(make_cfg(layers=4, heads=8, kv_heads=2, head_dim=16),
+                               name="x").save(tmp_path / "bad.safetensors")
     assert main(["serve", str(model), "--thresholds", str(good), "--vmc", "--dry-run", "--",
                  "--max-num-seqs", "8"]) == 0
     err = capsys.readouterr().err
@@ -173,7 +175,7 @@ def test_serve_checks_before_starting(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags", [["--tensor-parallel-size=3"], ["-tp=3"], ["--tensor_parallel_size", "3"],
                                    ["--tensor_parallel_size=3"], ["--max-num-seqs", "8", "-tp", "3"]])
-def test_serve_reads_every_spelling_of_the_tp_flag(tmp_path, capsys, flags):
+def test_serve_reads_every_spelling_of_the_tp_flag(tmp_path, capsys, flags, make_threshold_set, make_cfg):
     """vLLM's parser accepts `--flag=value` and underscores; the pre-check must see them too."""
     from transformers import LlamaConfig
 
@@ -182,7 +184,8 @@ def test_serve_reads_every_spelling_of_the_tp_flag(tmp_path, capsys, flags):
     model = tmp_path / "m"
     LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
                 head_dim=16).save_pretrained(model)
-    good = threshold_set(Cfg(layers=4, heads=4, kv_heads=2, head_dim=16), name="m").save(tmp_path / "g.safetensors")
+    good = make_threshold_set(make_cfg(layers=4, heads=4, kv_heads=2, head_dim=16),
+                              name="m").save(tmp_path / "g.safetensors")
     assert main(["serve", str(model), "--thresholds", str(good), "--dry-run", "--"] + flags) == 2
     assert "tensor-parallel size 3 does not divide" in capsys.readouterr().err
 
@@ -219,9 +222,9 @@ def test_sdc_gamma_must_be_finite_and_positive(value):
         from_sources({ENV["mode"]: "dense", ENV["sdc_gamma"]: value})
 
 
-def test_unknown_op_backend_refused_at_start(tmp_path):
-    cfg = Cfg()
-    path = threshold_set(cfg, name="tiny").save(tmp_path / "t.safetensors")
+def test_unknown_op_backend_refused_at_start(tmp_path, make_cfg, make_threshold_set):
+    cfg = make_cfg()
+    path = make_threshold_set(cfg, name="tiny").save(tmp_path / "t.safetensors")
     s = from_sources({ENV["thresholds"]: str(path), ENV["op_backend"]: "cpux"})
     with pytest.raises(TopthConfigError, match=r"TOPTH_VLLM_OP_BACKEND.*'cpux'.*torch"):
         load_for_model(s, cfg, "tiny", 1)
@@ -249,11 +252,11 @@ def test_serve_op_backend_and_sdc_gamma_options_and_ignored_env(tmp_path, capsys
     assert "'cpux' is not a registered backend" in capsys.readouterr().err
 
 
-def test_threshold_set_picks_one_set_of_a_multi_set_file(tmp_path):
+def test_threshold_set_picks_one_set_of_a_multi_set_file(tmp_path, make_cfg, make_threshold_set):
     from topth_ops.thresholds import save_threshold_sets
 
-    cfg = Cfg(name="tiny")
-    sets = [threshold_set(cfg, k=k, seed=k) for k in (2, 4, 8)]
+    cfg = make_cfg(name="tiny")
+    sets = [make_threshold_set(cfg, k=k, seed=k) for k in (2, 4, 8)]
     p = save_threshold_sets(tmp_path / "sets.safetensors", sets)
     for i, k in enumerate((2, 4, 8)):
         ts = load_for_model(from_sources({ENV["thresholds"]: str(p), ENV["threshold_set"]: str(i)}), cfg, "tiny", 1)
@@ -271,7 +274,7 @@ def test_threshold_set_picks_one_set_of_a_multi_set_file(tmp_path):
         load_for_model(from_sources({ENV["thresholds"]: str(tmp_path)}), cfg, "tiny", 1)
 
 
-def test_serve_threshold_set_option(tmp_path, capsys):
+def test_serve_threshold_set_option(tmp_path, capsys, make_threshold_set):
     from transformers import LlamaConfig
 
     from topth_ops.cli import main
@@ -283,7 +286,7 @@ def test_serve_threshold_set_option(tmp_path, capsys):
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model)
-    p = save_threshold_sets(tmp_path / "sets.safetensors", [threshold_set(cfg, name="m", k=k) for k in (2, 4)])
+    p = save_threshold_sets(tmp_path / "sets.safetensors", [make_threshold_set(cfg, name="m", k=k) for k in (2, 4)])
     assert main(["serve", str(model), "--thresholds", str(p), "--threshold-set", "1", "--dry-run"]) == 0
     assert "TOPTH_VLLM_THRESHOLD_SET=1" in capsys.readouterr().err
     assert main(["serve", str(model), "--thresholds", str(p), "--dry-run"]) == 2

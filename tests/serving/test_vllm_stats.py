@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
 import torch
 
 from topth_ops.vllm.stats import ServingStats, rank_path
+
+pytestmark = pytest.mark.vllm
 
 
 def test_steps_layers_and_report(tmp_path):

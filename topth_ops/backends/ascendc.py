@@ -88,9 +88,9 @@ def _ptr(t: Optional[torch.Tensor]):
 # ---------------------------------------------------------------------------- CPU model
 
 def _cpu_module():
-    from topth_ops.npu_kernels import _ascendc_cpu  # compiled extension
+    from ..npu_kernels import cpu_model_extension
 
-    return _ascendc_cpu
+    return cpu_model_extension()
 
 
 # Knobs of ``ascendc-cpu``: environment variable, target key, allowed range, meaning.
@@ -341,9 +341,9 @@ NPU_BUILD_HINT = ("to build it: source CANN's set_env.sh (ASCEND_HOME_PATH), ins
 
 
 def _npu_module():
-    from topth_ops.npu_kernels import _ascendc_npu  # compiled with CANN (docs/ascendc.md)
+    from ..npu_kernels import npu_extension
 
-    return _ascendc_npu
+    return npu_extension()
 
 
 class AscendCBackend(Backend):

@@ -45,9 +45,9 @@ PARALLEL_CHOICES = ("auto", "pool")
 
 def cpu_module():
     """The compiled kernel module (ImportError when it was not built)."""
-    from topth_ops.cpu_kernels import _topth_cpu
+    from ..cpu_kernels import extension
 
-    return _topth_cpu
+    return extension()
 
 
 def simd_request() -> str:

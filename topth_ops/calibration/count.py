@@ -1,53 +1,37 @@
 """Kept-count calibration: thresholds whose mean kept count is k, per row-length bucket.
 
 Algorithm 1 of the paper (section 3.1; :class:`topth_ops.calibration.ThresholdAccumulator`)
-takes theta = mean + alpha * std of the per-row (k+1)-th largest values. That theta is not
-the one whose *expected kept count* is k: a row's count of values above theta, c(theta),
-is a convex-ish step function of theta (it rises faster as theta moves down into the bulk
-of the row than it falls as theta moves up into the tail), and rows differ in level (a
-whole row of logits shifted up or down), so E[c(mean theta_row)] > k in general (Jensen);
-measured on SmolLM2-135M: 1.1-1.4 x k before the softmax, ~1.0 after it (docs/model.md).
-And a fixed theta reused beyond the longest calibrated row keeps ~n (1 - F(theta)) rows,
-which grows linearly with n when the logits' distribution F does not change with n.
+takes theta = mean + alpha * std of the per-row (k+1)-th largest values, which is not the
+theta whose *expected kept count* is k: a row's count above theta, c(theta), is not linear
+in theta and rows differ in level, so E[c(mean theta_row)] != k (Jensen). This module finds,
+per (layer, head, row-length bucket b), the theta_b with
 
-This module estimates, per (layer, head, row-length bucket), the theta whose mean kept
-count over the calibration rows of that bucket is exactly k:
-
-    find theta_b with  (1 / R_b) * sum_{rows r in b} #{ j : x_rj > theta_b } = k
+    (1 / R_b) * sum_{rows r in b} #{ j : x_rj > theta_b } = k
 
 from a bounded-memory histogram of every value x_rj of the bucket's rows (``bins`` bins on
 a per-(layer, head) range set by the first chunk a layer sees, with margins; values outside
-are clamped into the end bins). The count above a bin edge is exact; inside a bin the
-values are taken as uniform (linear interpolation). x is the logit a (pre_softmax) or the
+are clamped into the end bins). The count above a bin edge is exact; inside a bin the values
+are taken as uniform (linear interpolation). x is the logit a (pre_softmax) or the
 log-probability a - LSE (post_softmax, compared in the log domain as the op does). With
-``selection="group"`` x is the maximum over the GQA group's query heads, and k is the
-number of V rows the group keeps (op contract v0.2, docs/semantics.md).
+``selection="group"`` x is the maximum over the GQA group's query heads, and k is the number
+of V rows the group keeps (docs/semantics.md).
 
 Buckets are geometric in the row id n (ratio ``2 ** (1 / buckets_per_octave)``) and every
-target k is an edge, so a bucket above k holds only rows with n > k. Between bucket
-centres (the mean log n of their rows) theta is interpolated linearly in log n, in the
-domain above (logit, or log-probability); below the first centre the first value is used.
-Beyond the last centre theta follows a per-(layer, head) length model,
+target k is an edge, so a bucket above k holds only rows with n > k. Between bucket centres
+(the mean log n of their rows) theta is interpolated linearly in log n, in the domain above;
+below the first centre the first value is used. A fixed theta would keep ever more keys on
+longer rows, so beyond the last centre theta follows a per-(layer, head) length model
+(:class:`topth_ops.thresholds.LengthModel`),
 
     domain(theta)(n) = anchor_value + slope * (log(1 - k / n) - log(1 - k / anchor_n)),
 
-a law that saturates: for n >> k, log(1 - k / n) ~ -k / n, so theta rises towards a limit,
-its rise halving with every doubling of n; for rows just longer than k (a layer at a k
-near the calibration length, e.g. k = 768 on 1024-token samples) it falls to -inf like
-log log(n / k), so the steep rise of theta there is not carried far beyond. The slope is
-fitted by weighted least squares (weights: rows per bucket) on the bucket centres of the
-last ``fit_octaves`` octaves of the calibrated range (at least ``MIN_FIT_POINTS`` centres
-above 2k, else all above k) and anchored at the last bucket, so
-the calibrated values are used inside the calibrated range and the model only beyond it.
-Why this law: theta must rise with n (more keys compete for the same k places) but far
-keys rarely pass it, so the kept count at a fixed theta levels off and so does theta.
-Measured on SmolLM2-135M (dense activations, rows to 8192 of calibration text and of
-held-out code, docs/model.md "Rows 2-8 x beyond the calibration samples"), on rows 1-8 x
-beyond 1024-token samples a fixed theta keeps 0.91-1.23 x k, log log(n / k) (used before
-2026-12-01 09:57; older files keep it) 0.76-1.04, -k / n (used 2026-12-01 until this law)
-0.85-1.17, log(1 - k / n) 0.86-1.18 (both 0.94-1.08 from 2048-token samples); with k = 128
-and layers 0-1 at k = 768 on 1024-token samples, rows of 2048-3072 keys kept 0.70-0.76 x k
-under -k / n (+10% perplexity) and 0.92-0.99 under log(1 - k / n) (+0.74%).
+anchored at the last bucket, its slope fitted by weighted least squares (weights: rows per
+bucket) on the bucket centres of the last ``fit_octaves`` octaves (at least
+``MIN_FIT_POINTS`` centres above 2k, else all above k). For n >> k the law levels off like
+-k / n (the kept count at a fixed theta levels off, because far keys rarely pass it); for
+rows just above k it falls like log log(n / k), so the steep rise of theta there is not
+carried far beyond the samples. Measurements and the laws compared: docs/model.md,
+"Rows 2-8 x beyond the calibration samples".
 """
 
 from __future__ import annotations
@@ -120,8 +104,7 @@ class CountAccumulator:
     Notes
     -----
     Memory: int64 ``num_layers x H x buckets x bins`` per (placement, selection), e.g.
-    SmolLM2-135M at 1024 row ids: 30 x 9 x ~40 x 512 x 8 B = 44 MB per placement with
-    per-head selection, a third of that per group.
+    30 layers x 9 heads x ~40 buckets (1024 row ids) x 512 bins x 8 B = 44 MB.
     """
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, max_row_id: int,

@@ -20,8 +20,8 @@ recorded from the same forward passes (one ``topk`` per row chunk), which is the
 bounded-memory form of the paper's multi-k calibration (appendix D).
 
 The offline SDC table (section 3.2.1) is a second pass over the calibration text,
-:class:`topth_ops.calibration.sdc.SdcAccumulator` (re-exported here); the layer-k maps live in
-:mod:`topth_ops.thresholds.layer_k` (re-exported here).
+:class:`topth_ops.calibration.sdc.SdcAccumulator`; the layer-k maps live in
+:mod:`topth_ops.thresholds.layer_k`.
 
 This module has no dependency on transformers: the model integration feeds it scores.
 """

@@ -33,7 +33,7 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
 
 @rule("strided_small_inputs", "strided views (slices, transposes, stride-0 expands) of seq_lens, thresholds, sdc_table, value_mean, block_table and threshold_set are read through their strides")
 def _strided_small(h: Harness) -> None:
-    # The reported Triton bug: seq_lens is column 0 of an int32 [4, 2] tensor.
+    # seq_lens is column 0 of an int32 [4, 2] tensor (stride 2).
     lens_pairs = torch.tensor([[300, 7], [13, 250], [1, 99], [177, 0]], dtype=torch.int32)
     base = random_case("strided_seq_lens", Shape((300, 13, 1, 177), 8, 2, 64, 300), h.dtype,
                        placement="post_softmax", seed=h.seed("stridedlens"))

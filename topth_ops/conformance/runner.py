@@ -9,8 +9,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..contract import _dtype
 from ..registry import Backend, get_backend
+from ..validation import dtype_str
 from .harness import RULES, Harness
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -78,7 +78,7 @@ def run_rule(backend: Backend, rule: str, dtype: torch.dtype, *, device: Optiona
         status = "skip"
     else:
         status = "pass"
-    return RuleResult(rule, _dtype(dtype), str(device), status, h.cases, h.worst,
+    return RuleResult(rule, dtype_str(dtype), str(device), status, h.cases, h.worst,
                       time.perf_counter() - t0, h.failures, h.unsupported)
 
 

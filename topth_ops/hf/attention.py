@@ -6,8 +6,8 @@ given as ``attn_implementation="topth"`` when a model is loaded), attaches a
 model, and switches the model to it. Per call (one layer, one forward):
 
 - decode steps (query length 1) in Top-Theta mode call :func:`topth_ops.decode_attention`,
-  so the backend registry picks the kernel for the device (CPU reference, Triton on
-  CUDA, Ascend C on NPU);
+  so the backend registry picks the kernel for the device (the ``cpu`` kernel, Triton on
+  CUDA, Ascend C on NPU, else the PyTorch reference);
 - prefill (query length > 1) applies the same per-row thresholding through
   :func:`topth_ops.prefill.prefill_attention` (each row with its own row id), or stays
   dense (SDPA) with ``prefill="dense"``;
@@ -272,7 +272,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     if ctl is None:
         raise RuntimeError(
             "attn_implementation='topth' needs Top-Theta settings: call "
-            "topth_ops.hf.enable(model, TopthSettings(...)) after loading the model"
+            "topth_ops.hf.attention.enable(model, TopthSettings(...)) after loading the model"
         )
     return ctl.forward(module, query, key, value, attention_mask, scaling, kwargs), None
 

@@ -1,7 +1,7 @@
 """How the "topth" attention function reads the KV cache transformers hands it: which keys
-each query row may attend (row ids and valid keys, from the attention mask), the V mean of
-each sequence's valid rows (VMC), the mask function registered for "topth", and the checks
-of which models and caches the integration supports.
+each query row may attend (row ids and valid keys, from the attention mask), the mask
+function registered for "topth", and the checks of which models and caches the
+integration supports.
 
 Row ids come from the mask, never from the shape of the cache. transformers builds the
 mask from the cache's own positions (``Cache.get_query_offset`` / ``get_mask_sizes``), so
@@ -14,8 +14,8 @@ capacity and SDPA aligns the causal mask to the upper left; :func:`topth_mask` t
 always materializes the mask, and a call without one (a caller outside transformers'
 model code) follows SDPA's convention for a missing mask (:func:`rows_from_mask`).
 
-:func:`valid_value_mean` averages the valid V rows of a cache; the decode path uses it only
-to (re)build the running sums of :mod:`topth_ops.hf.vmean`.
+The V mean of each sequence's valid rows (VMC) is :func:`topth_ops.vmean.valid_value_mean`;
+the decode path uses it only to (re)build the running sums of :mod:`topth_ops.hf.vmean`.
 """
 
 from __future__ import annotations

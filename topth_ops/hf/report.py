@@ -122,7 +122,8 @@ def make_plots(records: Sequence[dict], out_dir: str) -> list[str]:
 
 
 def group_vs_head(records: Sequence[dict], tolerance: float = 0.001) -> list[dict]:
-    """Group selection against per-head selection (issue 15).
+    """Group selection against per-head selection: V rows read at the same k and at equal
+    perplexity.
 
     For every group-selection record (family ``X-group``): the per-head record of family
     ``X`` at the same k (V-row ratio head / group and both perplexity changes), and every

@@ -86,9 +86,8 @@ def token_samples(tokenizer, docs: Sequence[str], samples: int, max_tokens: int,
         reach (a window that fills inside the blank line after a document has not reached
         the next one), so the rest of a document longer than a window is not used.
         Then the keys of row id n are a text's first tokens (after BOS), as at
-        inference, where a prompt starts a text; calibrating the short row ids on
-        mid-document windows made SmolLM2's pre-softmax thresholds keep 1.16 x k on
-        HumanEval prompts (1.10 with document starts; docs/model.md).
+        inference, where a prompt starts a text (effect on the kept counts: docs/model.md,
+        "Samples from document starts").
 
     Returns
     -------

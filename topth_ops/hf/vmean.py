@@ -4,8 +4,8 @@ VMC (paper section 3.2.2) needs mu = mean_{j<n} v_j per (sequence, KV head) at e
 step. Averaging the V rows handed to the attention function reads every valid V row each
 step, O(n x head_dim): as much V traffic as dense attention, which erases the saving of
 reading only the kept rows. A plain running sum kept beside the cache goes stale when
-transformers edits the cache in place (issue 9.4: beam search reorders it, assisted
-decoding crops it, ``batch_select_indices`` / ``batch_repeat_interleave`` / ``reset``).
+transformers edits the cache in place (beam search reorders it, assisted decoding crops
+it, ``batch_select_indices`` / ``batch_repeat_interleave`` / ``reset``).
 
 :class:`ValueSums` keeps, per layer, the float32 sum of the V rows seen so far and the
 number of rows summed, and lives on the cache object itself. :func:`value_sums_for`

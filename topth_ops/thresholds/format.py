@@ -1,5 +1,5 @@
 """Threshold file format: constants, the error type, and the attention shape a file is
-made for (config, fingerprint, description). Layout: :mod:`topth_ops.thresholds`."""
+made for (config, fingerprint, description). The format: docs/thresholds.md."""
 
 from __future__ import annotations
 

@@ -2,12 +2,12 @@
 calibrated row ids, a line in a feature of n.
 
 Kept-count calibration (:mod:`topth_ops.calibration.count`) fits one per (layer, head) by
-weighted least squares on its bucket values in log(1 - k / n) (:func:`fit_length_model`;
-earlier files used log log(n / k) or -k / n and still load with their own law); the offline SDC
-table is held constant, slope 0 (:func:`constant_table_model`; older files hold a line in
-log n, which still loads). Threshold files store them (:mod:`topth_ops.thresholds`)
-and extend their tables with them when loaded. Why these laws: see
-:mod:`topth_ops.calibration.count`, :func:`constant_table_model` and docs/model.md.
+weighted least squares on its bucket values in log(1 - k / n) (:func:`fit_length_model`);
+the offline SDC table is held constant, slope 0 (:func:`constant_table_model`). Every
+feature of :data:`FEATURES` loads with its own law, so files fitted with other laws keep
+them. Threshold files store the models and extend their tables with them when loaded
+(docs/thresholds.md); why these laws: docs/model.md, "Rows 2-8 x beyond the calibration
+samples".
 """
 
 from __future__ import annotations
@@ -75,10 +75,9 @@ class LengthModel:
     """theta as a function of the row id beyond the calibrated buckets.
 
     ``domain(theta)(n) = anchor_value + slope * (x(n) - x(anchor_n))`` with the feature
-    x(n) = log(1 - k / n) (thresholds: theta rises ever more slowly towards a limit as rows
-    get longer, because far keys rarely pass it; measured in docs/model.md), x(n) = -k / n or
-    log log(n / k) (thresholds of files written earlier on 2026-12-01 and before it) or
-    x(n) = log n (the offline SDC table of files written before 2026-12-01).
+    x(n) = log(1 - k / n) (what calibration fits for thresholds: theta rises ever more slowly
+    towards a limit as rows get longer, because far keys rarely pass it), or another feature
+    of :data:`FEATURES` (-k / n, log log(n / k), log n) that a file records.
 
     Attributes
     ----------
@@ -195,12 +194,10 @@ def constant_table_model(table: np.ndarray, counts: np.ndarray, layer_k, octaves
     row id: per (layer, head), the sample-weighted mean of the table over the row ids of its
     last ``octaves`` octaves with samples (rows n > k), held for every longer row.
 
-    Why constant: on SmolLM2-135M the mean dropped mass E per row id keeps growing beyond
-    the calibration samples, but compensating longer rows by more of it (continued in log n,
-    or even the exact dense mean of the document itself) made pre-softmax keep 1.3-3 x k
-    at rows 2-8 x beyond the samples and raised perplexity at 4-8 x by up to +364%; held
-    constant it kept 0.97-0.98 x k (k = 16) and changed perplexity least at 4-8 x (+46%)
-    (docs/model.md, "Rows 2-8 x beyond the calibration samples").
+    Why constant: compensating rows beyond the calibration samples by more dropped mass
+    than the calibrated layers saw shrinks every kept weight, so the later layers'
+    activations drift and their kept counts and perplexity with them (docs/model.md,
+    "Rows 2-8 x beyond the calibration samples").
 
     Parameters
     ----------

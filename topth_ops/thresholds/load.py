@@ -1,6 +1,6 @@
 """Reading threshold files: format version 2 (several threshold sets, selection, length
-model) and format version 1 (one set, still read). See :mod:`topth_ops.thresholds` for
-the layout; everything here is re-exported there."""
+model) and format version 1 (one set, still read), validated and extended to
+``extend_to`` row ids (docs/thresholds.md). Re-exported by :mod:`topth_ops.thresholds`."""
 
 from __future__ import annotations
 

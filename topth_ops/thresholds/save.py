@@ -1,5 +1,4 @@
-"""Writing threshold files (format version 2, atomically). Layout:
-:mod:`topth_ops.thresholds`."""
+"""Writing threshold files (format version 2, atomically; docs/thresholds.md)."""
 
 from __future__ import annotations
 

@@ -1,55 +1,10 @@
-"""Threshold files: calibrated Top-Theta thresholds of one model, in safetensors.
+"""Threshold sets: :class:`ThresholdSet` (one calibrated k map of one model, placement and
+selection mode) and :func:`stack_sets` (several sets as the op's 3-D table).
 
-A file holds one or more *threshold sets* (e.g. k = 16, 32, 64 from one calibration pass)
-that share the model, the placement and the selection mode, so that one batch can mix
-requests at different k through the op's 3-D ``thresholds`` and ``threshold_set``
-(op contract v0.2, docs/semantics.md).
-
-Format version 2 (written)
---------------------------
-Tensors of set i (``H`` = num_q_heads for selection "head", num_kv_heads for "group"):
-
-``set{i}.thresholds`` : float32 ``[num_layers, H, R_cal]``
-    theta per (layer, head, row id) over the calibrated row ids (column c is row id c + 1;
-    -inf = dense).
-``set{i}.sample_counts`` : int64 ``[num_layers, H, R_cal]``
-    calibration rows behind each value (0: filled from a neighbour).
-``set{i}.sdc_table`` : float32 ``[num_layers, num_q_heads, R_cal]``, optional
-    offline softmax-denominator compensation (pre_softmax only), units of exp(a - m).
-``set{i}.length_model``, ``set{i}.sdc_length_model`` : float64 ``[3, num_layers, H]``, optional
-    the length model of theta (a line in ``length_feature``: log(1 - k / n); -k / n or
-    log log(n / k) in files written earlier) and of the SDC table (held constant: slope 0; older
-    files a line in log n) beyond the calibrated row ids: anchor row id, anchor value and
-    slope (:class:`topth_ops.thresholds.length_model.LengthModel`).
-    When present, loading extends the table to ``extend_to`` row ids with it.
-
-Metadata: ``format`` = "topth-thresholds", ``format_version`` = "2", ``model_name``,
-``attention_config`` (JSON: model_type, num_layers, num_q_heads, num_kv_heads, head_dim),
-``attention_fingerprint`` (sha256 prefix of it), ``placement``, ``selection``,
-``num_sets``, ``sets`` (JSON list, one object per set: ``layer_k`` (0 = dense layer),
-``alpha``, ``estimator`` ("mean" = algorithm 1, "count" = kept-count), ``extend_to``,
-``length_domain``, ``length_feature``, ``sdc_length_domain``, ``sdc_length_feature`` (absent = log n: files
-written before 2026-12-01), ``topk_at_calibration``, ``layerwise`` (each
-layer calibrated on the thresholded layers below; absent = false), ``layerwise_rule`` (with
-``layerwise``: the ``{"sdc", "vmc"}`` the layers below ran with; absent = unknown), ``calibration_text``,
-``calibration_samples``, ``calibration_tokens``, ``source``), ``created_by``.
-
-Format version 1 (still read)
------------------------------
-One set: ``thresholds`` / ``sample_counts`` / ``sdc_table`` ``[num_layers, num_q_heads,
-max_row_id]`` and the set's fields as top-level metadata; selection "head", estimator
-"mean", no length model (the op reuses the last column beyond ``max_row_id``).
-
-Writes are atomic (temporary file in the target folder, fsync, rename), so an interrupted
-calibration never leaves a half-written file. Loading checks the format, the metadata,
-every tensor's dtype and shape and the values; :meth:`ThresholdSet.check_model` compares a
-set with a model, naming both on mismatch. The paper reference code's text format is
-imported by :func:`topth_ops.thresholds.reference.import_reference_text` (re-exported here).
-
-This module holds :class:`ThresholdSet` and re-exports the rest: format constants and the
-attention config (:mod:`topth_ops.thresholds.format`), checks and length-model extension
-(:mod:`topth_ops.thresholds.validate`), writing (:mod:`topth_ops.thresholds.save`) and
-reading (:mod:`topth_ops.thresholds.load`).
+The file format (version 2 written, version 1 read), the length-model extension on load,
+atomic writes, the checks on load and the reference-text import are specified in
+docs/thresholds.md; reading is :mod:`topth_ops.thresholds.load`, writing
+:mod:`topth_ops.thresholds.save`.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@
 
 #include "topth_model/core.h"
 #include "topth_launch.h"
+#include "topth_codes_py.h"
 #include "topth_tiling_py.h"
 
 namespace py = pybind11;
@@ -290,6 +291,7 @@ PYBIND11_MODULE(_ascendc_cpu, m) {
     m.doc() =
         "The topth decode-attention Ascend C kernel compiled with g++ against the CPU model of the Ascend C API "
         "(unified-buffer capacity, alignment, queue discipline and pipe synchronisation are checked).";
+    m.attr("CODES") = topth::CodesDict();
     static py::exception<topth_model::ModelError> modelError(m, "ModelError", PyExc_RuntimeError);
     py::register_exception_translator([](std::exception_ptr p) {
         try {

@@ -15,9 +15,10 @@ from typing import Optional
 import torch
 
 from ...codes import MAX_POSITIONS
-from ...contract import DecodeInputs, DecodeStats, _dtype
+from ...contract import DecodeInputs, DecodeStats
 from ...env import interpreter_enabled
 from ...registry import Backend
+from ...validation import dtype_str
 
 HEAD_DIMS = tuple(range(16, 257, 16))  # every multiple of 16 up to 256 (FlashAttention's set)
 
@@ -69,8 +70,8 @@ class TritonBackend(Backend):
         elif dev != "cuda":
             reasons.append(f"needs cuda tensors (or TRITON_INTERPRET=1 with cpu tensors), got {dev}")
         if inputs.dtype not in self.dtypes:
-            names = ", ".join(_dtype(d) for d in self.dtypes)
-            reasons.append(f"dtype {_dtype(inputs.dtype)} not supported (supports {names})")
+            names = ", ".join(dtype_str(d) for d in self.dtypes)
+            reasons.append(f"dtype {dtype_str(inputs.dtype)} not supported (supports {names})")
         elif interp and inputs.dtype == torch.bfloat16:
             reasons.append("dtype bfloat16 not supported under TRITON_INTERPRET=1 "
                            "(the interpreter cannot compute bfloat16 tl.dot)")

@@ -1,7 +1,8 @@
 """Launcher and heuristics: tile sizes per head_dim and group size, split count from the
 compiled kernel's occupancy, candidate capacity of post_softmax, and
-:func:`decode_attn_fwd`, which launches the stages (:mod:`.attn_pre` or
-:mod:`.attn_post`, then :mod:`.combine`)."""
+:func:`decode_attn_fwd`, which launches the kernels of :mod:`topth_ops.cuda_kernels`
+(:mod:`~topth_ops.cuda_kernels.attn_pre` or :mod:`~topth_ops.cuda_kernels.attn_post`, then
+:mod:`~topth_ops.cuda_kernels.combine`)."""
 
 from __future__ import annotations
 
