@@ -4,7 +4,7 @@
   the host C++ compiler against the CPU model of the Ascend C API (npu_kernels/cpu_model/),
   exposed through pybind11. Always attempted; marked optional so that a machine without a C++
   compiler can still install the package (the ``ascendc-cpu`` backend then reports why it is
-  unavailable, and tests/test_ascendc_cpu.py fails).
+  unavailable, and tests/backends/ascendc/test_ascendc_cpu.py fails).
 * ``topth_ops.npu_kernels._ascendc_npu``: the same kernel built for the NPU with CANN, only when
   ASCEND_HOME_PATH is set (see docs/ascendc.md); driven by npu_kernels/npu/CMakeLists.txt. It
   needs cmake, torch and torch_npu in the Python that builds, so under pip's default build

@@ -1,6 +1,6 @@
 """Per-pipe counters of the Ascend C kernel on the CPU model (backend ``ascendc-cpu``), as
 reported by ``topth-ops bench --backends ascendc-cpu --cases bytes``, the gates CI applies to
-them (tests/test_ascendc_cpu_counters.py), and the per-tile cycle estimate derived from them
+them (tests/backends/ascendc/test_ascendc_cpu_counters.py), and the per-tile cycle estimate derived from them
 (docs/ascendc.md, "Cycle estimate").
 
 The model counts, per core and summed over cores (``Backend.bench_counters`` keys

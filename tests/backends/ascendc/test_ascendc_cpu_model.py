@@ -9,7 +9,7 @@ on purpose and requires the model or the check to catch it):
 6. all-core SyncAll without batch scheduling under concurrent streams, hard SyncAll in a
    kernel that is not of mix type.
 (4, the ReduceRepeat rename, and the CMake library / layout probe are build checks:
-tests/test_ascendc_cpu_build.py.)
+test_ascendc_cpu_build.py.)
 """
 
 import numpy as np

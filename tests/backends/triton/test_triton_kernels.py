@@ -1,4 +1,5 @@
-"""Focused tests of the Triton kernels (topth_ops.cuda_kernels) and the ``triton`` backend.
+"""Focused tests of the Triton kernels (topth_ops.cuda_kernels, launched by
+topth_ops.backends.triton.launch) and the ``triton`` backend.
 
 Without a GPU they run the real kernels in Triton's CPU interpreter (TRITON_INTERPRET=1,
 set here before the kernels are imported when no CUDA device is present). Every result is
@@ -35,9 +36,10 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda
 
 
 def kernels():
-    from topth_ops import cuda_kernels
+    """The kernels' host side: LaunchConfig, decode_attn_fwd, choose_num_splits."""
+    from topth_ops.backends.triton import launch
 
-    return cuda_kernels
+    return launch
 
 
 # --------------------------------------------------------------------------------------
