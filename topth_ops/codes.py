@@ -13,46 +13,41 @@ from enum import IntEnum
 import torch
 
 
-class DType(IntEnum):
+class _Code(IntEnum):
+    @classmethod
+    def of(cls, name: str):
+        """The code of an option value of the contract, e.g. ``Sdc.of("exp_threshold")``."""
+        return cls[name.upper()]
+
+
+class DType(_Code):
     FLOAT16 = 0
     BFLOAT16 = 1
     FLOAT32 = 2
 
     @classmethod
     def of(cls, dtype: torch.dtype) -> "DType":
-        return {torch.float16: cls.FLOAT16, torch.bfloat16: cls.BFLOAT16, torch.float32: cls.FLOAT32}[dtype]
+        return cls[str(dtype).replace("torch.", "").upper()]
 
 
-class Placement(IntEnum):
+class Placement(_Code):
     PRE_SOFTMAX = 0
     POST_SOFTMAX = 1
 
-    @classmethod
-    def of(cls, placement: str) -> "Placement":
-        return cls[placement.upper()]
 
-
-class Sdc(IntEnum):
+class Sdc(_Code):
     NONE = 0
     EXACT = 1
     EXP_THRESHOLD = 2
     OFFLINE = 3
 
-    @classmethod
-    def of(cls, sdc: str) -> "Sdc":
-        return cls[sdc.upper()]
 
-
-class Selection(IntEnum):
+class Selection(_Code):
     HEAD = 0
     GROUP = 1
 
-    @classmethod
-    def of(cls, selection: str) -> "Selection":
-        return cls[selection.upper()]
 
-
-class VmcMode(IntEnum):
+class VmcMode(_Code):
     """CPU kernel: no VMC, VMC with the given ``value_mean``, VMC computing the mean."""
     OFF = 0
     GIVEN = 1
