@@ -7,9 +7,9 @@ with every backend variant (see :mod:`topth_ops.bench.harness`). The sets:
 ``quick``
     seconds on a 2-core CPU; checks the harness (CI runs it), times mean nothing;
 ``h200``
-    the CUDA targets of issue 4 (bench/gpu_check.sh);
+    the CUDA targets (bench/gpu_check.sh);
 ``npu``
-    the Ascend targets of issue 5 (bench/npu_check.sh): GQA 32 q / 8 kv heads, head_dim
+    the Ascend targets (bench/npu_check.sh): GQA 32 q / 8 kv heads, head_dim
     128, seq_len 32768, batch 1 and 8, f from 0.05 to 1, fp16 and one bf16 case;
 Each set has paged twins (block sizes 16 and 128) of some of its cases, named
 ``...-paged16`` / ``...-paged128``.
@@ -105,7 +105,7 @@ QUICK = _sweep("quick", (0.1, 0.3), batch=2, seq_len=192, num_q_heads=8, num_kv_
 ]
 QUICK += _paged(QUICK[:1] + QUICK[-1:])
 
-# The H200 targets of issue 4 / 13: bf16, GQA 32 q / 8 kv heads, head_dim 128, seq_len 32768,
+# The H200 targets: bf16, GQA 32 q / 8 kv heads, head_dim 128, seq_len 32768,
 # batch 8. pre_softmax swept over the kept fraction f = 0.05 ... 1 (1: every row kept, the
 # thresholded kernel's own overhead), post_softmax at the two target fractions, and the
 # kept rows clustered in runs of 64 (tile-aligned: whole tiles without a kept row) besides
@@ -125,7 +125,7 @@ H200 = _sweep("h200", (0.1, 0.3), **H200_TARGET) + _sweep(
 # paged twins of the target (block sizes 16 and 128, vLLM's NHD layout)
 H200 += _paged([c for c in H200 if c.name in ("h200-pre-f0.1", "h200-post-f0.1")])
 
-# The Ascend targets of issue 5: >= 1.5x over dense IncrementalFlashAttention at f = 0.1,
+# The Ascend targets: >= 1.5x over dense IncrementalFlashAttention at f = 0.1,
 # 32k context (GQA 32 q / 8 kv heads, head_dim 128, fp16). Traffic bound 2 / (1 + f).
 NPU_TARGET = dict(seq_len=32768, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="fp16")
 NPU = _sweep("npu-b1", (0.05, 0.1, 0.2, 0.5, 1.0), batch=1, **NPU_TARGET) + _sweep(

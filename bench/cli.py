@@ -7,7 +7,7 @@ target; 2 for a bad argument or a device that is not there; 130 when interrupted
 
 Examples::
 
-    topth-ops bench --device cpu                                       # CPU kernel vs dense CPU decode (issue 11)
+    topth-ops bench --device cpu                                       # CPU kernel vs dense CPU decode
     topth-ops bench --cases quick                                      # CPU, seconds
     topth-ops bench --cases h200 --check-targets                       # one H200
     topth-ops bench --device npu --cases npu --backends ascendc        # Ascend, vs IFA
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", default=None,
                         help="case sets, comma-separated: quick (CPU, seconds), h200 (the GPU targets), "
                              "npu (the Ascend targets), bytes (GM->UB bytes on the ascendc-cpu model); or one of "
-                             "cpu (the CPU kernel against dense CPU decode, issue 11; about 15 min on 2 cores) and "
+                             "cpu (the CPU kernel against dense CPU decode; about 15 min on 2 cores) and "
                              "cpu-quick (its runner in seconds). Default: cpu with --device cpu, else quick")
     parser.add_argument("--backends", default=None,
                         help="comma-separated registry backends to time (default: every backend that "

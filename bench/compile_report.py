@@ -2,8 +2,8 @@
 ``python -m topth_ops.bench.compile_report`` (also ``topth-ops bench --compile-report``).
 
 Every production variant of the kernels is compiled for sm_90 exactly as the JIT would
-(:mod:`.aot_check`); the report gives per kernel the registers and spills (ptxas), shared
-memory, CTAs per SM (:mod:`.occupancy`), and how K and V rows are loaded inside the loop.
+(:mod:`topth_ops.bench.triton_compile`); the report gives per kernel the registers and spills (ptxas), shared
+memory, CTAs per SM (:mod:`topth_ops.backends.triton.occupancy`), and how K and V rows are loaded inside the loop.
 For each case of the benchmark's ``h200`` set it gives the split count the launcher picks
 from that occupancy, the programs launched against the resident slots of an H200 (132
 SMs), and the waves. Gates (exit status 1, asserted in CI): no spill instruction inside
@@ -36,7 +36,7 @@ REG_BUDGET = {4: 168, 8: 128}
 
 @dataclass(frozen=True)
 class Variant:
-    """One production configuration of the op (arguments of :func:`.aot_check.record`)."""
+    """One production configuration of the op (arguments of :func:`topth_ops.bench.triton_compile.record`)."""
 
     label: str
     placement: str = "pre_softmax"

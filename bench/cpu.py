@@ -1,4 +1,4 @@
-"""The CPU decode benchmark (issue 11): ``topth-ops bench --device cpu``.
+"""The CPU decode benchmark: ``topth-ops bench --device cpu``.
 
 Per shape (:mod:`topth_ops.bench.cpu_cases`), on one cache and in one process, the
 variants are:

@@ -1,4 +1,4 @@
-"""Shapes and inputs of the CPU decode benchmark (``topth-ops bench --device cpu``, issue 11).
+"""Shapes and inputs of the CPU decode benchmark (``topth-ops bench --device cpu``).
 
 One cache per shape serves every kept fraction f, so that the kernel at each f, its dense
 mode and the dense baselines are timed side by side on the same bytes. Per (sequence, KV
@@ -22,7 +22,7 @@ import torch
 from topth_ops.contract import DecodeInputs, make_inputs
 
 FRACTIONS = (0.05, 0.1, 0.3, 0.5)
-"""Kept fractions timed per shape (issue 11), plus the dense mode."""
+"""Kept fractions timed per shape, plus the dense mode."""
 TIER_GAIN = 20.0
 MIN_GAP = 1.0
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -56,7 +56,7 @@ def _grid(batches, heads, dims, lens, dtypes) -> list[CpuShape]:
 
 
 CPU_SHAPE_SETS = {
-    # issue 11: B in {1, 8}, Hq32/Hkv8 and Hq9/Hkv3, d in {64, 128}, S in {2k, 8k, 32k}, bf16 and fp32
+    # B in {1, 8}, Hq32/Hkv8 and Hq9/Hkv3, d in {64, 128}, S in {2k, 8k, 32k}, bf16 and fp32
     "cpu": _grid((1, 8), ((32, 8), (9, 3)), (64, 128), (2048, 8192, 32768), ("bf16", "fp32")),
     # seconds: checks the runner (CI)
     "cpu-quick": _grid((1, 2), ((8, 2),), (64,), (640,), ("bf16", "fp32")),

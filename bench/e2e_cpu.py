@@ -1,4 +1,4 @@
-"""End-to-end decode speed on the CPU: dense vs Top-Theta at a long prompt (issue 11, item 4).
+"""End-to-end decode speed on the CPU: dense vs Top-Theta at a long prompt.
 
 ``python -m topth_ops.bench.e2e_cpu --thresholds th.safetensors [--context 4096] [--new-tokens 32]``
 

@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="all", help="comma-separated case labels, or all")
     args = parser.parse_args(argv)
     if interpreter_enabled():
-        print("aot_check: unset TRITON_INTERPRET (the interpreter has no compiler)", file=sys.stderr)
+        print("triton_compile: unset TRITON_INTERPRET (the interpreter has no compiler)", file=sys.stderr)
         return 2
     wanted = None if args.cases == "all" else set(args.cases.split(","))
     failures = 0

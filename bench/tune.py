@@ -1,9 +1,9 @@
 """``python -m topth_ops.bench.tune``: sweep Triton launch configs on one H200 target shape.
 
-Times :func:`topth_ops.cuda_kernels.decode_attn_fwd` (dense mode, pre_softmax at f = 0.1
+Times :func:`topth_ops.backends.triton.launch.decode_attn_fwd` (dense mode, pre_softmax at f = 0.1
 with the kept rows scattered and clustered in runs of 64, post_softmax at f = 0.1) for a
 small grid of tile sizes, warps, stages, split counts and tile skipping, so that the
-defaults of :func:`topth_ops.cuda_kernels.choose_config` (and the occupancy-derived split
+defaults of :func:`topth_ops.backends.triton.launch.choose_config` (and the occupancy-derived split
 count) can be checked on real hardware. Each config's output is checked against the
 default config's output before timing. Writes ``tune.csv`` into ``--out``. CUDA only.
 """

@@ -187,7 +187,7 @@ class FlashAttnVariant(Variant):
 class IfaVariant(Variant):
     """torch_npu ``npu_incre_flash_attention`` (Ascend's IncrementalFlashAttention) over the
     caches: BNSD, GQA, the case's scale and ``actual_seq_lengths``; the dense NPU baseline
-    (issue 5's target is measured against it)."""
+    (the Ascend target is measured against it)."""
 
     name = "npu-ifa"
 

@@ -53,7 +53,9 @@ def part_file(model, ids, max_tokens, thresholds, vmc, workdir, hf_model=None,
     stats_path = os.path.join(workdir, "file_stats.json")
     mine = vc.run_llm(model, ids, max_tokens, topth={"thresholds": thresholds, "vmc": vmc, "stats_file": stats_path})
     rep = json.load(open(stats_path))
-    from topth_ops.hf import TopthSettings, enable, load_model
+    from topth_ops.hf.attention import enable
+    from topth_ops.hf.model import load_model
+    from topth_ops.hf.settings import TopthSettings
 
     lm = load_model(hf_model, progress=False)  # default: the GGUF model the export was made from
     out = {"vllm": {"gen_s": mine["gen_s"], "load_s": mine["load_s"], "tokens": mine["tokens"]},

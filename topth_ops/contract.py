@@ -15,7 +15,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import validation as V
-from .validation import LAYOUT_DIMS, cache_dims, cache_strides
 
 PLACEMENTS = ("pre_softmax", "post_softmax")
 SDC_MODES = ("none", "exact", "exp_threshold", "offline")
@@ -122,7 +121,7 @@ class DecodeInputs:
 
     @property
     def num_kv_heads(self) -> int:
-        return cache_dims(self.key_cache, self.kv_layout)[1]
+        return V.cache_dims(self.key_cache, self.kv_layout)[1]
 
     @property
     def group_size(self) -> int:
@@ -141,7 +140,7 @@ class DecodeInputs:
     @property
     def block_size(self) -> int:
         """Positions per cache block (BNSD: max_seq_len, one block per sequence)."""
-        return cache_dims(self.key_cache, self.kv_layout)[2]
+        return V.cache_dims(self.key_cache, self.kv_layout)[2]
 
     @property
     def num_blocks(self) -> int:
@@ -183,7 +182,7 @@ class DecodeInputs:
         """Element strides ``(block, kv_head, slot, dim)`` of the key or value cache (see
         :func:`topth_ops.validation.cache_strides`)."""
         t = self.key_cache if which == "key" else self.value_cache
-        return cache_strides(t, self.kv_layout)
+        return V.cache_strides(t, self.kv_layout)
 
     def clamped_lengths(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``[batch]`` lengths clamped into ``[0, max_seq_len]`` in their own dtype's full range
@@ -387,7 +386,7 @@ def _check_layout(q, k, v, lens, block_table, layout: str) -> tuple[int, int, in
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_q_heads ({num_q_heads}, query dim 1) must be a multiple of num_kv_heads "
-            f"({num_kv_heads}, key_cache {layout} {LAYOUT_DIMS[layout]})")
+            f"({num_kv_heads}, key_cache {layout} {V.LAYOUT_DIMS[layout]})")
     if lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape [{batch}] (the query batch), got {_shape(lens)}")
     max_seq_len = block_size

@@ -75,7 +75,7 @@ struct TopthTilingData {
     // rule), the kernel turns L2 caching off for them (GlobalTensor::SetL2CacheHint) so the
     // stream does not evict what other data the L2 holds
     uint32_t l2CacheOff;
-    // Cube path (issue 14): a mix kernel (KERNEL_TYPE_MIX_AIC_1_2, entry topth_decode_attn_cube,
+    // Cube path: a mix kernel (KERNEL_TYPE_MIX_AIC_1_2, entry topth_decode_attn_cube,
     // blockDim AI cores) whose cube core computes the scores Q.K^T of 64-position tiles for
     // its two vector cores and hands them over through a GM ring of ringSlots tiles per
     // vector core (cross-core flags); the vector cores do everything from the scores on.

@@ -1,4 +1,4 @@
-// The cube core (AIC) of the mix kernel (cube path, issue 14's design after
+// The cube core (AIC) of the mix kernel (cube path, the design after
 // IncrementalFlashAttention's GQA path): per ring step it computes the scores Q.K^T of one
 // 64-position tile for the work item of each of the two vector cores (AIV) of its AI core
 // and hands them over through a GM ring with cross-core flags; the vector cores do

@@ -187,3 +187,54 @@ def test_no_module_getattr():
             if defined:
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} defines module __getattr__")
     assert not bad, "module __getattr__ hides lazy re-exports (import the name explicitly):\n  " + "\n  ".join(bad)
+
+
+# The layering of docs/architecture.md: a module may import its own layer and the layers
+# before it, never a later one. Prefixes are matched longest first.
+LAYERS = [
+    ("topth_ops.cuda_kernels", "topth_ops.cpu_kernels", "topth_ops.npu_kernels"),
+    ("topth_ops.validation", "topth_ops.codes", "topth_ops.env", "topth_ops.vmean", "topth_ops.cli"),
+    ("topth_ops.contract", "topth_ops.paged"),
+    ("topth_ops.registry", "topth_ops.prefill"),
+    ("topth_ops.op", "topth_ops.api", "topth_ops"),
+    ("topth_ops.backends",),
+    ("topth_ops.thresholds",),
+    ("topth_ops.calibration", "topth_ops.rowstats"),
+    ("topth_ops.conformance", "topth_ops.info", "topth_ops.demo", "topth_ops.__main__"),
+    ("topth_ops.hf", "topth_ops.vllm"),
+    ("topth_ops.bench",),
+]
+
+
+def _layer(module: str) -> int:
+    best, depth = None, -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and p.count(".") > depth:
+                best, depth = i, p.count(".")
+    return best
+
+
+def test_layering_of_the_architecture_doc():
+    bad = []
+    for module, targets in sorted(graph().items()):
+        lm = _layer(module)
+        for t in sorted(targets):
+            if t == "topth_ops" and lm is not None and lm >= _layer("topth_ops"):
+                continue
+            lt = _layer(t)
+            if lm is None or lt is None:
+                bad.append(f"{module} -> {t}: a module outside the layers of docs/architecture.md")
+            elif lt > lm:
+                bad.append(f"{module} (layer {lm}) imports {t} (layer {lt}), a later layer")
+    assert not bad, "imports against docs/architecture.md's layering:\n  " + "\n  ".join(bad)
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages by name: each folder with an __init__.py must be there
+    (an editable install finds unlisted ones, a wheel does not)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {m for m, p in modules().items() if p.name == "__init__.py"}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -5,7 +5,7 @@ paged NHD/HND, threshold sets, VMC, stats, head_dim 64/128/256, one query head p
 head, 64-head groups) is compiled ahead of time for sm_90 (H100/H200) by Triton and
 ptxas, in a subprocess without TRITON_INTERPRET (``python -m
 topth_ops.bench.compile_report``). The CPU interpreter cannot catch GPU-only compile
-errors; this does, and it asserts the gates of issue 13 on the compiled code: no spills,
+errors; this does, and it asserts the gates on the compiled code: no spills,
 registers within budget, one wave for every h200 case, V rows read only by predicated
 loads (docs/triton.md, "Static performance report")."""
 

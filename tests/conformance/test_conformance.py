@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from topth_ops.env import interpreter_enabled
 from topth_ops.conformance import RULES, run_rule
 from topth_ops.conformance.runner import DTYPES
 from topth_ops.registry import list_backends
@@ -18,7 +19,7 @@ def shape_set_for(backend) -> str:
     forced = os.environ.get("TOPTH_CONFORMANCE_SHAPES")
     if forced:
         return forced
-    interpreted = backend.name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = backend.name == "triton" and interpreter_enabled()
     return "quick" if interpreted else "full"
 
 

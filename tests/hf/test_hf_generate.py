@@ -1,5 +1,5 @@
 """transformers' generate() and cache classes with the "topth" attention function, on a tiny
-random Llama built from a config (no download); issue 9.4 and 9.5.
+random Llama built from a config (no download).
 
 - Every generate mode (greedy, sampling, beam search, beam sampling, prompt lookup),
   with VMC and thresholds that drop keys, on dynamic and static caches: the logits that

@@ -53,7 +53,7 @@ for _f in FAMILIES.values():
     _f.setdefault("selection", "head")
 DEFAULT_FAMILIES = ("topth-post-vmc", "topth-post-vmc-group", "topth-pre-offline-vmc")
 
-# issue 15's targets (SmolLM2; Gemma 3 270M: HumanEval <= 1/3 at +0.5%, TARGETS_BY_MODEL)
+# the fidelity targets (SmolLM2; Gemma 3 270M: HumanEval <= 1/3 at +0.5%, TARGETS_BY_MODEL)
 TARGET_HE = dict(v_rows_frac=1 / 6, ppl_rel_change=0.003)
 TARGET_LONG = dict(v_rows_frac=1 / 15, ppl_rel_change=0.01)
 TARGET_KTK = (0.9, 1.1)
@@ -350,7 +350,7 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
 
 
 def targets_met(rec: dict, model_type: str = "") -> dict:
-    """Which of the issue's targets this record meets (None: not applicable or not measured;
+    """Which of the fidelity targets (docs/model.md) this record meets (None: not applicable or not measured;
     the k~/k target needs at least one bucket beyond the calibration text's longest row).
     HumanEval: <= 1/6 of dense V rows at <= +0.3% (SmolLM2), <= 1/3 at <= +0.5% (Gemma)."""
     t_he = next((v["humaneval"] for key, v in TARGETS_BY_MODEL.items() if key in (model_type or "")), TARGET_HE)

@@ -30,8 +30,4 @@ def __getattr__(name: str):
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         return CPUAttentionBackend
-    if name == "TOPTH":
-        from .backend import TopthAttentionBackend
-
-        return TopthAttentionBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

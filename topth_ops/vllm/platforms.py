@@ -22,6 +22,7 @@ import logging
 logger = logging.getLogger("vllm.topth_ops")
 
 DISPATCH = "topth_ops.vllm.dispatch"
+BACKEND = "topth_ops.vllm.backend.TopthAttentionBackend"
 _done = False
 
 
@@ -33,7 +34,7 @@ def register_for_platform() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CUSTOM, f"{DISPATCH}.TOPTH")
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, f"{DISPATCH}.CPU_ATTN")
     elif getattr(current_platform, "device_type", "") == "npu":
@@ -53,7 +54,7 @@ def _wrap_ascend(platform_cls) -> None:
         from .settings import is_active
 
         if is_active(additional_config=_additional_config()):
-            return f"{DISPATCH}.TOPTH"
+            return BACKEND
         return original.__func__(cls, *args, **kwargs) if hasattr(original, "__func__") else original(*args, **kwargs)
 
     get_attn_backend_cls._topth_wrapped = True

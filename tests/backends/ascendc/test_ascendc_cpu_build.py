@@ -1,4 +1,4 @@
-"""Build checks of the Ascend C kernel that need no CANN (issue 14, items 3 and 4):
+"""Build checks of the Ascend C kernel that need no CANN:
 
 * the kernel builds against both spellings of the row reductions: WholeReduceSum /
   WholeReduceMax (CANN <= 9.0) and ReduceRepeat<SUM / MAX> (asc-devkit >= 9.1.0-beta.2),

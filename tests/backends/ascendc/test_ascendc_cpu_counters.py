@@ -1,5 +1,5 @@
 """Pipe counters of the Ascend C kernel on the CPU model and the gates on them
-(bench/ascendc_counters.py; issue 14): no per-element scalar scan of the score tiles, and V
+(bench/ascendc_counters.py): no per-element scalar scan of the score tiles, and V
 rows copied one instruction per run of kept rows, not one per row.
 
 The counts are the model's (instruction by instruction); the bounds come from the plan the

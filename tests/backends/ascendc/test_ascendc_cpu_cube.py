@@ -1,4 +1,4 @@
-"""The cube path of the Ascend C kernel on the CPU model (issue 14's design): a mix kernel
+"""The cube path of the Ascend C kernel on the CPU model (the cube design): a mix kernel
 (KERNEL_TYPE_MIX_AIC_1_2) whose cube core computes Q.K^T tiles for its two vector cores.
 
 * the model's cube core: the layouts of its ND2NZ copy, LoadData, Mmad and Fixpipe against

@@ -1,4 +1,4 @@
-"""The CPU model's own rules, and the hardware bug kinds of issue 14 that it must flag when
+"""The CPU model's own rules, and the hardware bug kinds that it must flag when
 they are reintroduced into the kernel, its tiling or its launch (each test breaks one thing
 on purpose and requires the model or the check to catch it):
 
@@ -172,12 +172,12 @@ def test_the_npu_binding_launches_through_the_guarded_path():
 # ----------------------------------------------------------------------------- 5. margins
 
 def test_planted_margins_keep_kept_counts_exact_under_hardware_like_rounding():
-    """The NPU check's kept-set cases (bench/npu_margin.py, run by bench/npu_check.sh:
+    """The NPU check's kept-set cases (bench/studies/npu_margin.py, run by bench/npu_check.sh:
     planted rows >= 1 nat above the rest, thresholds mid-gap, per head and per group,
     threshold sets, BNSD / paged NHD / HND) keep their kept sets exactly when the model's
     Exp / Ln are off by 1e-3 relative, far more than a device's rounding; so kept and
     v_rows are safe to compare exactly on hardware. (One shape here; the NPU runs three.)"""
-    from topth_ops.bench.npu_margin import SHAPES, run
+    from topth_ops.bench.studies.npu_margin import SHAPES, run
 
     cases, failures = run("ascendc-cpu", torch.device("cpu"), launch={"transcendental_error": 1e-3},
                           shapes=SHAPES[:1], check_out=False)

@@ -170,7 +170,6 @@ def test_scattered_kept_rows_in_strided_order(level, dtype, layout, heads, keep,
     shape = Shape((4000, 2999), heads[0], heads[1], 64, 4000)
     case = random_case("scattered", shape, dtype, placement="pre_softmax", keep_range=keep, seed=5)
     kw = case.kwargs
-    want = case.oracle()
     kept_union = _kept_union(kw)
     per_group = kept_union.sum(-1)  # [B, Hkv]
     lens = torch.tensor(shape.seq_lens)[:, None]

@@ -9,17 +9,17 @@
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
+from topth_ops.env import interpreter_enabled
 from topth_ops.conformance.compare import TOLERANCES
 from topth_ops.contract import make_inputs
 
 # tests/conftest.py sets TRITON_INTERPRET=1 without CUDA, before triton is imported
-INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERP = interpreter_enabled()
 DEV = torch.device("cpu" if INTERP else "cuda")
 
 

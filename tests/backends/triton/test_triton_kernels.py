@@ -26,12 +26,13 @@ pytestmark = [
 ]
 
 import topth_ops  # noqa: E402
+from topth_ops.env import interpreter_enabled
 from topth_ops.conformance.cases import guarded_thresholds as conformance_thresholds  # noqa: E402
 from topth_ops.conformance.compare import TOLERANCES  # noqa: E402
 from topth_ops.conformance.oracle import oracle_decode  # noqa: E402
 from topth_ops.contract import make_inputs  # noqa: E402
 
-DEV = torch.device("cuda" if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu")
+DEV = torch.device("cuda" if HAS_CUDA and not interpreter_enabled() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 
 
@@ -269,7 +270,7 @@ def test_v_rows_union_and_tile_skip():
 
 def test_backend_registry_and_api():
     b = topth_ops.get_backend("triton")
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = interpreter_enabled()
     assert b.device_type == "cuda"
     assert not b.unavailable_reasons()
     assert b.devices() == [DEV]
