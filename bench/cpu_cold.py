@@ -22,6 +22,9 @@ about 10% of the V rows read; the measured fraction is reported), ``sdpa`` (torc
 layout, block 128, written by its own ``cpu_attn_reshape_and_cache``) when vLLM's CPU build
 imports.
 
+Every layout and variant of the ``cpu`` kernel is checked once against the torch reference
+(output within the dtype tolerance, V rows exact) before anything is timed.
+
 Usage: ``python -m topth_ops.bench.cpu_cold [--shapes smollm2,llama8b] [--threads 1,2]
 [--json OUT]``. Record the printed machine line with every result.
 """
@@ -186,6 +189,29 @@ def _vllm_calls(layers, q, lens, scale):
     return calls, f"isa {isa}"
 
 
+def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, scale) -> None:
+    """Before timing: the kernel's output on layer 0 in ``layout`` equals the torch reference
+    on BNSD (dtype tolerance), and its V rows equal the reference's exactly.
+
+    Raises
+    ------
+    RuntimeError
+        A layout or variant computes something else (the timing would be meaningless).
+    """
+    from topth_ops.conformance.compare import TOLERANCES
+
+    if variant not in refs:
+        refs[variant] = decode_attention(q, layer0[0], layer0[1], lens, th, scale=scale, placement="pre_softmax",
+                                         selection="group", backend="torch", return_stats=True)
+    ref, ref_st = refs[variant]
+    tol = TOLERANCES[q.dtype]
+    err = (out.float() - ref.float()).abs()
+    if not bool((err <= tol["atol"] + tol["rtol"] * ref.float().abs()).all()) or not torch.equal(st.v_rows, ref_st.v_rows):
+        raise RuntimeError(f"{layout} {variant}: the cpu kernel differs from the torch reference "
+                           f"(max abs err {float(err.max()):.3g}, V rows {int(st.v_rows.sum())} vs "
+                           f"{int(ref_st.v_rows.sum())})")
+
+
 def run_shape(name: str, threads: list[int], mach: Machine, probes: dict, rounds: int, layouts=LAYOUTS,
               seed: int = 0) -> list[Row]:
     B, Hq, Hkv, D, S, dt = SHAPES[name]
@@ -204,12 +230,14 @@ def run_shape(name: str, threads: list[int], mach: Machine, probes: dict, rounds
     theta = torch.quantile(gmax[:, :: max(1, B * S // 100000)], 0.9, dim=1)
     dense_th = torch.full((Hkv, 1), float("-inf"))
     rows = []
+    refs: dict = {}
     kv_bytes = per_layer
     for layout in layouts:
         caches = [_caches(layout, k, v, lens, gen) for k, v in layers]
         for variant, th in (("dense", dense_th), ("f=0.1", theta[:, None].contiguous())):
-            st = decode_attention(q, caches[0][0], caches[0][1], lens, th, scale=scale, placement="pre_softmax",
-                                  selection="group", backend="cpu", return_stats=True, **caches[0][2])[1]
+            out, st = decode_attention(q, caches[0][0], caches[0][1], lens, th, scale=scale, placement="pre_softmax",
+                                       selection="group", backend="cpu", return_stats=True, **caches[0][2])
+            _check(out, st, refs, variant, layout, layers[0], q, lens, th, scale)
             frac = float(st.v_rows.double().sum()) / (B * Hkv * S)
             read = B * Hkv * S * D * dt.itemsize * (1 + frac)
             calls = [lambda c=c, t=th: decode_attention(q, c[0], c[1], lens, t, scale=scale, placement="pre_softmax",
@@ -224,12 +252,12 @@ def run_shape(name: str, threads: list[int], mach: Machine, probes: dict, rounds
         calls = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, scale=scale, enable_gqa=True) for k, v in layers]
         rows.append(_row(name, "BNSD", "sdpa", n, L, _time_rotating(calls, rounds), kv_bytes, probes[n], 1.0))
-    calls, note = _vllm_calls(layers, q, lens, scale)
     for n in threads:
+        torch.set_num_threads(n)  # vLLM's scheduler metadata records the thread count: built per count
+        calls, note = _vllm_calls(layers, q, lens, scale)
         if calls is None:
             rows.append(Row(name, "vllm128", "vllm-kernel", n, L, note=note))
             continue
-        torch.set_num_threads(n)
         r = _row(name, "vllm128", "vllm-kernel", n, L, _time_rotating(calls, rounds), kv_bytes, probes[n], 1.0)
         r.note = note
         rows.append(r)

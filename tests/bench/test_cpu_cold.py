@@ -1,0 +1,40 @@
+"""The cold-cache layout benchmark (bench/cpu_cold.py) on a tiny shape: every layout and
+variant runs, is checked against the torch reference, and reports the bytes it read."""
+
+import torch
+
+from topth_ops.bench import cpu_cold
+
+
+def test_every_layout_runs_checked_on_a_tiny_shape(monkeypatch):
+    monkeypatch.setitem(cpu_cold.SHAPES, "tiny", (2, 4, 2, 64, 512, torch.bfloat16))
+    monkeypatch.setattr(cpu_cold, "MAX_POOL_BYTES", 4 << 20)
+    mach = cpu_cold.Machine("test", [], 1, 1 << 20)
+    rows = cpu_cold.run_shape("tiny", [1], mach, {1: 10.0}, rounds=1)
+    ours = [r for r in rows if r.variant in ("dense", "f=0.1")]
+    assert {r.layout for r in ours} == set(cpu_cold.LAYOUTS)
+    for r in ours:
+        assert r.ms_per_layer > 0 and r.gbps > 0 and r.layers >= 3
+        want = 1.0 if r.variant == "dense" else 0.1
+        assert abs(r.v_rows_frac - want) < 0.03, r
+    assert any(r.variant == "sdpa" for r in rows) and any(r.variant == "vllm-kernel" for r in rows)
+
+
+def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
+    monkeypatch.setitem(cpu_cold.SHAPES, "tiny", (1, 2, 1, 64, 256, torch.float32))
+    monkeypatch.setattr(cpu_cold, "MAX_POOL_BYTES", 2 << 20)
+    real = cpu_cold.decode_attention
+
+    def wrong(*a, **kw):
+        res = real(*a, **kw)
+        if kw.get("backend") == "cpu" and kw.get("return_stats"):
+            return res[0] + 1.0, res[1]
+        return res
+
+    monkeypatch.setattr(cpu_cold, "decode_attention", wrong)
+    try:
+        cpu_cold.run_shape("tiny", [1], cpu_cold.Machine("test", [], 1, 1 << 20), {1: 10.0}, rounds=1, layouts=("BNSD",))
+    except RuntimeError as e:
+        assert "differs from the torch reference" in str(e)
+    else:
+        raise AssertionError("a wrong output was timed")
