@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from topth_ops.backends.triton import occupancy
 from topth_ops.env import interpreter_enabled
 
-from topth_ops.backends.triton import occupancy
+from .triton_compile import fresh_cache
 
 # Registers per thread allowed per warps-per-CTA. 4 warps: 168 keeps 3 CTAs (12 warps,
 # three independent K pipelines) resident per SM; with 4 stages of 8 KiB K tiles that is
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
     if interpreter_enabled():
         print("report: unset TRITON_INTERPRET (the interpreter has no compiler)", file=sys.stderr)
         return 2
+    fresh_cache()
     rows = compile_variants(VARIANTS, args.arch)
     waves = h200_waves(args.arch)
     checks = gates(rows, waves)

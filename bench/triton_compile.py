@@ -283,6 +283,18 @@ def compile_call(name, fn, args, kwargs, arch, *, usage=True):
     return row
 
 
+def fresh_cache() -> str:
+    """Point Triton's compile cache at a new empty folder (``TRITON_CACHE_DIR``) and return it.
+
+    The report reads the source line of every load from the locations of the compiled code;
+    Triton's cache key is the kernels' source, not their line numbers, so a cached
+    compilation made before an edit that only moved lines (a docstring) would point at the
+    wrong lines. Every report therefore compiles afresh."""
+    path = tempfile.mkdtemp(prefix="topth-triton-cache-")
+    os.environ["TRITON_CACHE_DIR"] = path
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m topth_ops.bench.triton_compile", description=__doc__)
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90 = H100/H200)")
@@ -291,6 +303,7 @@ def main(argv=None) -> int:
     if interpreter_enabled():
         print("triton_compile: unset TRITON_INTERPRET (the interpreter has no compiler)", file=sys.stderr)
         return 2
+    fresh_cache()
     wanted = None if args.cases == "all" else set(args.cases.split(","))
     failures = 0
     for case in CASES:
