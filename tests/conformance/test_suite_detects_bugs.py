@@ -210,23 +210,8 @@ class _ProductUpdate(PagedValueSum):
     """Removes a slot's old row as old_row x counted: 0 x NaN of never-written or reused
     memory poisons the block's sum."""
 
-    def update(self, value_cache, value, slot_mapping):
-        slots = slot_mapping.to(torch.int64)
-        ok = slots >= 0
-        blk, off = slots[ok] // self.block_size, slots[ok] % self.block_size
-        new = value[ok].to(value_cache.dtype).float()
-        starts = blk[off == 0]
-        self.sum[starts] = 0.0
-        self.fill[starts] = 0
-        counted = (off < self.fill[blk]).float()[:, None, None]
-        rows = value_cache[blk, off] if self.kv_layout == "NHD" else value_cache[blk, :, off]
-        self.sum.index_add_(0, blk, new - rows.float() * counted)
-        self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
-
-
-class _SubtractRewrite(_ProductUpdate):
-    """Subtracts a rewritten slot's old row (masked, not multiplied): an old NaN row that
-    was counted stays in the sum."""
+    def _old_term(self, rows, counted):
+        return rows.float() * counted.float()
 
     def update(self, value_cache, value, slot_mapping):
         slots = slot_mapping.to(torch.int64)
@@ -238,8 +223,16 @@ class _SubtractRewrite(_ProductUpdate):
         self.fill[starts] = 0
         counted = (off < self.fill[blk])[:, None, None]
         rows = value_cache[blk, off] if self.kv_layout == "NHD" else value_cache[blk, :, off]
-        self.sum.index_add_(0, blk, new - torch.where(counted, rows.float(), 0.0))
+        self.sum.index_add_(0, blk, new - self._old_term(rows, counted))
         self.fill.scatter_reduce_(0, blk, off + 1, reduce="amax")
+
+
+class _SubtractRewrite(_ProductUpdate):
+    """Subtracts a rewritten slot's old row (masked, not multiplied): an old NaN row that
+    was counted stays in the sum."""
+
+    def _old_term(self, rows, counted):
+        return torch.where(counted, rows.float(), 0.0)
 
 
 class _TrustingMean(PagedValueSum):

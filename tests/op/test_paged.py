@@ -219,8 +219,7 @@ def test_to_paged_checks_its_inputs():
 def _cache_mean64(cache, table, n):
     """float64 mean of a sequence's first n rows, read from an NHD cache through its table row."""
     bs = cache.shape[1]
-    rows = [cache[table[j // bs], j % bs].double() for j in range(n)]
-    return torch.stack(rows).mean(0)
+    return _mean64([cache[table[j // bs], j % bs] for j in range(n)])
 
 
 def test_value_sum_over_never_written_nan_memory():
