@@ -82,6 +82,9 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         # reuses every stage of the AVX-512 level but the bfloat16 scores
         ("TOPTH_HAVE_AVX512BF16", AVX512_FLAGS + ["-mavx512bf16"], [str(CPU_SRC / "avx512bf16_scores.cpp")],
          "TOPTH_HAVE_AVX512"),
+        # the avx512bf16 level with the bfloat16 scores on AMX tiles
+        ("TOPTH_HAVE_AMX", AVX512_FLAGS + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+         [str(CPU_SRC / "amx_scores.cpp")], "TOPTH_HAVE_AVX512BF16"),
     ]
 
 

@@ -58,6 +58,28 @@ inline void prefetch_row(const uint8_t* p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
+inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
+}
+
+// Software prefetch distances of the stages that walk a list of row pointers: kAhead rows
+// ahead into L1, about kFarBytes ahead into L2 (the hardware prefetchers stop at every 4 KiB
+// page and every block of a paged cache; the list knows where the next rows are).
+constexpr int64_t kAhead = 16;
+constexpr int64_t kFarBytes = 12288;
+
+inline int64_t far_rows(int64_t row_bytes) {
+    const int64_t r = kFarBytes / (row_bytes > 0 ? row_bytes : 1);
+    return r < 32 ? 32 : (r > 128 ? 128 : r);
+}
+
+// Before the tile of rows [t0, t0 + 16) of a list of count rows: the next tile into L1, the
+// tile `far` rows ahead into L2.
+inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far) {
+    for (int64_t t = t0 + 16; t < count && t < t0 + 32; ++t) prefetch_row(rows[t], row_bytes);
+    for (int64_t t = t0 + far; t < count && t < t0 + far + 16; ++t) prefetch_row_l2(rows[t], row_bytes);
+}
+
 // Horizontal sums of 16 vectors: result[t] = sum of the lanes of acc[t]. A transpose-and-add
 // tree (15 adds) whose every level pairs a mask blend with one shuffle (16 shuffles in all,
 // half the shuffles of two-shuffle levels: shuffles, not adds, limit it on AMD Zen 4). The

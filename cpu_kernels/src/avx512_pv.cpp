@@ -61,14 +61,6 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
 // ascending with the L1 prefetch only (3.5 ms for all rows ascending); 10 %: 0.40 against
 // 0.64 ms. Dense lists stay ascending (strided was slower for a float32 dense call of the
 // kernel). The sum order of P.V changes (deterministic for a given kept list).
-constexpr int64_t kAhead = 16;
-constexpr int64_t kFarBytes = 12288;
-
-inline int64_t far_rows(int64_t row_bytes) {
-    const int64_t r = kFarBytes / (row_bytes > 0 ? row_bytes : 1);
-    return r < 32 ? 32 : (r > 128 ? 128 : r);
-}
-
 // A stride coprime with count (1 for short lists).
 inline int64_t visit_stride(int64_t count) {
     if (count < 256) return 1;
@@ -76,10 +68,6 @@ inline int64_t visit_stride(int64_t count) {
     for (int i = 0; i < 4; ++i)
         if (count % primes[i]) return primes[i];
     return 1;
-}
-
-inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
 }
 
 // acc[h][c] += w_h,t * v_t[16 (c0 + c) ..] for rows t < count read in place (DT: dtype),

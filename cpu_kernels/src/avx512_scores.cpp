@@ -63,9 +63,12 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     // direct rows: d elements (the last chunk masked); tile rows: dpad floats, zero padded
     const int32_t nfull = direct ? d / 16 : dpad / 16;
     const __mmask16 last = direct && d % 16 ? tail_mask(d % 16) : __mmask16(0);
+    const int64_t es = dtype == kF32 ? 4 : 2;
+    const int64_t row_bytes = sdim == 1 ? int64_t(d) * es : 0, far = far_rows(row_bytes);
     const float* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
+        if (row_bytes) prefetch_ahead(rows, t0, count, row_bytes, far);
         if (direct) {
             for (int64_t t = 0; t < 16; ++t) r[t] = reinterpret_cast<const float*>(rows[t0 + (t < T ? t : T - 1)]);
         } else {

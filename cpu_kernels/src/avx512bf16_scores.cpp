@@ -21,6 +21,8 @@ namespace {
 
 using avx512_level::reduce16;
 using avx512_level::store_block;
+using avx512_level::far_rows;
+using avx512_level::prefetch_ahead;
 
 inline __m512bh bf16_chunk(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh bf16_chunk(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
@@ -66,6 +68,8 @@ inline void tile_heads(const uint16_t* const* r, int64_t T, const uint16_t* q, i
     }
 }
 
+}  // namespace
+
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
             const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale) {
     if (dtype != kBF16 || sdim != 1 || qraw == nullptr) {
@@ -75,9 +79,11 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const int32_t nfull = d / 32;
     const __mmask32 last = d % 32 ? __mmask32((1u << (d % 32)) - 1u) : __mmask32(0);
     const __m512 sc = _mm512_set1_ps(scale);
+    const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
     const uint16_t* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
+        prefetch_ahead(rows, t0, count, row_bytes, far);
         for (int64_t t = 0; t < 16; ++t) r[t] = reinterpret_cast<const uint16_t*>(rows[t0 + (t < T ? t : T - 1)]);
         for (int32_t h0 = 0; h0 < G;) {
             const uint16_t* qh = qraw + int64_t(h0) * dpad;
@@ -92,7 +98,6 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     }
 }
 
-}  // namespace
 }  // namespace avx512bf16_level
 
 // Constant-initialised (no code of this translation unit runs before the CPU check).

@@ -108,7 +108,7 @@ py::dict decode_py(const py::dict& args, int32_t level) {
 
 py::list simd_levels() {
     py::list out;
-    for (int32_t l : {kLevelAvx512Bf16, kLevelAvx512, kLevelAvx2, kLevelGeneric})
+    for (int32_t l : {kLevelAmx, kLevelAvx512Bf16, kLevelAvx512, kLevelAvx2, kLevelGeneric})
         if (simd_level_supported(l)) out.append(simd_level_name(l));
     return out;
 }
@@ -127,6 +127,8 @@ PYBIND11_MODULE(_topth_cpu, m) {
     m.def("decode", &decode_py, py::arg("args"), py::arg("simd_level") = 0,
           "Run one call; args from topth_ops.backends.cpu.kernel_args. Returns the row counters.");
     m.def("simd_levels", &simd_levels, "SIMD levels compiled in and supported by this CPU, best first");
+    m.def("amx_unavailable_reason", [] { return std::string(amx_unavailable_reason()); },
+          "why the amx level cannot run here ('' when it can)");
     m.def("best_simd_level", [] { return std::string(simd_level_name(best_simd_level())); });
     m.def("pool_workers", &pool_workers, "worker threads of the own pool started so far");
     m.def("openmp_runtime", [] { return std::string(openmp_runtime()); },
@@ -143,5 +145,5 @@ PYBIND11_MODULE(_topth_cpu, m) {
     m.attr("CODES") = codes;  // params.h, compared with topth_ops/codes.py by the tests
     m.attr("LEVELS") = py::dict(py::arg("auto") = kLevelAuto, py::arg("generic") = kLevelGeneric,
                                 py::arg("avx2") = kLevelAvx2, py::arg("avx512") = kLevelAvx512,
-                                py::arg("avx512bf16") = kLevelAvx512Bf16);
+                                py::arg("avx512bf16") = kLevelAvx512Bf16, py::arg("amx") = kLevelAmx);
 }

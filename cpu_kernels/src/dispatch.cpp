@@ -3,10 +3,18 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cerrno>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "kernel.h"
 #include "pool.h"
@@ -23,6 +31,9 @@ const SimdOps* ops_avx512() { return nullptr; }
 #endif
 #if !defined(TOPTH_HAVE_AVX512BF16)
 const SimdOps* ops_avx512bf16() { return nullptr; }
+#endif
+#if !defined(TOPTH_HAVE_AMX)
+const SimdOps* ops_amx() { return nullptr; }
 #endif
 
 namespace {
@@ -59,9 +70,30 @@ float load_scalar(const uint8_t* p, int32_t dtype) {
 
 int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// AMX: the CPU reports AMX-TILE and AMX-BF16 (CPUID leaf 7), and Linux grants the process
+// the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process; without it the first
+// tile instruction faults). The verdict and its reason are computed once.
+std::string amx_check() {
+#if defined(__x86_64__) && defined(__linux__)
+    if (!ops_amx()) return "not built (the compiler refused -mamx-tile -mamx-bf16)";
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+        return "the CPU does not report AMX-TILE and AMX-BF16";
+    if (!__builtin_cpu_supports("avx512bf16")) return "the CPU lacks AVX512-BF16 (the level's other stages)";
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+        return std::string("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: errno ") +
+               std::to_string(errno) + ")";
+    return "";
+#else
+    return "not an x86-64 Linux build";
+#endif
+}
+
 bool cpu_has(int32_t level) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
+    if (level == kLevelAmx) return amx_unavailable_reason()[0] == 0;
     if (level == kLevelAvx2)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (level == kLevelAvx512 || level == kLevelAvx512Bf16)
@@ -74,6 +106,7 @@ bool cpu_has(int32_t level) {
 }
 
 const SimdOps* ops_of(int32_t level) {
+    if (level == kLevelAmx) return ops_amx();
     if (level == kLevelAvx512Bf16) return ops_avx512bf16();
     if (level == kLevelAvx512) return ops_avx512();
     if (level == kLevelAvx2) return ops_avx2();
@@ -180,7 +213,13 @@ void build_plan(Plan& pl, const Params& P) {
 
 }  // namespace
 
+const char* amx_unavailable_reason() {
+    static const std::string reason = amx_check();
+    return reason.c_str();
+}
+
 int32_t best_simd_level() {
+    if (cpu_has(kLevelAmx) && ops_amx()) return kLevelAmx;
     if (cpu_has(kLevelAvx512Bf16) && ops_avx512bf16()) return kLevelAvx512Bf16;
     if (cpu_has(kLevelAvx512) && ops_avx512()) return kLevelAvx512;
     if (cpu_has(kLevelAvx2) && ops_avx2()) return kLevelAvx2;
@@ -193,6 +232,7 @@ bool simd_level_supported(int32_t level) {
 
 const char* simd_level_name(int32_t level) {
     switch (level) {
+        case kLevelAmx: return "amx";
         case kLevelAvx512Bf16: return "avx512bf16";
         case kLevelAvx512: return "avx512";
         case kLevelAvx2: return "avx2";

@@ -102,7 +102,9 @@ void Scratch::reserve(int64_t len, int32_t G, int32_t dpad) {
     if (int64_t(flags.size()) < len + 16) flags.resize(size_t(len + 16));
     // K pointers of one chunk of scores; P.V: one item's kept list
     if (int64_t(rows.size()) < std::max(kChunk, len)) rows.resize(size_t(std::max(kChunk, len)));
-    if (int64_t(tile.size()) < 32 * dpad) tile.resize(size_t(32 * dpad));
+    // tile: 32 converted rows (avx512 P.V, V sum), or the amx level's query, C tiles and copies
+    const int64_t tile_floats = std::max<int64_t>(32 * dpad, 40 * dpad + 1024);
+    if (int64_t(tile.size()) < tile_floats) tile.resize(size_t(tile_floats));
     if (int64_t(small.size()) < 5 * G) small.resize(size_t(5 * G));
 }
 
@@ -124,11 +126,10 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     if (phase != kSelect) {
         const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
         const uint16_t* qraw = plan.qraw.empty() ? nullptr : plan.qraw.data() + (b * P.num_q_heads + g * G) * dpad;
-        for (int64_t c = 0; c < len; c += kChunk) {
-            const int64_t cnt = len - c < kChunk ? len - c : kChunk;
-            consecutive_rows(P, P.key, P.k_s, b, g, it.lo + c, cnt, rows);
-            ops.scores(rows, cnt, P.dtype, P.k_s[3], D, dpad, q, G, S + c, len, sc.tile.data(), qraw, P.scale);
-        }
+        // the whole range in one call (Scratch::rows holds len pointers): the stage prefetches
+        // ahead across blocks and pages
+        consecutive_rows(P, P.key, P.k_s, b, g, it.lo, len, rows);
+        ops.scores(rows, len, P.dtype, P.k_s[3], D, dpad, q, G, S, len, sc.tile.data(), qraw, P.scale);
         plan.k_rows[size_t(i)] = len;
         for (int32_t h = 0; h < G; ++h) {
             ops.max_bad(S + h * len, len, &m_loc[h], &plan.bad[size_t(i * G + h)]);

@@ -65,6 +65,10 @@ int32_t best_simd_level();
 bool simd_level_supported(int32_t level);
 const char* simd_level_name(int32_t level);
 
-constexpr int32_t kLevelAuto = 0, kLevelGeneric = 1, kLevelAvx2 = 2, kLevelAvx512 = 3, kLevelAvx512Bf16 = 4;
+constexpr int32_t kLevelAuto = 0, kLevelGeneric = 1, kLevelAvx2 = 2, kLevelAvx512 = 3, kLevelAvx512Bf16 = 4,
+                  kLevelAmx = 5;
+// Why the amx level cannot run here ("" when it can): not built, the CPU lacks AMX-BF16, or
+// Linux refused the tile state to the process.
+const char* amx_unavailable_reason();
 
 }  // namespace topth_cpu

@@ -14,8 +14,9 @@ it, and this backend then reports why it is unavailable (the registry falls back
 availability verdict are cached per distinct set of values, so a decode loop does not
 re-parse them and a changed variable takes effect at the next call):
 
-- ``TOPTH_CPU_SIMD``: ``auto`` (default: the best level this CPU runs), ``avx512bf16``
-  (AVX-512 with vdpbf16ps scores for bfloat16 caches), ``avx512``, ``avx2`` or ``generic``
+- ``TOPTH_CPU_SIMD``: ``auto`` (default: the best level this CPU runs), ``amx`` (the
+  ``avx512bf16`` level with bfloat16 scores on AMX tiles), ``avx512bf16`` (AVX-512 with
+  vdpbf16ps scores for bfloat16 caches), ``avx512``, ``avx2`` or ``generic``
   (the portable C++ path);
 - ``TOPTH_CPU_SPLIT_LEN``: positions per KV split (default 0: automatic);
 - ``TOPTH_CPU_PARALLEL``: ``auto`` (default: torch's own OpenMP thread team when its runtime
@@ -39,7 +40,7 @@ from ..registry import Backend
 ENV_SIMD = "TOPTH_CPU_SIMD"
 ENV_SPLIT = "TOPTH_CPU_SPLIT_LEN"
 ENV_PARALLEL = "TOPTH_CPU_PARALLEL"
-SIMD_CHOICES = ("auto", "avx512bf16", "avx512", "avx2", "generic")
+SIMD_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
 PARALLEL_CHOICES = ("auto", "pool")
 
 

@@ -105,5 +105,6 @@ const SimdOps* ops_generic();
 const SimdOps* ops_avx2();    // null when not compiled (non-x86 build)
 const SimdOps* ops_avx512();  // null when not compiled
 const SimdOps* ops_avx512bf16();  // null when not compiled (AVX-512 with AVX512-BF16 for bfloat16 scores)
+const SimdOps* ops_amx();  // null when not compiled (avx512bf16 with AMX-BF16 tiles for bfloat16 scores)
 
 }  // namespace topth_cpu
