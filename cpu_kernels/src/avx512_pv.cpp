@@ -70,73 +70,132 @@ inline int64_t visit_stride(int64_t count) {
     return 1;
 }
 
-// acc[h][c] += w_h,t * v_t[16 (c0 + c) ..] for rows t < count read in place (DT: dtype),
-// chunk c0 + NCB - 1 masked by `last` when last != 0xFFFF.
-template <int DT, int HB, int NCB>
-inline void pv_direct(const uint8_t* const* rows, int64_t count, int32_t c0, __mmask16 last, int64_t row_bytes,
-                      const float* w, int64_t ldw, float* acc, int32_t dpad, int64_t stride) {
+// The direct path (head_dim contiguous) in one pass over the rows: blocks of kRowBlock rows
+// (in visit order); each block serves every head block (up to 4 heads) and column block (up
+// to 4 vectors of 16 floats) with the accumulators in registers, the block's rows re-read
+// from L1, so no row is fetched from memory twice however large head_dim or the group is.
+// bfloat16 rows with head_dim a multiple of 32 are converted pairwise (kSplit): one load of
+// 32 elements gives the even elements (shifted up) and the odd ones (masked), one
+// instruction each, and the accumulators hold each 32-element chunk as [16 even | 16 odd]
+// (pv() permutes them back at the end).
+constexpr int kSplit = 3;  // pseudo dtype: bfloat16, pairwise conversion
+constexpr int64_t kRowBlock = 16;
+
+// acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block, rows at byte offset `off`;
+// vector NV - 1 masked by `last` (plain dtypes).
+template <int DT, int HB, int NV>
+inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, __mmask16 last, const float* w, int64_t ldw,
+                    float* acc, int32_t dpad) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
-    __m512 a[HB][NCB];
+    __m512 a[HB][NV];
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
 #pragma GCC unroll 4
-        for (int c = 0; c < NCB; ++c) a[h][c] = _mm512_loadu_ps(acc + int64_t(h) * dpad + 16 * (c0 + c));
-    const int64_t far = far_rows(row_bytes) < count ? far_rows(row_bytes) : count;
-    const int64_t near = kAhead < count ? kAhead : count;
-    // t: the row visited at step k (k * stride mod count); tn, tf: at steps k + near, k + far
-    int64_t t = 0, tn = (near * stride) % count, tf = (far * stride) % count;
-    for (int64_t k = 0; k < count; ++k) {
-        if (k + far < count) prefetch_row_l2(rows[tf] + 16 * c0 * es, row_bytes);
-        if (k + near < count) prefetch_row(rows[tn] + 16 * c0 * es, row_bytes);
-        const uint8_t* p = rows[t] + 16 * c0 * es;
-        __m512 v[NCB];
+        for (int c = 0; c < NV; ++c) a[h][c] = _mm512_loadu_ps(acc + int64_t(h) * dpad + 16 * c);
+    const __m512i hi16 = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+    for (int64_t t = 0; t < R; ++t) {
+        const uint8_t* p = rb[t] + off;
+        __m512 v[NV];
+        if constexpr (DT == kSplit) {
+#pragma GCC unroll 2
+            for (int j = 0; j < NV / 2; ++j) {
+                const __m512i x = _mm512_loadu_si512(p + 64 * j);
+                v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi16));
+            }
+        } else {
 #pragma GCC unroll 4
-        for (int c = 0; c < NCB; ++c) v[c] = load16(p + 16 * c * es, DT, c + 1 == NCB ? last : __mmask16(0xFFFF));
+            for (int c = 0; c < NV; ++c) v[c] = load16(p + 16 * c * es, DT, c + 1 == NV ? last : __mmask16(0xFFFF));
+        }
 #pragma GCC unroll 4
         for (int h = 0; h < HB; ++h) {
             const __m512 wv = _mm512_set1_ps(w[h * ldw + t]);
 #pragma GCC unroll 4
-            for (int c = 0; c < NCB; ++c) a[h][c] = _mm512_fmadd_ps(wv, v[c], a[h][c]);
+            for (int c = 0; c < NV; ++c) a[h][c] = _mm512_fmadd_ps(wv, v[c], a[h][c]);
         }
-        t += stride; t -= t >= count ? count : 0;
-        tn += stride; tn -= tn >= count ? count : 0;
-        tf += stride; tf -= tf >= count ? count : 0;
     }
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
 #pragma GCC unroll 4
-        for (int c = 0; c < NCB; ++c) _mm512_storeu_ps(acc + int64_t(h) * dpad + 16 * (c0 + c), a[h][c]);
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + int64_t(h) * dpad + 16 * c, a[h][c]);
 }
 
 template <int DT, int HB>
-inline void pv_direct_heads(const uint8_t* const* rows, int64_t count, int32_t c0, int ncb, __mmask16 last,
-                            int64_t row_bytes, const float* w, int64_t ldw, float* acc, int32_t dpad, int64_t stride) {
-    switch (ncb) {
-        case 1: pv_direct<DT, HB, 1>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad, stride); break;
-        case 2: pv_direct<DT, HB, 2>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad, stride); break;
-        case 3: pv_direct<DT, HB, 3>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad, stride); break;
-        default: pv_direct<DT, HB, 4>(rows, count, c0, last, row_bytes, w, ldw, acc, dpad, stride); break;
+inline void pv_rows_nv(const uint8_t* const* rb, int64_t R, int64_t off, int nv, __mmask16 last, const float* w,
+                       int64_t ldw, float* acc, int32_t dpad) {
+    switch (nv) {
+        case 1: pv_rows<DT, HB, 1>(rb, R, off, last, w, ldw, acc, dpad); break;
+        case 2: pv_rows<DT, HB, 2>(rb, R, off, last, w, ldw, acc, dpad); break;
+        case 3: pv_rows<DT, HB, 3>(rb, R, off, last, w, ldw, acc, dpad); break;
+        default: pv_rows<DT, HB, 4>(rb, R, off, last, w, ldw, acc, dpad); break;
     }
+}
+
+// Permutes each 32-float chunk of the G accumulator rows between natural order and
+// [16 even | 16 odd] (to_split: natural -> split).
+inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_split) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int32_t h = 0; h < G; ++h)
+        for (int32_t c = 0; c < d; c += 32) {
+            float* p = acc + int64_t(h) * dpad + c;
+            const __m512 x = _mm512_loadu_ps(p), y = _mm512_loadu_ps(p + 16);
+            _mm512_storeu_ps(p, _mm512_permutex2var_ps(x, to_split ? ev : lo, y));
+            _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(x, to_split ? od : hi, y));
+        }
 }
 
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                    int32_t G, float* acc, int64_t stride) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    const int64_t row_bytes = int64_t(d) * es;
     const int32_t nct = (d + 15) / 16;
-    for (int32_t h0 = 0; h0 < G; h0 += 4) {
-        const int hb = G - h0 < 4 ? G - h0 : 4;
-        for (int32_t c0 = 0; c0 < nct; c0 += 4) {
-            const int ncb = nct - c0 < 4 ? nct - c0 : 4;
-            // the last chunk of this pass is masked when it runs past head_dim
-            const __mmask16 last = tail_mask(d - 16 * (c0 + ncb - 1));
-            const int64_t row_bytes = int64_t(d - 16 * c0 < 16 * ncb ? d - 16 * c0 : 16 * ncb) * (DT == kF32 ? 4 : 2);
-            const float* w = wk + h0 * ldw;
-            float* o = acc + int64_t(h0) * dpad;
-            switch (hb) {
-                case 1: pv_direct_heads<DT, 1>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad, stride); break;
-                case 2: pv_direct_heads<DT, 2>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad, stride); break;
-                case 3: pv_direct_heads<DT, 3>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad, stride); break;
-                default: pv_direct_heads<DT, 4>(rows, count, c0, ncb, last, row_bytes, w, ldw, o, dpad, stride); break;
+    const int64_t far = far_rows(row_bytes);
+    const uint8_t* rb[kRowBlock];
+    int64_t vis[kRowBlock];
+    float wbuf[4 * kRowBlock];
+    int64_t tv = 0;                                    // row of the next step
+    int64_t tn = (kRowBlock * stride) % count;         // row of step k0 + kRowBlock (into L1)
+    int64_t tf = (far * stride) % count;               // row of step k0 + far (into L2)
+    for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
+        const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
+        for (int64_t t = 0; t < R; ++t) {
+            vis[t] = tv;
+            rb[t] = rows[tv];
+            tv += stride; tv -= tv >= count ? count : 0;
+        }
+        for (int64_t k = k0 + kRowBlock; k < count && k < k0 + 2 * kRowBlock; ++k) {
+            prefetch_row(rows[tn], row_bytes);
+            tn += stride; tn -= tn >= count ? count : 0;
+        }
+        for (int64_t k = k0 + far; k < count && k < k0 + far + kRowBlock; ++k) {
+            prefetch_row_l2(rows[tf], row_bytes);
+            tf += stride; tf -= tf >= count ? count : 0;
+        }
+        for (int32_t h0 = 0; h0 < G; h0 += 4) {
+            const int hb = G - h0 < 4 ? G - h0 : 4;
+            const float* w = wk + h0 * ldw + k0;  // ascending: the weights of the block in place
+            int64_t lw = ldw;
+            if (stride > 1) {  // strided visits: the block's weights gathered
+                for (int h = 0; h < hb; ++h)
+                    for (int64_t t = 0; t < R; ++t) wbuf[h * kRowBlock + t] = wk[(h0 + h) * ldw + vis[t]];
+                w = wbuf;
+                lw = kRowBlock;
+            }
+            for (int32_t c0 = 0; c0 < nct; c0 += 4) {
+                const int nv = nct - c0 < 4 ? nct - c0 : 4;
+                const __mmask16 last = tail_mask(d - 16 * (c0 + nv - 1));
+                const int64_t off = int64_t(16 * c0) * es;
+                float* o = acc + int64_t(h0) * dpad + 16 * c0;
+                switch (hb) {
+                    case 1: pv_rows_nv<DT, 1>(rb, R, off, nv, last, w, lw, o, dpad); break;
+                    case 2: pv_rows_nv<DT, 2>(rb, R, off, nv, last, w, lw, o, dpad); break;
+                    case 3: pv_rows_nv<DT, 3>(rb, R, off, nv, last, w, lw, o, dpad); break;
+                    default: pv_rows_nv<DT, 4>(rb, R, off, nv, last, w, lw, o, dpad); break;
+                }
             }
         }
     }
@@ -157,10 +216,18 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
     if (count <= 0) return;
     const int64_t stride = scattered ? visit_stride(count) : 1;
-    if (sdim == 1 && (G <= 4 || dtype == kF32)) {  // each row converted once (float32: reloaded from L1)
-        if (dtype == kF32) pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride);
-        else if (dtype == kBF16) pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
-        else pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+    if (sdim == 1) {
+        if (dtype == kF32) {
+            pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+        } else if (dtype == kBF16 && d % 32 == 0) {
+            split_order(acc, G, d, dpad, true);
+            pv_direct_all<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            split_order(acc, G, d, dpad, false);
+        } else if (dtype == kBF16) {
+            pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+        } else {
+            pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+        }
         return;
     }
     // tile path: rows of the steps of one tile converted to float32 first; with a stride, the
