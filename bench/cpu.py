@@ -108,6 +108,16 @@ VLLM_BLOCK = 128
 """Block size of the vLLM cache (its CPU attention takes multiples of 32; 128 is vLLM's CPU default)."""
 
 
+def _request_amx() -> None:
+    """Ask Linux for the AMX tile state for this process (the CPU kernel's AMX check does
+    that once; vLLM's CPU worker does the same when it starts)."""
+    from topth_ops.backends.cpu import cpu_module
+
+    reason = cpu_module().amx_unavailable_reason()
+    if reason:
+        raise ImportError(f"vLLM chose its AMX kernel but the AMX tile state is unavailable: {reason}")
+
+
 def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                 block_size: int = VLLM_BLOCK):
     """vLLM's CPU decode attention (vLLM >= 0.11, the v1 CPU backend's
@@ -157,6 +167,8 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq
     pos = torch.arange(S)
     slots = (table[:, pos // block_size].to(torch.int64) * block_size + (pos % block_size)).reshape(-1)  # [B * S]
     isa = _get_attn_isa(key.dtype, block_size, D, "auto")
+    if isa == "amx":  # the AMX tile state, which vLLM's CPU worker requests at start (else SIGILL)
+        _request_amx()
     # vLLM's own writer lays each block out for its ISA
     ops.cpu_attn_reshape_and_cache(key.transpose(1, 2).reshape(B * S, Hkv, D),
                                    value.transpose(1, 2).reshape(B * S, Hkv, D), key_cache, value_cache, slots, isa)

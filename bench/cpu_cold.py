@@ -13,7 +13,11 @@ Layouts of the same data (``topth_ops.decode_attention`` backend ``cpu``):
 - ``NHD<bs>``, ``HND<bs>``: paged caches (:func:`topth_ops.paged.to_paged`), blocks in
   random order;
 - ``vllm<bs>``: vLLM CPU_ATTN's own cache ``[num_blocks, kv_heads, block_size, 2 * head_dim]``
-  (K then V per block and head), read through strided HND views.
+  (a K region then a V region per block and head) as vLLM's own writer
+  ``cpu_attn_reshape_and_cache`` fills it: with its AMX ISA (bfloat16) each region is packed
+  for tiles, read as ``kv_layout="VLLM_AMX"``; with its vector ISA K is stored transposed per
+  block, read as an HND view with strides (slot 1, dim block_size). Without vLLM's CPU build:
+  the same packing by :func:`topth_ops.paged.to_paged` (bfloat16 only).
 
 Variants: ``dense`` (thresholds -inf: every V row read), ``f=0.1`` (pre_softmax, group
 selection, one threshold per KV head at the 90th percentile of the group-maximum scores:
@@ -138,12 +142,33 @@ def _caches(layout: str, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, g
         return k, v, {}
     bs = int(re.sub(r"\D", "", layout))
     if layout.startswith("vllm"):
-        kc, vc, table = to_paged(k, v, lens, bs, kv_layout="HND", generator=gen)
-        kv = torch.cat([kc, vc], dim=-1)  # [num_blocks, kv_heads, bs, 2 * head_dim]
-        D = k.shape[-1]
-        return kv[..., :D], kv[..., D:], {"block_table": table, "kv_layout": "HND"}
+        return _vllm_cache(k, v, lens, bs, gen)
     kc, vc, table = to_paged(k, v, lens, bs, kv_layout=layout[:3], generator=gen)
     return kc, vc, {"block_table": table, "kv_layout": layout[:3]}
+
+
+def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, gen: torch.Generator):
+    """vLLM's own cache of one layer, filled by vLLM's writer, as the op reads it (module doc)."""
+    B, H, S, D = k.shape
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        kc, vc, table = to_paged(k, v, lens, bs, kv_layout="VLLM_AMX", generator=gen)
+        return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
+    isa = _get_attn_isa(k.dtype, bs, D, "auto")
+    nb = B * -(-S // bs)
+    kv = torch.zeros(nb, H, bs, 2 * D, dtype=k.dtype)
+    kc, vc = kv.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+    table = torch.randperm(nb, generator=gen).to(torch.int32).view(B, nb // B)
+    pos = torch.arange(S)
+    slots = (table[:, pos // bs].to(torch.int64) * bs + pos % bs).reshape(-1)
+    ops.cpu_attn_reshape_and_cache(k.transpose(1, 2).reshape(B * S, H, D), v.transpose(1, 2).reshape(B * S, H, D),
+                                   kc, vc, slots, isa)
+    if isa == "amx":
+        return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
+    s = kc.stride()  # vector ISA: K region [head_dim, block_size]
+    return kc.as_strided(kc.shape, (s[0], s[1], 1, bs)), vc, {"block_table": table, "kv_layout": "HND"}
 
 
 def _time_rotating(calls: list[Callable[[], None]], rounds: int) -> list[float]:

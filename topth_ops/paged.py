@@ -3,8 +3,9 @@
 A paged cache stores positions in fixed-size blocks addressed by a block table (vLLM,
 FlashInfer, IncrementalFlashAttention's page attention): position j of sequence b lives
 at slot ``j % block_size`` of block ``block_table[b, j // block_size]``. Layouts:
-``"NHD"`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` and ``"HND"``
-``[num_blocks, num_kv_heads, block_size, head_dim]``.
+``"NHD"`` ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``"HND"``
+``[num_blocks, num_kv_heads, block_size, head_dim]`` and ``"VLLM_AMX"`` (HND dims, each block
+and head packed as vLLM's AMX cache: :mod:`topth_ops.packed`).
 
 V-mean compensation (paper section 3.2.2) needs mean_{j<n} v_j per (sequence, KV head).
 Recomputing it from the cache reads every V row, O(n x head_dim) per step, which erases
@@ -22,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import packed
 from .validation import (LAYOUT_DIMS, PAGED_LAYOUTS, cache_dims, check_block_table_values, require_choice,
                          require_rank, require_tensor, shape_str, values_checkable)
 
@@ -93,7 +95,7 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     slot_mapping : torch.Tensor
         ``[num_tokens]`` int32/int64: flat slot ``block * block_size + offset`` of each
         token; negative slots (vLLM's padding, -1) are skipped.
-    kv_layout : {"NHD", "HND"}
+    kv_layout : {"NHD", "HND", "VLLM_AMX"}
 
     Raises
     ------
@@ -115,11 +117,18 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     slots = _check_slots(slot_mapping, key.shape[0], num_blocks * bs)
     ok = slots >= 0
     blk, off = slots[ok] // bs, slots[ok] % bs
-    for cache, new in ((key_cache, key[ok]), (value_cache, value[ok])):
+    if kv_layout == "VLLM_AMX":
+        packed.check_dims(bs, head_dim)
+    for kind, cache, new in (("key", key_cache, key[ok]), ("value", value_cache, value[ok])):
         if kv_layout == "NHD":
             cache[blk, off] = new.to(cache.dtype)
-        else:
+        elif kv_layout == "HND":
             cache[blk, :, off] = new.to(cache.dtype)
+        else:  # the packed offsets of each token's slot, per KV head
+            where = packed.offsets(bs, head_dim, kind, cache.device).view(bs, head_dim)[off]  # [tokens, D]
+            flat = cache.view(num_blocks, heads, bs * head_dim)
+            for h in range(heads):
+                flat[blk[:, None], h, where] = new[:, h].to(cache.dtype)
 
 
 class PagedValueSum:
@@ -151,7 +160,7 @@ class PagedValueSum:
     ----------
     num_blocks, block_size, num_kv_heads, head_dim : int
         The paged cache's shape.
-    kv_layout : {"NHD", "HND"}
+    kv_layout : {"NHD", "HND", "VLLM_AMX"}
         Layout of the value cache passed to :meth:`update`.
     device : torch.device, optional
 
@@ -296,6 +305,8 @@ class PagedValueSum:
         """The V rows of ``blocks`` as ``[len(blocks), block_size, num_kv_heads, head_dim]``
         float32 (a copy, whatever the layout)."""
         rows = value_cache[blocks]
+        if self.kv_layout == "VLLM_AMX":
+            rows = packed.unpack(rows, "value")
         return (rows if self.kv_layout == "NHD" else rows.transpose(1, 2)).to(torch.float32)
 
     def _leading_sum(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -392,7 +403,7 @@ def to_paged(key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, blo
     seq_lens : torch.Tensor
         ``[batch]`` valid lengths.
     block_size : int
-    kv_layout : {"NHD", "HND"}
+    kv_layout : {"NHD", "HND", "VLLM_AMX"}
     num_blocks : int, optional
         Blocks in the pool (>= the blocks needed); default: exactly those needed, plus one.
     shuffle : bool
@@ -422,6 +433,8 @@ def to_paged(key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, blo
     if value.shape != key.shape:
         raise ValueError(f"value shape must equal the key shape {shape_str(key)}, got {shape_str(value)}")
     B, H, S, D = key.shape
+    if kv_layout == "VLLM_AMX":
+        packed.check_dims(block_size, D)
     _index_tensor("seq_lens", seq_lens, "valid lengths")
     if seq_lens.dim() != 1 or seq_lens.shape[0] != B:
         raise ValueError(f"seq_lens must have shape [{B}] (key dim 0), got {shape_str(seq_lens)}")
@@ -450,7 +463,9 @@ def to_paged(key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, blo
             padded = torch.where(valid, padded, torch.tensor(fill, dtype=src.dtype, device=dev))
         blocks = padded.view(B, H, M, block_size, D)
         blocks = blocks.permute(0, 2, 3, 1, 4) if kv_layout == "NHD" else blocks.permute(0, 2, 1, 3, 4)
-        blocks = blocks[used]  # [need, bs, H, D] (NHD) or [need, H, bs, D] (HND)
+        blocks = blocks[used]  # [need, bs, H, D] (NHD) or [need, H, bs, D] (HND, VLLM_AMX)
+        if kv_layout == "VLLM_AMX":
+            blocks = packed.pack(blocks, "key" if src is key else "value")
         pool = torch.full((total, *blocks.shape[1:]), fill if fill is not None else 0.0,
                           dtype=src.dtype, device=dev)
         pool[ids] = blocks

@@ -122,6 +122,8 @@ class Backend:
         used = []  # built only for the features the inputs use (this runs on every call)
         if inputs.block_table is not None:
             used.append(("paged", f"paged KV caches (block_table, kv_layout={inputs.kv_layout})"))
+            if inputs.kv_layout == "VLLM_AMX":
+                used.append(("vllm_amx", "vLLM's AMX cache layout (kv_layout='VLLM_AMX')"))
         if inputs.selection == "group":
             used.append(("group_selection", "selection='group'"))
         if inputs.threshold_set is not None:

@@ -19,13 +19,16 @@ from typing import Optional
 import numpy as np
 import torch
 
-KV_LAYOUTS = ("BNSD", "NHD", "HND")
-PAGED_LAYOUTS = ("NHD", "HND")
+from .packed import check_dims
+
+KV_LAYOUTS = ("BNSD", "NHD", "HND", "VLLM_AMX")
+PAGED_LAYOUTS = ("NHD", "HND", "VLLM_AMX")
 # Cache dims of each layout, as (name of each dim); BNSD is the contiguous-per-sequence cache.
 LAYOUT_DIMS = {
     "BNSD": "[batch, num_kv_heads, max_seq_len, head_dim]",
     "NHD": "[num_blocks, block_size, num_kv_heads, head_dim]",
     "HND": "[num_blocks, num_kv_heads, block_size, head_dim]",
+    "VLLM_AMX": "[num_blocks, num_kv_heads, block_size, head_dim] (each block and head packed as vLLM's AMX cache)",
 }
 
 
@@ -131,7 +134,7 @@ def resolve_layout(kv_layout, paged: bool) -> str:
     require_choice("kv_layout", kv_layout, KV_LAYOUTS)
     if paged and kv_layout == "BNSD":
         raise ValueError("kv_layout='BNSD' is the contiguous cache: with a block_table the caches are "
-                         "paged, kv_layout must be 'NHD' or 'HND'")
+                         "paged, kv_layout must be 'NHD', 'HND' or 'VLLM_AMX'")
     if not paged and kv_layout != "BNSD":
         raise ValueError(f"kv_layout={kv_layout!r} is a paged layout and needs block_table "
                          "([batch, max_blocks_per_seq] int32); without one the caches are BNSD")
@@ -201,7 +204,22 @@ def check_caches(k, v, layout: str, batch: int, head_dim: int) -> tuple[int, int
     if d != head_dim:
         raise ValueError(f"key_cache head_dim (dim 3, {layout} {dims}) must equal the query head_dim "
                          f"{head_dim}, got shape {shape_str(k)}")
+    if layout == "VLLM_AMX":
+        check_packed(k, v, block_size, head_dim)
     return num_kv_heads, block_size
+
+
+def check_packed(k, v, block_size: int, head_dim: int) -> None:
+    """vLLM's AMX cache (topth_ops.packed): bfloat16, its block and head sizes, and each block
+    and head's region of block_size x head_dim elements contiguous."""
+    if k.dtype != torch.bfloat16:
+        raise TypeError(f"kv_layout='VLLM_AMX' (vLLM's AMX cache) holds bfloat16, got key_cache dtype "
+                        f"{dtype_str(k.dtype)}")
+    check_dims(block_size, head_dim)
+    for name, t in (("key_cache", k), ("value_cache", v)):
+        if t.stride(3) != 1 or t.stride(2) != head_dim:
+            raise ValueError(f"{name} (kv_layout='VLLM_AMX') must have each block and head's region contiguous "
+                             f"(strides [..., {head_dim}, 1] in dims 2 and 3), got strides {list(t.stride())}")
 
 
 def check_thresholds(th, sdc_table, sdc: str, selection: str, num_q_heads: int, num_kv_heads: int,

@@ -159,12 +159,66 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     _tile_release();
 }
 
+// vLLM's AMX cache (params.h, SimdOps::scores_packed): its K tiles are already the VNNI B
+// operand of Q . K^T, so C[G x 16 slots] = Q[G x 32] . K[32 x 16] per 32-element chunk of
+// head_dim gives the scores head-major: no copy, no transpose. Four C tiles in flight; the
+// query chunk is the A tile (G rows, the bfloat16 query as given).
+void scores_packed(const uint8_t* const* tiles, int64_t skip, int64_t count, int32_t d, int32_t dpad,
+                   const uint16_t* qraw, int32_t G, float scale, float* S, int64_t ldS, float* tile) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = uint8_t(t < 6 ? G : 16);  // 0-3: C, 4: A (query chunk), 6, 7: B (K tiles)
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[5] = 0;
+    cfg.colsb[5] = 0;
+    _tile_loadconfig(&cfg);
+    const int32_t nch = d / 32;
+    const int64_t ntiles = (skip + count + 15) / 16, tile_bytes = int64_t(d) * 32;
+    const __m512 sc = _mm512_set1_ps(scale);
+    float* cbuf = tile;  // four C tiles, 16 x 16 floats each
+    for (int64_t i0 = 0; i0 < ntiles; i0 += 4) {
+        for (int64_t i = i0 + 8; i < ntiles && i < i0 + 12; ++i) avx512_level::prefetch_row_l2(tiles[i], tile_bytes);
+        const int64_t nt = ntiles - i0 < 4 ? ntiles - i0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int32_t c = 0; c < nch; ++c) {
+            _tile_loadd(4, qraw + 32 * c, int64_t(dpad) * 2);
+            const int64_t off = int64_t(c) * 1024;  // 16 pairs x 64 bytes per chunk
+            _tile_loadd(6, tiles[i0] + off, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nt > 1) { _tile_loadd(7, tiles[i0 + 1] + off, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (nt > 2) { _tile_loadd(6, tiles[i0 + 2] + off, 64); _tile_dpbf16ps(2, 4, 6); }
+            if (nt > 3) { _tile_loadd(7, tiles[i0 + 3] + off, 64); _tile_dpbf16ps(3, 4, 7); }
+        }
+        _tile_stored(0, cbuf, 64);
+        if (nt > 1) _tile_stored(1, cbuf + 256, 64);
+        if (nt > 2) _tile_stored(2, cbuf + 512, 64);
+        if (nt > 3) _tile_stored(3, cbuf + 768, 64);
+        for (int64_t j = 0; j < nt; ++j) {
+            const int64_t col = 16 * (i0 + j) - skip;  // position of lane 0
+            const int64_t a = col < 0 ? -col : 0, e = count - col < 16 ? count - col : 16;
+            const bool full = a == 0 && e == 16;
+            const __mmask16 m = __mmask16(((1u << e) - 1u) & ~((1u << a) - 1u));
+            for (int32_t h = 0; h < G; ++h) {
+                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(cbuf + 256 * j + 16 * h), sc);
+                if (full) _mm512_storeu_ps(S + h * ldS + col, v);
+                else _mm512_mask_compressstoreu_ps(S + h * ldS + col + a, m, v);  // lanes [a, e)
+            }
+        }
+    }
+    _tile_release();
+}
+
 }  // namespace amx_level
 
 // Constant-initialised (no code of this translation unit runs before the CPU check).
 const SimdOps* ops_amx() {
     static const SimdOps ops = {"amx", amx_level::scores, avx512_level::max_bad, avx512_level::sum_exp,
-                                avx512_level::select, avx512_level::pv, avx512_level::vsum};
+                                avx512_level::select, avx512_level::pv, avx512_level::vsum,
+                                amx_level::scores_packed, avx512_level::pv_packed};
     return &ops;
 }
 

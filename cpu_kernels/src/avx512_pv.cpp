@@ -78,14 +78,19 @@ inline int64_t visit_stride(int64_t count) {
 // 32 elements gives the even elements (shifted up) and the odd ones (masked), one
 // instruction each, and the accumulators hold each 32-element chunk as [16 even | 16 odd]
 // (pv() permutes them back at the end).
-constexpr int kSplit = 3;  // pseudo dtype: bfloat16, pairwise conversion
+// vLLM's AMX cache (kPacked): a row's 16-element vector c is the even (low) or odd (high)
+// half of the 32-bit lanes of one 64-byte line, lines `cstride` bytes apart; the row pointer
+// points at its own first element, so its parity is bit 1 of the address (regions are 4-byte
+// aligned) and the conversion is one shift or one mask.
+constexpr int kSplit = 3;   // pseudo dtype: bfloat16, pairwise conversion
+constexpr int kPacked = 4;  // pseudo dtype: bfloat16 in vLLM's AMX V packing
 constexpr int64_t kRowBlock = 16;
 
 // acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block, rows at byte offset `off`;
 // vector NV - 1 masked by `last` (plain dtypes).
 template <int DT, int HB, int NV>
 inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, __mmask16 last, const float* w, int64_t ldw,
-                    float* acc, int32_t dpad) {
+                    float* acc, int32_t dpad, int64_t cstride) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     __m512 a[HB][NV];
 #pragma GCC unroll 4
@@ -96,7 +101,19 @@ inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, __mmask16 
     for (int64_t t = 0; t < R; ++t) {
         const uint8_t* p = rb[t] + off;
         __m512 v[NV];
-        if constexpr (DT == kSplit) {
+        if constexpr (DT == kPacked) {
+            const uintptr_t odd = (reinterpret_cast<uintptr_t>(rb[t]) >> 1) & 1u;
+            const uint8_t* line = rb[t] - 2 * odd + off;
+            if (odd) {
+#pragma GCC unroll 4
+                for (int c = 0; c < NV; ++c)
+                    v[c] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(line + c * cstride), hi16));
+            } else {
+#pragma GCC unroll 4
+                for (int c = 0; c < NV; ++c)
+                    v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(line + c * cstride), 16));
+            }
+        } else if constexpr (DT == kSplit) {
 #pragma GCC unroll 2
             for (int j = 0; j < NV / 2; ++j) {
                 const __m512i x = _mm512_loadu_si512(p + 64 * j);
@@ -122,12 +139,12 @@ inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, __mmask16 
 
 template <int DT, int HB>
 inline void pv_rows_nv(const uint8_t* const* rb, int64_t R, int64_t off, int nv, __mmask16 last, const float* w,
-                       int64_t ldw, float* acc, int32_t dpad) {
+                       int64_t ldw, float* acc, int32_t dpad, int64_t cstride) {
     switch (nv) {
-        case 1: pv_rows<DT, HB, 1>(rb, R, off, last, w, ldw, acc, dpad); break;
-        case 2: pv_rows<DT, HB, 2>(rb, R, off, last, w, ldw, acc, dpad); break;
-        case 3: pv_rows<DT, HB, 3>(rb, R, off, last, w, ldw, acc, dpad); break;
-        default: pv_rows<DT, HB, 4>(rb, R, off, last, w, ldw, acc, dpad); break;
+        case 1: pv_rows<DT, HB, 1>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
+        case 2: pv_rows<DT, HB, 2>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
+        case 3: pv_rows<DT, HB, 3>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
+        default: pv_rows<DT, HB, 4>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
     }
 }
 
@@ -147,11 +164,27 @@ inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_
         }
 }
 
+// One row for the prefetches: its d elements, or (kPacked) its d / 16 lines.
+template <int DT>
+inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, int32_t d, bool l2) {
+    if constexpr (DT == kPacked) {
+        for (int32_t c = 0; c < d; c += 16, p += cstride)
+            _mm_prefetch(reinterpret_cast<const char*>(p), l2 ? _MM_HINT_T1 : _MM_HINT_T0);
+    } else if (l2) {
+        prefetch_row_l2(p, row_bytes);
+    } else {
+        prefetch_row(p, row_bytes);
+    }
+}
+
+// cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 16
+// elements).
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
-                   int32_t G, float* acc, int64_t stride) {
+                   int32_t G, float* acc, int64_t stride, int64_t cstride = 0) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t row_bytes = int64_t(d) * es;
+    if (DT != kPacked) cstride = 16 * es;
     const int32_t nct = (d + 15) / 16;
     const int64_t far = far_rows(row_bytes);
     const uint8_t* rb[kRowBlock];
@@ -168,11 +201,11 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
             tv += stride; tv -= tv >= count ? count : 0;
         }
         for (int64_t k = k0 + kRowBlock; k < count && k < k0 + 2 * kRowBlock; ++k) {
-            prefetch_row(rows[tn], row_bytes);
+            prefetch_one<DT>(rows[tn], row_bytes, cstride, d, false);
             tn += stride; tn -= tn >= count ? count : 0;
         }
         for (int64_t k = k0 + far; k < count && k < k0 + far + kRowBlock; ++k) {
-            prefetch_row_l2(rows[tf], row_bytes);
+            prefetch_one<DT>(rows[tf], row_bytes, cstride, d, true);
             tf += stride; tf -= tf >= count ? count : 0;
         }
         for (int32_t h0 = 0; h0 < G; h0 += 4) {
@@ -188,13 +221,13 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
             for (int32_t c0 = 0; c0 < nct; c0 += 4) {
                 const int nv = nct - c0 < 4 ? nct - c0 : 4;
                 const __mmask16 last = tail_mask(d - 16 * (c0 + nv - 1));
-                const int64_t off = int64_t(16 * c0) * es;
+                const int64_t off = int64_t(c0) * cstride;
                 float* o = acc + int64_t(h0) * dpad + 16 * c0;
                 switch (hb) {
-                    case 1: pv_rows_nv<DT, 1>(rb, R, off, nv, last, w, lw, o, dpad); break;
-                    case 2: pv_rows_nv<DT, 2>(rb, R, off, nv, last, w, lw, o, dpad); break;
-                    case 3: pv_rows_nv<DT, 3>(rb, R, off, nv, last, w, lw, o, dpad); break;
-                    default: pv_rows_nv<DT, 4>(rb, R, off, nv, last, w, lw, o, dpad); break;
+                    case 1: pv_rows_nv<DT, 1>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+                    case 2: pv_rows_nv<DT, 2>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+                    case 3: pv_rows_nv<DT, 3>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+                    default: pv_rows_nv<DT, 4>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
                 }
             }
         }
@@ -281,6 +314,12 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
             }
         }
     }
+}
+
+void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,
+               int64_t ldw, int32_t G, float* acc, int32_t scattered) {
+    if (count <= 0) return;
+    pv_direct_all<kPacked>(rows, count, d, dpad, wk, ldw, G, acc, scattered ? visit_stride(count) : 1, gstride);
 }
 
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,

@@ -56,10 +56,11 @@ Params params_from(const py::dict& args) {
         if (v < 1) throw py::value_error("shape values must be >= 1");
     if (P.num_q_heads % P.num_kv_heads) throw py::value_error("num_q_heads must be a multiple of num_kv_heads");
     auto opt = args["options"].cast<std::vector<int64_t>>();
-    if (opt.size() != 8) throw py::value_error("options: expected 8 values");
+    if (opt.size() != 9) throw py::value_error("options: expected 9 values");
     P.dtype = int32_t(opt[0]); P.placement = int32_t(opt[1]); P.sdc = int32_t(opt[2]); P.vmc = int32_t(opt[3]);
     P.group_selection = int32_t(opt[4]); P.threads = int32_t(opt[5]); P.split_len = opt[6];
     P.use_openmp = int32_t(opt[7]);
+    P.kv_packed = int32_t(opt[8]);
     if (P.dtype < kF16 || P.dtype > kF32) throw py::value_error("unknown dtype code");
     P.scale = args["scale"].cast<float>();
     P.sdc_gamma = args["sdc_gamma"].cast<float>();
@@ -78,6 +79,13 @@ Params params_from(const py::dict& args) {
     index_into(args, "threshold_set", P.threshold_set, P.tset_s, P.tset_i64);
     if (!P.query || !P.key || !P.value || !P.seq_lens || !P.thresholds || !P.out)
         throw py::value_error("query, key_cache, value_cache, seq_lens, thresholds and out are required");
+    // vLLM's AMX cache: the packed offsets stay inside each block and head's region only for
+    // these sizes, with the region contiguous
+    if (P.kv_packed && (!P.block_table || P.dtype != kBF16 || P.block_size % 32 || P.head_dim % 32 ||
+                        P.k_s[3] != 1 || P.v_s[3] != 1 || P.k_s[2] != P.head_dim || P.v_s[2] != P.head_dim ||
+                        (reinterpret_cast<uintptr_t>(P.value) & 3u) || (P.v_s[0] & 1) || (P.v_s[1] & 1)))
+        throw py::value_error("kv_packed needs a block table, bfloat16, block_size and head_dim multiples of 32, "
+                              "each block and head's region contiguous and the value regions 4-byte aligned");
     if ((P.kept == nullptr) != (P.v_rows == nullptr) || (P.kept == nullptr) != (P.dropped_mass == nullptr))
         throw py::value_error("kept, v_rows and dropped_mass go together");
     if (P.sdc == kSdcOffline && !P.sdc_table) throw py::value_error("sdc='offline' needs sdc_table");

@@ -39,15 +39,6 @@ constexpr int64_t kSlack = 16;   // elements past the end of each kept list / we
 
 int64_t elem_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
 
-int64_t block_of(const Params& P, int64_t b, int64_t i) {
-    if (!P.block_table) return b;  // BNSD: one block of max_seq_len positions per sequence
-    int64_t blk = P.block_table[b * P.bt_s[0] + i * P.bt_s[1]];
-    // used entries of unchecked tables are clamped so that nothing is read out of bounds
-    if (blk < 0) blk = 0;
-    if (blk >= P.num_blocks) blk = P.num_blocks - 1;
-    return blk;
-}
-
 // Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive) of (b, g).
 void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
                       int64_t count, const uint8_t** out) {
@@ -102,6 +93,7 @@ void Scratch::reserve(int64_t len, int32_t G, int32_t dpad) {
     if (int64_t(flags.size()) < len + 16) flags.resize(size_t(len + 16));
     // K pointers of one chunk of scores; P.V: one item's kept list
     if (int64_t(rows.size()) < std::max(kChunk, len)) rows.resize(size_t(std::max(kChunk, len)));
+    if (int64_t(unpacked.size()) < kChunk * dpad) unpacked.resize(size_t(kChunk * dpad));
     // tile: 32 converted rows (avx512 P.V, V sum), or the amx level's query, C tiles and copies
     const int64_t tile_floats = std::max<int64_t>(32 * dpad, 40 * dpad + 1024);
     if (int64_t(tile.size()) < tile_floats) tile.resize(size_t(tile_floats));
@@ -126,10 +118,21 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     if (phase != kSelect) {
         const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
         const uint16_t* qraw = plan.qraw.empty() ? nullptr : plan.qraw.data() + (b * P.num_q_heads + g * G) * dpad;
-        // the whole range in one call (Scratch::rows holds len pointers): the stage prefetches
-        // ahead across blocks and pages
-        consecutive_rows(P, P.key, P.k_s, b, g, it.lo, len, rows);
-        ops.scores(rows, len, P.dtype, P.k_s[3], D, dpad, q, G, S, len, sc.tile.data(), qraw, P.scale);
+        if (P.kv_packed && ops.scores_packed && qraw && G <= 16) {  // vLLM's AMX cache, native
+            packed_key_tiles(P, b, g, it.lo, len, rows);
+            ops.scores_packed(rows, it.lo % 16, len, D, dpad, qraw, G, P.scale, S, len, sc.tile.data());
+        } else if (P.kv_packed) {  // rows unpacked first, kChunk at a time
+            for (int64_t c = 0; c < len; c += kChunk) {
+                const int64_t cnt = len - c < kChunk ? len - c : kChunk;
+                packed_key_rows(P, b, g, it.lo + c, cnt, sc.unpacked.data(), rows);
+                ops.scores(rows, cnt, P.dtype, 1, D, dpad, q, G, S + c, len, sc.tile.data(), qraw, P.scale);
+            }
+        } else {
+            // the whole range in one call (Scratch::rows holds len pointers): the stage prefetches
+            // ahead across blocks and pages
+            consecutive_rows(P, P.key, P.k_s, b, g, it.lo, len, rows);
+            ops.scores(rows, len, P.dtype, P.k_s[3], D, dpad, q, G, S, len, sc.tile.data(), qraw, P.scale);
+        }
         plan.k_rows[size_t(i)] = len;
         for (int32_t h = 0; h < G; ++h) {
             ops.max_bad(S + h * len, len, &m_loc[h], &plan.bad[size_t(i * G + h)]);
@@ -139,8 +142,13 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
             float* vs = &plan.vs[size_t(i * dpad)];
             for (int64_t c = 0; c < len; c += kChunk) {
                 const int64_t cnt = len - c < kChunk ? len - c : kChunk;
-                consecutive_rows(P, P.value, P.v_s, b, g, it.lo + c, cnt, rows);
-                ops.vsum(rows, cnt, P.dtype, P.v_s[3], D, dpad, vs, sc.tile.data());
+                if (P.kv_packed) {
+                    packed_value_rows(P, b, g, it.lo + c, nullptr, cnt, sc.unpacked.data(), rows);
+                    ops.vsum(rows, cnt, P.dtype, 1, D, dpad, vs, sc.tile.data());
+                } else {
+                    consecutive_rows(P, P.value, P.v_s, b, g, it.lo + c, cnt, rows);
+                    ops.vsum(rows, cnt, P.dtype, P.v_s[3], D, dpad, vs, sc.tile.data());
+                }
             }
             plan.vm_rows[size_t(i)] = len;
         }
@@ -190,7 +198,16 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     std::memset(acc, 0, sizeof(float) * size_t(G * dpad));
     // the whole kept list in one call (Scratch::rows holds len pointers), so the P.V stage's
     // prefetch runs ahead across it
-    if (kept > 0) {
+    if (kept > 0 && P.kv_packed && ops.pv_packed) {  // vLLM's AMX cache, read in place
+        packed_value_pointers(P, b, g, it.lo, sc.idx.data(), kept, rows);
+        ops.pv_packed(rows, kept, D, dpad, P.block_size * 32, sc.wk.data(), ldw, G, acc, int32_t(4 * kept <= 3 * len));
+    } else if (kept > 0 && P.kv_packed) {  // vLLM's AMX cache: the kept rows unpacked, kChunk at a time
+        for (int64_t c = 0; c < kept; c += kChunk) {
+            const int64_t cnt = kept - c < kChunk ? kept - c : kChunk;
+            packed_value_rows(P, b, g, it.lo, sc.idx.data() + c, cnt, sc.unpacked.data(), rows);
+            ops.pv(rows, cnt, P.dtype, 1, D, dpad, sc.wk.data() + c, ldw, G, acc, sc.tile.data(), 0);
+        }
+    } else if (kept > 0) {
         listed_rows(P, P.value, P.v_s, b, g, it.lo, sc.idx.data(), kept, rows);
         // a sparse subset (at most 3/4 of the range) is visited in a strided order; the dense
         // mode and nearly dense lists stream in ascending order (the hardware prefetchers

@@ -43,6 +43,7 @@ struct Plan {
 
 struct Scratch {
     std::vector<float> S, wk, tile, small;
+    std::vector<uint16_t> unpacked;  // rows unpacked from vLLM's AMX cache (kChunk rows)
     std::vector<int32_t> idx;
     std::vector<uint8_t> flags;
     std::vector<const uint8_t*> rows;
@@ -50,6 +51,27 @@ struct Scratch {
 };
 
 enum Phase : int32_t { kFull = 0, kScores = 1, kSelect = 2 };
+
+// Block of table entry i of sequence b (BNSD: the sequence itself); used entries of unchecked
+// tables are clamped so that nothing is read out of bounds.
+inline int64_t block_of(const Params& P, int64_t b, int64_t i) {
+    if (!P.block_table) return b;  // BNSD: one block of max_seq_len positions per sequence
+    int64_t blk = P.block_table[b * P.bt_s[0] + i * P.bt_s[1]];
+    if (blk < 0) blk = 0;
+    if (blk >= P.num_blocks) blk = P.num_blocks - 1;
+    return blk;
+}
+
+// packed.cpp (vLLM's AMX cache): the K tiles of the 16-slot groups of positions
+// [lo / 16 * 16, lo + count); K rows [lo, lo + count) and V rows lo + idx[t] (idx null:
+// lo + t) unpacked into dst (count x head_dim bfloat16), their pointers into out
+void packed_key_tiles(const Params& P, int64_t b, int64_t g, int64_t lo, int64_t count, const uint8_t** out);
+void packed_key_rows(const Params& P, int64_t b, int64_t g, int64_t lo, int64_t count, uint16_t* dst,
+                     const uint8_t** out);
+void packed_value_pointers(const Params& P, int64_t b, int64_t g, int64_t lo, const int32_t* idx, int64_t count,
+                           const uint8_t** out);
+void packed_value_rows(const Params& P, int64_t b, int64_t g, int64_t lo, const int32_t* idx, int64_t count,
+                       uint16_t* dst, const uint8_t** out);
 
 // item.cpp
 void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc);

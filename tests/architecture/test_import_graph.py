@@ -193,7 +193,7 @@ def test_no_module_getattr():
 # before it, never a later one. Prefixes are matched longest first.
 LAYERS = [
     ("topth_ops.cuda_kernels", "topth_ops.cpu_kernels", "topth_ops.npu_kernels"),
-    ("topth_ops.validation", "topth_ops.codes", "topth_ops.env", "topth_ops.vmean", "topth_ops.cli"),
+    ("topth_ops.validation", "topth_ops.packed", "topth_ops.codes", "topth_ops.env", "topth_ops.vmean", "topth_ops.cli"),
     ("topth_ops.contract", "topth_ops.paged"),
     ("topth_ops.registry", "topth_ops.prefill"),
     ("topth_ops.op", "topth_ops.api", "topth_ops"),

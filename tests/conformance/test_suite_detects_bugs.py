@@ -36,6 +36,20 @@ def _replace(**changes):
     return lambda inp: dataclasses.replace(inp, **{k: f(inp) for k, f in changes.items()})
 
 
+def _packed_as_rows(inp):
+    """vLLM's AMX cache read as if its blocks held rows (HND)."""
+    return "HND" if inp.kv_layout == "VLLM_AMX" else inp.kv_layout
+
+
+def _v_packed_as_k(inp):
+    """V regions unpacked with K's offsets (the two packings confused)."""
+    if inp.kv_layout != "VLLM_AMX":
+        return inp.value_cache
+    from topth_ops import packed
+
+    return packed.pack(packed.unpack(inp.value_cache, "value"), "key")
+
+
 def _shift_columns(inp):
     th = inp.thresholds
     idx = torch.clamp(torch.arange(th.shape[1]) + 1, max=th.shape[1] - 1)
@@ -200,6 +214,17 @@ def test_rule_catches_mutant(mutant, rule, dtype):
     result = run_rule(mutant, rule, dtype, device=torch.device("cpu"), shape_set="quick")
     assert result.status == "fail", f"{rule} did not catch {mutant.name}: {result.report()}"
     assert not any("CaseGenerationError" in f for f in result.failures), result.report()
+
+
+# vLLM's AMX cache holds bfloat16 only: its mutants run in bfloat16
+PACKED_MUTANTS = [Mutant("reads-vllm-amx-as-rows", _replace(kv_layout=_packed_as_rows)),
+                  Mutant("vllm-amx-v-as-k", _replace(value_cache=_v_packed_as_k))]
+
+
+@pytest.mark.parametrize("mutant", PACKED_MUTANTS, ids=[m.name for m in PACKED_MUTANTS])
+def test_packed_layout_rule_catches_mutant(mutant):
+    result = run_rule(mutant, "vllm_amx_layout", torch.bfloat16, device=torch.device("cpu"), shape_set="quick")
+    assert result.status == "fail", f"vllm_amx_layout did not catch {mutant.name}: {result.report()}"
 
 
 # ------------------------------------------------------------------ broken V-sum helpers

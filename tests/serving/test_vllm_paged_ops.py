@@ -131,3 +131,37 @@ def test_gather_sequence_follows_the_table():
     row = torch.tensor([4, 1, 5], dtype=torch.int32)
     got = gather_sequence(cache, row, 6)  # positions 0..3 in block 4, 4..5 in block 1
     assert torch.equal(got[:4], cache[4]) and torch.equal(got[4:], cache[1, :2])
+
+
+def test_vllm_amx_layout_is_vllms_own_cache():
+    """kv_layout='VLLM_AMX' reads the cache vLLM's own writer (cpu_attn_reshape_and_cache, isa
+    'amx') packed: the offsets equal the writer's, and the cpu and torch backends on that cache
+    equal the float64 oracle within bfloat16 rounding."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from topth_ops import decode_attention, packed
+    from topth_ops.conformance.oracle import oracle_decode
+
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, S, bs = 2, 8, 2, 64, 100, 32
+    nb = 2 * -(-S // bs)
+    k = torch.randn(B * S, Hkv, D, generator=gen).bfloat16()
+    v = torch.randn(B * S, Hkv, D, generator=gen).bfloat16()
+    kv = torch.zeros(nb, Hkv, bs, 2 * D, dtype=torch.bfloat16)
+    kc, vc = kv.view(nb, Hkv, 2 * bs, D).chunk(2, dim=2)  # as vLLM's CPU backend views its cache
+    table = torch.randperm(nb, generator=gen).to(torch.int32).view(B, nb // B)
+    pos = torch.arange(S)
+    slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "amx")
+    rows_k = packed.unpack(kc, "key")  # [nb, Hkv, bs, D] rows
+    blk, off = slots // bs, slots % bs
+    assert torch.equal(rows_k[blk, :, off], k)
+    assert torch.equal(packed.unpack(vc, "value")[blk, :, off], v)
+    q = torch.randn(B, Hq, D, generator=gen).bfloat16()
+    lens = torch.tensor([S, 61])
+    th = torch.full((Hq, 1), 0.004)
+    kw = dict(query=q, key_cache=kc, value_cache=vc, seq_lens=lens, thresholds=th, block_table=table,
+              kv_layout="VLLM_AMX", placement="post_softmax")
+    want = oracle_decode(**kw)
+    for backend in ("cpu", "torch"):
+        out = decode_attention(**kw, backend=backend)
+        np.testing.assert_allclose(out.float().numpy(), want.out, atol=2e-2, rtol=2e-2)

@@ -181,7 +181,8 @@ def _index(t: Optional[torch.Tensor]):
 def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeStats]) -> dict:
     """The kernel's arguments: data pointers and element strides of every tensor (read in
     place, no copy), shapes and option codes. BNSD caches travel as one HND block per
-    sequence without a block table (docs/cpu.md, "One code path").
+    sequence without a block table (docs/cpu.md, "One code path"); vLLM's AMX cache as HND
+    strides with the packing flag (the last option).
 
     Parameters
     ----------
@@ -201,7 +202,8 @@ def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeS
         "shape": [inputs.batch, inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim, inputs.block_size,
                   inputs.num_blocks, inputs.max_blocks_per_seq, inputs.max_row_id, inputs.num_sets],
         "options": [int(DType.of(inputs.dtype)), int(Placement.of(inputs.placement)), int(Sdc.of(inputs.sdc)),
-                    int(vmc), int(Selection.of(inputs.selection)), torch.get_num_threads(), knobs[1], knobs[2]],
+                    int(vmc), int(Selection.of(inputs.selection)), torch.get_num_threads(), knobs[1], knobs[2],
+                    int(inputs.kv_layout == "VLLM_AMX")],
         "scale": float(inputs.scale),
         "sdc_gamma": float(inputs.sdc_gamma),
         "query": _tensor(inputs.query),
@@ -224,7 +226,7 @@ class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    features = frozenset({"paged", "group_selection", "threshold_sets"})
+    features = frozenset({"paged", "group_selection", "threshold_sets", "vllm_amx"})
 
     def __init__(self):
         self.last_counters: Optional[dict] = None
@@ -234,10 +236,12 @@ class CpuBackend(Backend):
     def description(self) -> str:
         try:
             level, threads = simd_level(), threads_line()
+            amx = cpu_module().amx_unavailable_reason()
         except (ImportError, ValueError) as e:
-            level, threads = f"? ({e})", f"{torch.get_num_threads()} threads"
-        return (f"compiled C++ kernel (pybind11), SIMD {level}, {threads}; K read once per GQA group, only "
-                f"kept-union V rows read (docs/cpu.md)")
+            level, threads, amx = f"? ({e})", f"{torch.get_num_threads()} threads", ""
+        no_amx = f" (amx level unavailable: {amx})" if amx else ""
+        return (f"compiled C++ kernel (pybind11), SIMD {level}{no_amx}, {threads}; K read once per GQA group, "
+                f"only kept-union V rows read (docs/cpu.md)")
 
     def unavailable_reasons(self) -> list[str]:
         return list(_verdict()[0])

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .. import packed
 from ..contract import DecodeInputs, DecodeStats
 from ..vmean import valid_value_mean
 from ..registry import Backend
@@ -33,15 +34,17 @@ def dense_caches(inputs: DecodeInputs, n: torch.Tensor) -> tuple[torch.Tensor, t
     used = torch.arange(M, device=bt.device)[None, :] < ((n + bs - 1) // bs)[:, None]
     idx = torch.where(used, bt.clamp(0, inputs.num_blocks - 1), 0)
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        blocks = cache[idx]  # NHD: [B, M, bs, H, D]; HND: [B, M, H, bs, D]
+    def gather(cache: torch.Tensor, kind: str) -> torch.Tensor:
+        blocks = cache[idx]  # NHD: [B, M, bs, H, D]; HND, VLLM_AMX: [B, M, H, bs, D]
+        if inputs.kv_layout == "VLLM_AMX":
+            blocks = packed.unpack(blocks, kind)
         if inputs.kv_layout == "NHD":
             blocks = blocks.permute(0, 3, 1, 2, 4)  # [B, H, M, bs, D]
         else:
             blocks = blocks.permute(0, 2, 1, 3, 4)
         return blocks.reshape(B, blocks.shape[1], M * bs, blocks.shape[-1])
 
-    return gather(inputs.key_cache), gather(inputs.value_cache)
+    return gather(inputs.key_cache, "key"), gather(inputs.value_cache, "value")
 
 
 def per_sequence_rows(inputs: DecodeInputs, table: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -183,7 +186,7 @@ class TorchBackend(Backend):
     name = "torch"
     device_type = "any"
     description = "vectorized PyTorch reference (fp32 math), any torch device"
-    features = frozenset({"paged", "group_selection", "threshold_sets"})
+    features = frozenset({"paged", "group_selection", "threshold_sets", "vllm_amx"})
 
     def devices(self) -> list[torch.device]:
         devs = [torch.device("cpu")]

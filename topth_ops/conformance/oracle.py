@@ -58,13 +58,18 @@ def _sequence_kv(k: np.ndarray, v: np.ndarray, b: int, g: int, n: int, block_tab
     if block_table is None:
         return k[b, g, :n], v[b, g, :n]
     bs = k.shape[1] if kv_layout == "NHD" else k.shape[2]
+    D = k.shape[-1]
     keys, vals = [], []
     for j in range(n):
         blk, slot = int(block_table[b, j // bs]), j % bs
         if kv_layout == "NHD":
             keys.append(k[blk, slot, g]), vals.append(v[blk, slot, g])
-        else:
+        elif kv_layout == "HND":
             keys.append(k[blk, g, slot]), vals.append(v[blk, g, slot])
+        else:  # VLLM_AMX: the region of (blk, g) in memory order, element (slot, d) at its packed offset
+            kr, vr = k[blk, g].reshape(-1), v[blk, g].reshape(-1)
+            keys.append([kr[(slot // 16) * D * 16 + (d // 2) * 32 + (slot % 16) * 2 + d % 2] for d in range(D)])
+            vals.append([vr[(d // 16) * bs * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2] for d in range(D)])
     return np.array(keys), np.array(vals)
 
 

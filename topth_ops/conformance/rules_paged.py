@@ -222,3 +222,43 @@ def _paged_error_cases(kw: dict) -> list:
 def _paged_errors(h: Harness) -> None:
     kw = _paged_kwargs(h)
     expect_errors(h, kw, _paged_error_cases(kw))
+
+
+# vLLM's AMX cache: (head_dim, block size, selection, placement); GQA groups of 1, 4 and 16
+VLLM_AMX_CASES = ((64, 32, "head", "pre_softmax", (8, 2)), (128, 128, "group", "post_softmax", (16, 1)),
+                  (64, 64, "group", "pre_softmax", (9, 9)), (128, 32, "head", "post_softmax", (8, 2)))
+
+
+@rule("vllm_amx_layout", "vLLM's AMX cache (kv_layout='VLLM_AMX': bfloat16 blocks packed for tiles) equals the oracle and the contiguous path; other dtypes, block sizes, head_dims and strides are refused naming the argument")
+def _vllm_amx_layout(h: Harness) -> None:
+    base = None
+    if h.dtype == torch.bfloat16:
+        for i, (d, bs, selection, placement, (hq, hkv)) in enumerate(VLLM_AMX_CASES):
+            shape = Shape((150, 33, 0, 97 + 16 * i), hq, hkv, d, 160)
+            base = random_case("vllm_amx", shape, h.dtype, placement=placement, selection=selection, vmc=True,
+                               sdc="exact" if placement == "pre_softmax" else "none",
+                               seed=h.seed("vllmamx", i))
+            contiguous = h.forward(base)
+            case = paged_case(base, bs, "VLLM_AMX", seed=h.seed("vllmamx", bs))
+            res = h.check(case)
+            if res is not None and contiguous is not None:
+                _compare_paths(h, case.name, res, contiguous)
+    # refusals, built from a bfloat16 case whatever the rule's dtype
+    ref = random_case("vllm_amx_errors", Shape((40, 7), 4, 2, 64, 64), torch.bfloat16, placement="pre_softmax",
+                      seed=h.seed("vllmamxerr"))
+    kw = paged_case(ref, 32, "VLLM_AMX", seed=h.seed("vllmamxerr")).to(h.device).kwargs
+    k, v = kw["key_cache"], kw["value_cache"]
+    other = torch.float16 if h.dtype == torch.bfloat16 else h.dtype
+    nb, hkv = k.shape[0], k.shape[1]
+    cases = [
+        ("another dtype", dict(query=kw["query"].to(other), key_cache=k.to(other), value_cache=v.to(other)),
+         TypeError, "VLLM_AMX"),
+        ("block size 16", dict(key_cache=k.reshape(2 * nb, hkv, 16, 64), value_cache=v.reshape(2 * nb, hkv, 16, 64),
+                               block_table=torch.cat([kw["block_table"], kw["block_table"]], 1)),
+         ValueError, "block_size"),
+        ("head dim not a multiple of 32", dict(query=kw["query"][..., :48], key_cache=k[..., :48],
+                                              value_cache=v[..., :48]), ValueError, "head_dim"),
+        ("region not contiguous", dict(key_cache=k.transpose(0, 1).contiguous().transpose(0, 1)[:, :, :, :],
+                                      value_cache=torch.cat([v, v], 3)[..., :64]), ValueError, "value_cache"),
+    ]
+    expect_errors(h, kw, cases)

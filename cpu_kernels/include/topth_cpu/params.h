@@ -24,6 +24,7 @@ struct Params {
     // options
     int32_t dtype = kF32, placement = kPost, sdc = kSdcNone, vmc = kVmcOff;
     int32_t group_selection = 0;
+    int32_t kv_packed = 0;  // 1: vLLM's AMX cache (paged; each block and head packed: topth_ops/packed.py)
     float scale = 1.0f, sdc_gamma = 0.05f;
     // tensors: pointer + strides in elements (block, kv_head, slot, dim for the caches)
     const void* query = nullptr;      int64_t q_s[3] = {0, 0, 0};
@@ -99,6 +100,17 @@ struct SimdOps {
     // sum[d] += sum_t row_t[d]; tile: scratch of 32 * dpad floats
     void (*vsum)(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d,
                  int32_t dpad, float* sum, float* tile);
+    // Scores of bfloat16 K in vLLM's AMX packing (null on levels without a native path: the
+    // kernel then unpacks rows first): tiles[i] is the K tile of 16 slots (one slot group of a
+    // block and head), position t < count is lane (t + skip) % 16 of tile (t + skip) / 16;
+    // S[h * ldS + t] = scale * <qraw_h, k_t>; tile: scratch of >= 40 * dpad + 1024 floats.
+    void (*scores_packed)(const uint8_t* const* tiles, int64_t skip, int64_t count, int32_t d, int32_t dpad,
+                          const uint16_t* qraw, int32_t G, float scale, float* S, int64_t ldS, float* tile) = nullptr;
+    // P.V over kept bfloat16 V rows in vLLM's AMX packing (null: rows unpacked first): rows[t]
+    // points at row t's first element, its 16-element vectors gstride bytes apart (each the
+    // even or odd half of a 64-byte line); acc and wk as in pv.
+    void (*pv_packed)(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride,
+                      const float* wk, int64_t ldw, int32_t G, float* acc, int32_t scattered) = nullptr;
 };
 
 const SimdOps* ops_generic();
