@@ -52,7 +52,8 @@ def decode_attention(
         The query's dtype and device; the current token already appended. Without
         ``block_table``: ``[batch, num_kv_heads, max_seq_len, head_dim]`` (BNSD). With it
         (paged): ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``kv_layout="NHD"``,
-        vLLM's layout) or ``[num_blocks, num_kv_heads, block_size, head_dim]`` ("HND").
+        vLLM's layout) or ``[num_blocks, num_kv_heads, block_size, head_dim]`` ("HND", and
+        "VLLM_AMX": vLLM's CPU cache packed for its AMX kernels, :mod:`topth_ops.packed`).
         Positions ``>= seq_lens[b]`` are never read. GQA: query head h uses KV head
         ``h // (num_q_heads // num_kv_heads)``.
     seq_lens : torch.Tensor
@@ -91,7 +92,7 @@ def decode_attention(
         ``[batch, max_blocks_per_seq]`` int32: position j of sequence b is slot
         ``j % block_size`` of cache block ``block_table[b, j // block_size]``. Entries of
         blocks past ``ceil(n_b / block_size)`` are never read.
-    kv_layout : {None, "BNSD", "NHD", "HND"}
+    kv_layout : {None, "BNSD", "NHD", "HND", "VLLM_AMX"}
         Cache layout; None means "BNSD" without a block table and "NHD" with one.
     selection : {"head", "group"}
         "head": one threshold per query head (paper section 3.1). "group": one threshold

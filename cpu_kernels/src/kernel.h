@@ -24,7 +24,8 @@ struct Plan {
     bool two_phase = false;  // post_softmax with split-KV: scores, global LSE, then selection
     std::vector<int64_t> n, row, set;            // per sequence: clamped length, row id column, set
     std::vector<Item> items;
-    std::vector<int64_t> order;                  // items, longest first (scheduling)
+    std::vector<int64_t> order;                  // items of the units, unit by unit (scheduling)
+    std::vector<int64_t> unit_first;             // [units + 1]: unit u runs order[unit_first[u] ..)
     std::vector<int64_t> pair_first, pair_count; // per (b, g): its items
     std::vector<float> q;                        // [B][Hq][dpad]: scale * query, float32, zero padded
     std::vector<uint16_t> qraw;                  // [B][Hq][dpad]: the bfloat16 query as given (bf16 caches)
