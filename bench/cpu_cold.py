@@ -3,7 +3,10 @@
 Decode inside a model reads each layer's KV cache once per step, from DRAM. This benchmark
 times that: every timed call reads a different per-layer cache, and the layers rotate over
 more bytes than the last-level cache holds (sized from the machine), so no call finds its
-cache in LLC. Each variant reports ms per layer, GB/s of K + V actually read, and that as a
+cache in LLC. Variants are interleaved: each round times every variant's rotation once, in a
+new random order, and a row is the median over rounds (these machines' speed drifts over
+minutes, which sequential timing would attribute to whichever variant ran then). Each
+variant reports ms per layer, GB/s of K + V actually read, and that as a
 percentage of a read-bandwidth probe (a sum over a 1 GiB tensor) taken in the same run with
 the same thread count.
 
@@ -40,6 +43,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -60,7 +64,7 @@ SHAPES = {
     "llama8b": (8, 32, 8, 128, 8192, torch.bfloat16),
     "llama8b-fp32-b1": (1, 32, 8, 128, 32768, torch.float32),
 }
-LAYOUTS = ("BNSD", "NHD16", "NHD32", "HND128", "vllm128")
+LAYOUTS = ("BNSD", "NHD16", "NHD32", "NHD48", "HND128", "HND256", "vllm128")
 PROBE_BYTES = 1 << 30
 MAX_POOL_BYTES = 6 << 30
 """Upper bound of the rotated caches of one layout (memory of these 24 GiB machines)."""
@@ -86,6 +90,7 @@ class Row:
     gbps: float = float("nan")
     pct_probe: float = float("nan")
     v_rows_frac: float = 1.0
+    probe_gbps: float = float("nan")
     note: str = ""
     times_ms: list = field(default_factory=list)
 
@@ -118,18 +123,6 @@ def llc_bytes() -> int:
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
         best = max(best, int(size.rstrip("KMG")) * mult)
     return best or (512 << 20)
-
-
-def read_probe(threads: int, reps: int = 5) -> float:
-    """Read bandwidth (GB/s) of a float32 sum over :data:`PROBE_BYTES`, best of ``reps``."""
-    torch.set_num_threads(threads)
-    x = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
-    best = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return PROBE_BYTES / best / 1e9
 
 
 def _layer_count(per_layer: int, llc: int) -> int:
@@ -171,16 +164,12 @@ def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, g
     return kc.as_strided(kc.shape, (s[0], s[1], 1, bs)), vc, {"block_table": table, "kv_layout": "HND"}
 
 
-def _time_rotating(calls: list[Callable[[], None]], rounds: int) -> list[float]:
-    """ms per call of each round, every round calling each layer's function once in order."""
-    calls[0]()
-    out = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for fn in calls:
-            fn()
-        out.append((time.perf_counter() - t) * 1e3 / len(calls))
-    return out
+def _time_rotation(calls: list[Callable[[], None]]) -> float:
+    """ms per call of one rotation: each layer's function once, in order."""
+    t = time.perf_counter()
+    for fn in calls:
+        fn()
+    return (time.perf_counter() - t) * 1e3 / len(calls)
 
 
 def _vllm_calls(layers, q, lens, scale):
@@ -212,8 +201,12 @@ def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, 
                            f"{int(ref_st.v_rows.sum())})")
 
 
-def run_shape(name: str, threads: list[int], mach: Machine, probes: dict, rounds: int, layouts=LAYOUTS,
+def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts=LAYOUTS,
               seed: int = 0) -> list[Row]:
+    """Every layout and variant of one shape, timed interleaved with the read probe: each round
+    runs every variant's rotation over the layers once and the probe once, in a new random
+    order (this machine's speed drifts over minutes; a row is the median over rounds, its
+    percentage is of the probe's median in the same rounds)."""
     B, Hq, Hkv, D, S, dt = SHAPES[name]
     gen = torch.Generator().manual_seed(seed)
     per_layer = 2 * B * Hkv * S * D * dt.itemsize
@@ -229,9 +222,9 @@ def run_shape(name: str, threads: list[int], mach: Machine, probes: dict, rounds
     gmax = a.amax(2).permute(1, 0, 2).reshape(Hkv, -1)
     theta = torch.quantile(gmax[:, :: max(1, B * S // 100000)], 0.9, dim=1)
     dense_th = torch.full((Hkv, 1), float("-inf"))
-    rows = []
     refs: dict = {}
     kv_bytes = per_layer
+    timed = []  # (layout, variant, bytes read, V-row fraction, calls, note)
     for layout in layouts:
         caches = [_caches(layout, k, v, lens, gen) for k, v in layers]
         for variant, th in (("dense", dense_th), ("f=0.1", theta[:, None].contiguous())):
@@ -242,25 +235,33 @@ def run_shape(name: str, threads: list[int], mach: Machine, probes: dict, rounds
             read = B * Hkv * S * D * dt.itemsize * (1 + frac)
             calls = [lambda c=c, t=th: decode_attention(q, c[0], c[1], lens, t, scale=scale, placement="pre_softmax",
                                                         selection="group", backend="cpu", **c[2]) for c in caches]
-            for n in threads:
-                torch.set_num_threads(n)
-                times = _time_rotating(calls, rounds)
-                rows.append(_row(name, layout, variant, n, L, times, read, probes[n], frac))
-        del caches
+            timed.append((layout, variant, read, frac, calls, ""))
+    sdpa = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, scale=scale, enable_gqa=True) for k, v in layers]
+    timed.append(("BNSD", "sdpa", kv_bytes, 1.0, sdpa, ""))
+    rows = []
+    order = random.Random(seed)
+    probe_t = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
     for n in threads:
         torch.set_num_threads(n)
-        calls = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, scale=scale, enable_gqa=True) for k, v in layers]
-        rows.append(_row(name, "BNSD", "sdpa", n, L, _time_rotating(calls, rounds), kv_bytes, probes[n], 1.0))
-    for n in threads:
-        torch.set_num_threads(n)  # vLLM's scheduler metadata records the thread count: built per count
-        calls, note = _vllm_calls(layers, q, lens, scale)
+        here = list(timed)
+        calls, note = _vllm_calls(layers, q, lens, scale)  # vLLM's metadata records the thread count
         if calls is None:
             rows.append(Row(name, "vllm128", "vllm-kernel", n, L, note=note))
-            continue
-        r = _row(name, "vllm128", "vllm-kernel", n, L, _time_rotating(calls, rounds), kv_bytes, probes[n], 1.0)
-        r.note = note
-        rows.append(r)
+        else:
+            here.append(("vllm128", "vllm-kernel", kv_bytes, 1.0, calls, note))
+        here.append(("-", "read probe", PROBE_BYTES, 1.0, [probe_t.sum], "float32 sum"))  # last
+        for item in here:
+            item[4][0]()  # warm-up call (code, allocations)
+        times: dict = {i: [] for i in range(len(here))}
+        for _ in range(rounds):
+            for i in order.sample(range(len(here)), len(here)):
+                times[i].append(_time_rotation(here[i][4]))
+        probe = PROBE_BYTES / (statistics.median(times[len(here) - 1]) * 1e-3) / 1e9
+        for i, (layout, variant, read, frac, _calls, note) in enumerate(here):
+            r = _row(name, layout, variant, n, 1 if variant == "read probe" else L, times[i], read, probe, frac)
+            r.note = note
+            rows.append(r)
     return rows
 
 
@@ -268,10 +269,10 @@ def _row(shape, layout, variant, threads, layers, times, read_bytes, probe, frac
     ms = statistics.median(times)
     gbps = read_bytes / (ms * 1e-3) / 1e9
     return Row(shape, layout, variant, threads, layers, ms, read_bytes / 1e9, gbps, 100.0 * gbps / probe, frac,
-               times_ms=[round(t, 4) for t in times])
+               probe, times_ms=[round(t, 4) for t in times])
 
 
-def format_rows(rows: list[Row], probes: dict) -> str:
+def format_rows(rows: list[Row]) -> str:
     lines = ["| shape | layout | variant | threads | ms/layer | GB/s | % of probe | V rows read |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -280,7 +281,9 @@ def format_rows(rows: list[Row], probes: dict) -> str:
             continue
         lines.append(f"| {r.shape} | {r.layout} | {r.variant} | {r.threads} | {r.ms_per_layer:.2f} | {r.gbps:.1f} | "
                      f"{r.pct_probe:.0f}% | {r.v_rows_frac:.3f} |")
-    lines.append("read probe (1 GiB float32 sum): " + ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in probes.items()))
+    probes = {r.threads: r.gbps for r in rows if r.variant == "read probe"}
+    lines.append("read probe (1 GiB float32 sum, median of the same rounds): " +
+                 ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in probes.items()))
     return "\n".join(lines)
 
 
@@ -289,7 +292,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--shapes", default="smollm2,llama8b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=int, default=3, help="rotations over the layers per variant (median)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds; each times every variant's rotation over the layers once, in random order (median)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -311,14 +315,13 @@ def main(argv: Optional[list] = None) -> int:
     mach = machine()
     print(f"machine: {mach.model}; flags {' '.join(mach.flags)}; {mach.cores} cores; LLC {mach.llc_bytes >> 20} MiB",
           flush=True)
-    probes = {n: read_probe(n) for n in threads}
     rows = []
     for s in shapes:
-        rows += run_shape(s, threads, mach, probes, args.rounds, layouts)
-        print(format_rows([r for r in rows if r.shape == s], probes), flush=True)
+        rows += run_shape(s, threads, mach, args.rounds, layouts)
+        print(format_rows([r for r in rows if r.shape == s]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": asdict(mach), "probe_gbps": probes, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"machine": asdict(mach), "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
 

@@ -148,6 +148,20 @@ inline void pv_rows_nv(const uint8_t* const* rb, int64_t R, int64_t off, int nv,
     }
 }
 
+// The weights of heads h0 .. h0 + hb - 1 for the steps t0 .. t0 + T - 1 of a visit (rows
+// vis[t]): in place when the visits ascend (stride 1), else gathered into buf (cap per head).
+inline const float* block_weights(const float* wk, int64_t ldw, int32_t h0, int hb, int64_t t0, const int64_t* vis,
+                                  int64_t T, int64_t stride, float* buf, int64_t cap, int64_t* ld) {
+    if (stride == 1) {
+        *ld = ldw;
+        return wk + h0 * ldw + t0;
+    }
+    for (int h = 0; h < hb; ++h)
+        for (int64_t t = 0; t < T; ++t) buf[h * cap + t] = wk[(h0 + h) * ldw + vis[t]];
+    *ld = cap;
+    return buf;
+}
+
 // Permutes each 32-float chunk of the G accumulator rows between natural order and
 // [16 even | 16 odd] (to_split: natural -> split).
 inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_split) {
@@ -210,14 +224,8 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
         }
         for (int32_t h0 = 0; h0 < G; h0 += 4) {
             const int hb = G - h0 < 4 ? G - h0 : 4;
-            const float* w = wk + h0 * ldw + k0;  // ascending: the weights of the block in place
-            int64_t lw = ldw;
-            if (stride > 1) {  // strided visits: the block's weights gathered
-                for (int h = 0; h < hb; ++h)
-                    for (int64_t t = 0; t < R; ++t) wbuf[h * kRowBlock + t] = wk[(h0 + h) * ldw + vis[t]];
-                w = wbuf;
-                lw = kRowBlock;
-            }
+            int64_t lw = 0;
+            const float* w = block_weights(wk, ldw, h0, hb, k0, vis, R, stride, wbuf, kRowBlock, &lw);
             for (int32_t c0 = 0; c0 < nct; c0 += 4) {
                 const int nv = nct - c0 < 4 ? nct - c0 : 4;
                 const __mmask16 last = tail_mask(d - 16 * (c0 + nv - 1));
@@ -292,15 +300,9 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
         for (int64_t t = 0; t < T; ++t) load_row(rows[vis[t]], dtype, sdim, d, dpad, tile + t * dpad);
         for (int32_t h0 = 0; h0 < G; h0 += 4) {
             const int hb = G - h0 < 4 ? G - h0 : 4;
-            const float* w = wk + h0 * ldw + t0;
-            int64_t lw = ldw;
             float wbuf[4 * kTile];
-            if (stride > 1) {
-                for (int h = 0; h < hb; ++h)
-                    for (int64_t t = 0; t < T; ++t) wbuf[h * kTile + t] = wk[(h0 + h) * ldw + vis[t]];
-                w = wbuf;
-                lw = kTile;
-            }
+            int64_t lw = 0;
+            const float* w = block_weights(wk, ldw, h0, hb, t0, vis, T, stride, wbuf, kTile, &lw);
             for (int32_t c0 = 0; c0 < nct; c0 += 4) {
                 const int ncb = nct - c0 < 4 ? nct - c0 : 4;
                 const float* tl = tile + 16 * c0;

@@ -9,8 +9,9 @@ from topth_ops.bench import cpu_cold
 def test_every_layout_runs_checked_on_a_tiny_shape(monkeypatch):
     monkeypatch.setitem(cpu_cold.SHAPES, "tiny", (2, 4, 2, 64, 512, torch.bfloat16))
     monkeypatch.setattr(cpu_cold, "MAX_POOL_BYTES", 4 << 20)
+    monkeypatch.setattr(cpu_cold, "PROBE_BYTES", 1 << 20)
     mach = cpu_cold.Machine("test", [], 1, 1 << 20)
-    rows = cpu_cold.run_shape("tiny", [1], mach, {1: 10.0}, rounds=1)
+    rows = cpu_cold.run_shape("tiny", [1], mach, rounds=1)
     ours = [r for r in rows if r.variant in ("dense", "f=0.1")]
     assert {r.layout for r in ours} == set(cpu_cold.LAYOUTS)
     for r in ours:
@@ -18,6 +19,9 @@ def test_every_layout_runs_checked_on_a_tiny_shape(monkeypatch):
         want = 1.0 if r.variant == "dense" else 0.1
         assert abs(r.v_rows_frac - want) < 0.03, r
     assert any(r.variant == "sdpa" for r in rows) and any(r.variant == "vllm-kernel" for r in rows)
+    probe = [r for r in rows if r.variant == "read probe"]
+    assert len(probe) == 1 and probe[0].gbps > 0 and all(r.probe_gbps == probe[0].gbps for r in ours)
+    assert "read probe" in cpu_cold.format_rows(rows)
 
 
 def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
@@ -33,7 +37,7 @@ def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
 
     monkeypatch.setattr(cpu_cold, "decode_attention", wrong)
     try:
-        cpu_cold.run_shape("tiny", [1], cpu_cold.Machine("test", [], 1, 1 << 20), {1: 10.0}, rounds=1, layouts=("BNSD",))
+        cpu_cold.run_shape("tiny", [1], cpu_cold.Machine("test", [], 1, 1 << 20), rounds=1, layouts=("BNSD",))
     except RuntimeError as e:
         assert "differs from the torch reference" in str(e)
     else:
