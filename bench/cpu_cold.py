@@ -67,7 +67,9 @@ SHAPES = {
 LAYOUTS = ("BNSD", "NHD16", "NHD32", "NHD48", "HND128", "HND256", "vllm128")
 PROBE_BYTES = 1 << 30
 MAX_POOL_BYTES = 6 << 30
-"""Upper bound of the rotated caches of one layout (memory of these 24 GiB machines)."""
+"""Upper bound of the rotated caches of one layout (memory of these 24 GiB machines); every
+layout is resident at once (interleaved timing), so run_shape refuses a run that would need
+more than 70% of the machine's memory."""
 
 
 @dataclass
@@ -146,9 +148,12 @@ def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, g
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except ImportError:
-        kc, vc, table = to_paged(k, v, lens, bs, kv_layout="VLLM_AMX", generator=gen)
-        return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
+    except ImportError:  # the same layouts, packed here: AMX for bfloat16, else K transposed per block
+        if k.dtype == torch.bfloat16:
+            kc, vc, table = to_paged(k, v, lens, bs, kv_layout="VLLM_AMX", generator=gen)
+            return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
+        kc, vc, table = to_paged(k, v, lens, bs, kv_layout="HND", generator=gen)
+        return kc.transpose(2, 3).contiguous().transpose(2, 3), vc, {"block_table": table, "kv_layout": "HND"}
     isa = _get_attn_isa(k.dtype, bs, D, "auto")
     nb = B * -(-S // bs)
     kv = torch.zeros(nb, H, bs, 2 * D, dtype=k.dtype)
@@ -224,6 +229,11 @@ def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts
     dense_th = torch.full((Hkv, 1), float("-inf"))
     refs: dict = {}
     kv_bytes = per_layer
+    need = per_layer * L * (len(layouts) + 2) + PROBE_BYTES  # every layout resident, + BNSD and vLLM's copy
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    if avail and need > 0.7 * avail:
+        raise MemoryError(f"{name}: the interleaved timing keeps every layout's {L} layers resident, "
+                          f"{need / 2**30:.1f} GiB of {avail / 2**30:.1f} GiB; pass fewer --layouts")
     timed = []  # (layout, variant, bytes read, V-row fraction, calls, note)
     for layout in layouts:
         caches = [_caches(layout, k, v, lens, gen) for k, v in layers]

@@ -59,9 +59,21 @@ def offsets(block_size: int, head_dim: int, kind: str, device=None) -> torch.Ten
     check_dims(block_size, head_dim)
     if kind not in ("key", "value"):
         raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+    return _cached(block_size, head_dim, kind, device).clone()
+
+
+def _cached(block_size: int, head_dim: int, kind: str, device=None) -> torch.Tensor:
+    """:func:`offsets` without the checks and the copy (the cached tensor: not to be modified)."""
     koff, voff = _offsets(int(block_size), int(head_dim))
     off = koff if kind == "key" else voff
     return off if device is None else off.to(device)
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    """Raises TypeError unless ``t`` (a cache or rows for one) is bfloat16."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"kv_layout='VLLM_AMX' (vLLM's AMX cache) holds bfloat16, got {name} dtype "
+                        f"{str(t.dtype).replace('torch.', '')}")
 
 
 def check_dims(block_size: int, head_dim: int) -> None:
@@ -76,14 +88,16 @@ def unpack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """Rows ``[..., block_size, head_dim]`` (a new tensor) of packed regions ``blocks``
     (``[..., block_size, head_dim]``, each region as vLLM's writer left it)."""
     *lead, bs, d = blocks.shape
+    check_dims(bs, d)
     flat = blocks.reshape(*lead, bs * d)
-    return flat[..., offsets(bs, d, kind, flat.device)].reshape(*lead, bs, d)
+    return flat[..., _cached(bs, d, kind, flat.device)].reshape(*lead, bs, d)
 
 
 def pack(rows: torch.Tensor, kind: str) -> torch.Tensor:
     """The inverse of :func:`unpack`: regions ``[..., block_size, head_dim]`` holding ``rows``
     in the layout's order."""
     *lead, bs, d = rows.shape
+    check_dims(bs, d)
     out = torch.empty(*lead, bs * d, dtype=rows.dtype, device=rows.device)
-    out[..., offsets(bs, d, kind, rows.device)] = rows.reshape(*lead, bs * d)
+    out[..., _cached(bs, d, kind, rows.device)] = rows.reshape(*lead, bs * d)
     return out.reshape(*lead, bs, d)

@@ -119,6 +119,7 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     blk, off = slots[ok] // bs, slots[ok] % bs
     if kv_layout == "VLLM_AMX":
         packed.check_dims(bs, head_dim)
+        packed.check_dtype("key_cache", key_cache)
     for kind, cache, new in (("key", key_cache, key[ok]), ("value", value_cache, value[ok])):
         if kv_layout == "NHD":
             cache[blk, off] = new.to(cache.dtype)
@@ -185,6 +186,8 @@ class PagedValueSum:
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
             _positive_int(name, v)
+        if kv_layout == "VLLM_AMX":
+            packed.check_dims(block_size, head_dim)
         self.block_size = int(block_size)
         self.kv_layout = kv_layout
         self.sum = torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
@@ -435,6 +438,7 @@ def to_paged(key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, blo
     B, H, S, D = key.shape
     if kv_layout == "VLLM_AMX":
         packed.check_dims(block_size, D)
+        packed.check_dtype("key", key)
     _index_tensor("seq_lens", seq_lens, "valid lengths")
     if seq_lens.dim() != 1 or seq_lens.shape[0] != B:
         raise ValueError(f"seq_lens must have shape [{B}] (key dim 0), got {shape_str(seq_lens)}")

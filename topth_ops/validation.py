@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .packed import check_dims
+from .packed import check_dims, check_dtype
 
 KV_LAYOUTS = ("BNSD", "NHD", "HND", "VLLM_AMX")
 PAGED_LAYOUTS = ("NHD", "HND", "VLLM_AMX")
@@ -212,14 +212,17 @@ def check_caches(k, v, layout: str, batch: int, head_dim: int) -> tuple[int, int
 def check_packed(k, v, block_size: int, head_dim: int) -> None:
     """vLLM's AMX cache (topth_ops.packed): bfloat16, its block and head sizes, and each block
     and head's region of block_size x head_dim elements contiguous."""
-    if k.dtype != torch.bfloat16:
-        raise TypeError(f"kv_layout='VLLM_AMX' (vLLM's AMX cache) holds bfloat16, got key_cache dtype "
-                        f"{dtype_str(k.dtype)}")
+    check_dtype("key_cache", k)
     check_dims(block_size, head_dim)
     for name, t in (("key_cache", k), ("value_cache", v)):
         if t.stride(3) != 1 or t.stride(2) != head_dim:
             raise ValueError(f"{name} (kv_layout='VLLM_AMX') must have each block and head's region contiguous "
                              f"(strides [..., {head_dim}, 1] in dims 2 and 3), got strides {list(t.stride())}")
+        # a V row's 16-bit elements pair up in 32-bit lanes from the region's start
+        if t.stride(0) % 2 or t.stride(1) % 2 or t.storage_offset() % 2:
+            raise ValueError(f"{name} (kv_layout='VLLM_AMX') must start each block and head's region on a 4-byte "
+                             f"boundary (even storage offset and block / head strides), got storage offset "
+                             f"{t.storage_offset()}, strides {list(t.stride())}")
 
 
 def check_thresholds(th, sdc_table, sdc: str, selection: str, num_q_heads: int, num_kv_heads: int,

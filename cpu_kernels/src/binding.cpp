@@ -107,6 +107,7 @@ py::dict decode_py(const py::dict& args, int32_t level) {
     r["v_rows"] = c.v_rows;
     r["v_mean_rows"] = c.v_mean_rows;
     r["items"] = c.items;
+    r["units"] = c.units;
     r["splits_max"] = c.splits_max;
     r["threads"] = c.threads_used;
     r["runtime"] = c.runtime == 2 ? "openmp" : (c.runtime == 1 ? "pool" : "inline");

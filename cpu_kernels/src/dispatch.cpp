@@ -161,14 +161,22 @@ void build_plan(Plan& pl, const Params& P) {
     if (total * P.head_dim < kInlineWork) threads = 1;
     int64_t split = std::numeric_limits<int64_t>::max();
     const int64_t es = P.dtype == kF32 ? 4 : 2;
-    // heads interleaved inside a slot (NHD): a head's rows are further apart than the heads
-    const bool interleaved = P.block_table && Hkv > 1 && !P.kv_packed && P.k_s[1] < P.k_s[2];
+    // heads interleaved inside a slot (NHD): a head's rows are further apart than the heads.
+    // Their items are grouped per range only when that leaves every thread at least two groups
+    // (one sequence of a few hundred positions must not end up on one thread).
+    bool interleaved = P.block_table && Hkv > 1 && !P.kv_packed && P.k_s[1] < P.k_s[2];
+    const int64_t fit = std::max(kMinSplit, unit_bytes() / (2 * Hkv * P.head_dim * es));
+    if (interleaved && threads > 1) {
+        int64_t groups = 0;
+        for (int64_t b = 0; b < B; ++b) groups += (pl.n[size_t(b)] + fit - 1) / fit;
+        interleaved = groups >= 2 * threads;
+    }
     if (P.split_len > 0) {
         split = P.split_len;
     } else {
         if (threads > 1 && units < 4 * threads)
             split = std::max(kMinSplit, (total + kItemsPerThread * threads - 1) / (kItemsPerThread * threads));
-        if (interleaved) split = std::min(split, std::max(kMinSplit, unit_bytes() / (2 * Hkv * P.head_dim * es)));
+        if (interleaved) split = std::min(split, fit);
     }
     pl.items.clear();
     pl.pair_first.assign(size_t(B * Hkv), 0);
@@ -320,6 +328,7 @@ Counters decode(const Params& P, int32_t level) {
         c.v_mean_rows += pl.vm_rows[size_t(i)];
     }
     c.items = I;
+    c.units = int64_t(pl.unit_first.size()) - 1;
     for (int64_t p = 0; p < pairs; ++p) c.splits_max = std::max(c.splits_max, pl.pair_count[size_t(p)]);
     c.threads_used = threads;
     c.runtime = (threads <= 1 || I <= 1) ? 0 : (P.use_openmp && openmp_runtime()[0] ? 2 : 1);

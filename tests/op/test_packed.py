@@ -75,3 +75,31 @@ def test_op_refuses_other_dtypes_and_strided_regions():
     kb = torch.zeros(2, 2, 32, 128).bfloat16()[..., :64]
     with pytest.raises(ValueError, match="key_cache"):
         decode_attention(q.bfloat16(), kb, kb, torch.tensor([40]), th, block_table=table, kv_layout="VLLM_AMX")
+
+
+def test_misaligned_regions_and_helper_inputs_are_refused():
+    """A region starting off a 4-byte boundary (the kernel pairs 16-bit elements in 32-bit lanes)
+    is refused by the contract naming the cache, for every backend; the paged helpers refuse
+    other dtypes and sizes when built, not later."""
+    q = torch.randn(1, 4, 64).bfloat16()
+    flat = torch.zeros(2 * 2 * 32 * 64 + 1).bfloat16()
+    odd = flat[1:].view(2, 2, 32, 64)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    th = torch.zeros(4, 1)
+    for backend in ("torch", "cpu"):
+        with pytest.raises(ValueError, match="value_cache.*4-byte"):
+            decode_attention(q, torch.zeros(2, 2, 32, 64).bfloat16(), odd, torch.tensor([40]), th, block_table=table,
+                             kv_layout="VLLM_AMX", backend=backend)
+    with pytest.raises(TypeError, match="VLLM_AMX"):
+        to_paged(torch.zeros(1, 1, 64, 64), torch.zeros(1, 1, 64, 64), torch.tensor([64]), 32, kv_layout="VLLM_AMX")
+    with pytest.raises(TypeError, match="VLLM_AMX"):
+        write_kv(torch.zeros(2, 1, 32, 64), torch.zeros(2, 1, 32, 64), torch.zeros(1, 1, 64), torch.zeros(1, 1, 64),
+                 torch.tensor([3]), kv_layout="VLLM_AMX")
+    with pytest.raises(ValueError, match="VLLM_AMX"):
+        PagedValueSum(4, 16, 1, 64, kv_layout="VLLM_AMX")
+
+
+def test_offsets_are_a_copy():
+    off = packed.offsets(32, 64, "key")
+    off.zero_()
+    assert not torch.equal(packed.offsets(32, 64, "key"), off)

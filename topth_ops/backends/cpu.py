@@ -106,7 +106,8 @@ def simd_level() -> str:
     if req == "auto":
         return mod.best_simd_level()
     if req not in mod.simd_levels():
-        raise ValueError(f"{ENV_SIMD}={req}: not available on this machine (available: "
+        why = f" ({mod.amx_unavailable_reason()})" if req == "amx" else ""
+        raise ValueError(f"{ENV_SIMD}={req}: not available on this machine{why} (available: "
                          f"{', '.join(mod.simd_levels())})")
     return req
 

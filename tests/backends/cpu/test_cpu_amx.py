@@ -113,3 +113,29 @@ def test_amx_level_reason_and_info():
     assert ("amx" in mod.simd_levels()) == (AMX_REASON == "")
     if AMX_REASON:
         assert AMX_REASON in format_info()
+
+
+@pytest.mark.parametrize("batch,lens,grouped", [(1, 500, False), (8, 6000, True)])
+def test_nhd_units_keep_every_thread_busy(batch, lens, grouped, monkeypatch):
+    """Paged NHD groups the items of all KV heads of a range into one unit only when that leaves
+    at least two units per thread: a single short sequence keeps one item per KV head."""
+    monkeypatch.setenv(cpu_backend.ENV_PARALLEL, "pool")
+    gen = torch.Generator().manual_seed(batch)
+    kw = _case(gen, batch, 32, 8, 128, lens, "pre_softmax", "group")
+    kw["seq_lens"] = torch.full((batch,), lens)
+    k, v, table = to_paged(kw["key_cache"], kw["value_cache"], kw["seq_lens"], 16, kv_layout="NHD", generator=gen)
+    kw.update(key_cache=k, value_cache=v, block_table=table, kv_layout="NHD")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, stats, c = _run(kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert c["threads"] == 2
+    assert c["units"] >= 4
+    if grouped:
+        assert c["units"] * 8 == c["items"]  # every unit holds the 8 KV heads of one range
+    else:
+        assert c["units"] == c["items"]
+    if batch == 1:
+        _check(kw, out, stats)
