@@ -12,11 +12,11 @@ def test_every_layout_runs_checked_on_a_tiny_shape(monkeypatch):
     monkeypatch.setattr(cpu_cold, "PROBE_BYTES", 1 << 20)
     mach = cpu_cold.Machine("test", [], 1, 1 << 20)
     rows = cpu_cold.run_shape("tiny", [1], mach, rounds=1)
-    ours = [r for r in rows if r.variant in ("dense", "f=0.1")]
+    ours = [r for r in rows if r.variant in ("dense", "f=0.1", "f=0.3")]
     assert {r.layout for r in ours} == set(cpu_cold.LAYOUTS)
     for r in ours:
         assert r.ms_per_layer > 0 and r.gbps > 0 and r.layers >= 3
-        want = 1.0 if r.variant == "dense" else 0.1
+        want = {"dense": 1.0, "f=0.1": 0.1, "f=0.3": 0.3}[r.variant]
         assert abs(r.v_rows_frac - want) < 0.03, r
     assert any(r.variant == "sdpa" for r in rows) and any(r.variant == "vllm-kernel" for r in rows)
     probe = [r for r in rows if r.variant == "read probe"]
