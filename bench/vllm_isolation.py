@@ -23,14 +23,12 @@ from . import vllm_common as vc  # noqa: E402
 def _wrap_cache_writes(record: dict):
     """Wrap the backend's KV write: record the blocks each phase writes and, while
     ``record["poison"]``, write NaN into every V row."""
-    from topth_ops.vllm.backend import TopthAttentionImpl
+    from topth_ops.vllm.cpu_backend import TopthCpuImpl
 
-    original = TopthAttentionImpl.do_kv_cache_update
+    original = TopthCpuImpl.do_kv_cache_update
 
     def update(self, layer, key, value, kv_cache, slot_mapping):
-        from topth_ops.vllm.paged_ops import nhd_views
-
-        bs = int(nhd_views(kv_cache, self.head_size)[0].shape[1])
+        bs = int(kv_cache.shape[2])  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
         record["block_size"] = bs
         slots = slot_mapping[slot_mapping >= 0]
         record.setdefault(record["phase"], set()).update((slots // bs).tolist())
@@ -39,7 +37,7 @@ def _wrap_cache_writes(record: dict):
             value[:, :, :] = float("nan")
         return original(self, layer, key, value, kv_cache, slot_mapping)
 
-    TopthAttentionImpl.do_kv_cache_update = update
+    TopthCpuImpl.do_kv_cache_update = update
 
 
 def main(argv=None) -> int:

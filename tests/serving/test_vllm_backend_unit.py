@@ -11,6 +11,7 @@ import torch
 
 from topth_ops.conformance.oracle import oracle_decode
 from topth_ops.vllm import backend as B
+from topth_ops.vllm.runtime import Runtime
 from topth_ops.vllm.paged_ops import gather_sequence
 from topth_ops.vllm.settings import VllmTopthSettings
 from topth_ops.vllm.stats import ServingStats
@@ -74,7 +75,7 @@ class Engine:
 
 def _impl(monkeypatch, ts, settings, tp_rank, tp_size, Hq, Hkv, D):
     stats = ServingStats(settings.mode, None, 0.0)
-    rt = B.Runtime(settings, ts, tp_rank, tp_size, stats, "tiny")
+    rt = Runtime(settings, ts, tp_rank, tp_size, stats, "tiny")
     monkeypatch.setattr(B, "runtime", lambda: rt)
     return B.TopthAttentionImpl(Hq // tp_size, D, 1 / math.sqrt(D), Hkv // tp_size, kv_cache_dtype="auto"), stats
 
@@ -169,7 +170,7 @@ def test_group_selection_file_matches_oracle(monkeypatch, tp_rank, tp_size, Hkv,
     settings = VllmTopthSettings(mode="topth", thresholds="unused", vmc=True)
     Hl, Hkl = Hq // tp_size, max(1, Hkv // tp_size)
     stats = ServingStats(settings.mode, None, 0.0)
-    monkeypatch.setattr(B, "runtime", lambda: B.Runtime(settings, ts, tp_rank, tp_size, stats, "tiny"))
+    monkeypatch.setattr(B, "runtime", lambda: Runtime(settings, ts, tp_rank, tp_size, stats, "tiny"))
     impl = B.TopthAttentionImpl(Hl, D, 1 / math.sqrt(D), Hkl, kv_cache_dtype="auto")
     eng = Engine(impl, H=Hkl, D=D)
     eng.step([("A", 30), ("B", 12)], Hl)

@@ -1,5 +1,8 @@
-"""The vLLM attention backend: Top-Theta decode through :func:`topth_ops.decode_attention`
-on vLLM's paged KV cache, dense causal prefill, mixed batches (vLLM 0.32 interfaces).
+"""The generic vLLM attention backend (``CUSTOM``; the CUDA and Ascend paths): Top-Theta
+decode through :func:`topth_ops.decode_attention` on its own paged KV cache (NHD), dense
+causal prefill, mixed batches (vLLM 0.32 interfaces). On the CPU the engine uses
+:mod:`topth_ops.vllm.cpu_backend` instead, which keeps vLLM's own cache and attention and
+replaces only the thresholded decode rows.
 
 Per forward of one attention layer, vLLM hands the backend a flat batch: decode requests
 first (one new token each; the builder asks vLLM to reorder them to the front), then
@@ -20,13 +23,11 @@ Settings, model checks and statistics: :mod:`topth_ops.vllm.settings`,
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
 
-from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -38,12 +39,9 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from .. import decode_attention
-from ..contract import DEFAULT_SDC_GAMMA
 from ..paged import PagedValueSum, write_kv
-from . import stats as stats_mod
 from .paged_ops import nhd_views, prefill_dense
-from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of, rank_kv_rows, rank_rows
+from .runtime import LayerRule, decode_rows, layer_rule, runtime
 
 logger = logging.getLogger("vllm.topth_ops")
 
@@ -131,70 +129,6 @@ class TopthMetadataBuilder(AttentionMetadataBuilder[TopthAttentionMetadata]):
         )
 
 
-@dataclass
-class Runtime:
-    """Per-process state shared by every layer: settings, the checked threshold file and
-    this rank's place in tensor parallelism."""
-
-    settings: VllmTopthSettings
-    thresholds: Optional[object]  # ThresholdSet
-    tp_rank: int
-    tp_size: int
-    stats: Optional[stats_mod.ServingStats]
-    model_name: Optional[str]
-
-
-_RUNTIMES: dict = {}
-
-
-def runtime() -> Runtime:
-    """Load and check the settings once per engine in this process, at the first attention
-    layer's construction (engine start). Raises on any problem: never a silent dense
-    fallback. Engines with other settings or models in the same process (vLLM's
-    in-process mode) get their own runtime."""
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    vcfg = get_current_vllm_config()
-    settings = from_sources(additional_config=vcfg.additional_config)
-    tp_size = int(vcfg.parallel_config.tensor_parallel_size)
-    tp_rank = int(get_tensor_model_parallel_rank()) if tp_size > 1 else 0
-    key = (settings, str(vcfg.model_config.model), tp_rank, tp_size)
-    if key not in _RUNTIMES:
-        _RUNTIMES.clear()
-        _RUNTIMES[key] = _load_runtime(vcfg, settings, tp_rank, tp_size)
-    return _RUNTIMES[key]
-
-
-def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int) -> Runtime:
-    hf = vcfg.model_config.hf_config
-    name = model_name_of(hf, vcfg.model_config.model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ts = load_for_model(settings, hf, name, tp_size)
-    for w in caught:
-        logger.warning("topth: %s", w.message)
-    if vcfg.speculative_config is not None:
-        raise NotImplementedError("topth vLLM backend: speculative decoding is not supported "
-                                  "(its multi-token verification steps and rejected slots)")
-    if ts is not None:
-        dense_layers = [i for i, k in enumerate(ts.layer_k) if k == 0]
-        logger.info("topth: Top-Theta decode, %s; vmc=%s sdc=%s; TP rank %d of %d%s",
-                    ts.summary(), settings.vmc, settings.sdc, tp_rank, tp_size,
-                    f"; dense layers (k = dense in the file's layer map) {dense_layers}" if dense_layers else "")
-    else:
-        logger.info("topth: dense mode (every row kept, same backend; A/B baseline); TP rank %d of %d",
-                    tp_rank, tp_size)
-    st = None
-    if settings.stats_file or settings.log_interval > 0:
-        path = stats_mod.rank_path(settings.stats_file, tp_rank) if settings.stats_file else None
-        st = stats_mod.install(stats_mod.ServingStats(
-            settings.mode, path, settings.log_interval,
-            meta={"model": name, "thresholds": settings.thresholds, "vmc": settings.vmc, "sdc": settings.sdc,
-                  "placement": ts.placement if ts is not None else None, "tp_rank": tp_rank,
-                  "tp_size": tp_size}))
-    return Runtime(settings, ts, tp_rank, tp_size, st, name)
-
-
 class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
     """One attention layer's Top-Theta implementation (see the module docstring)."""
 
@@ -222,9 +156,7 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         self.attn_type = attn_type
         self.rt = runtime()  # engine start: settings and threshold file checked here
         self.layer: Optional[int] = None
-        self._th = self._sdc = None
-        self._vmc = False
-        self._selection = "head"
+        self.rule: Optional[LayerRule] = None
         self._vsum: Optional[PagedValueSum] = None
 
     # ---------------------------------------------------------------- per-layer setup
@@ -233,26 +165,7 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         from vllm.model_executor.models.utils import extract_layer_index
 
         self.layer = extract_layer_index(layer_module.layer_name)
-        s, ts = self.rt.settings, self.rt.thresholds
-        if ts is None or ts.layer_k[self.layer] == 0:
-            # dense mode, or a layer the file keeps dense: every row kept, no compensation
-            self._th = torch.full((self.num_heads, 1), float("-inf"), device=device)
-            self._placement, self._sdc_mode, self._vmc = "post_softmax", "none", False
-            self._selection = "head"
-        elif ts.selection == "group":
-            # one threshold per KV head (this rank's KV heads), against the group maximum
-            self._th = rank_kv_rows(ts.thresholds, self.layer, self.rt.tp_rank, self.rt.tp_size).to(device)
-            if self._th.shape[0] != self.num_kv_heads:
-                raise ValueError(f"topth vLLM backend: rank {self.rt.tp_rank} holds {self.num_kv_heads} KV heads, "
-                                 f"but the group-selection file gives it {self._th.shape[0]} threshold rows")
-            self._selection = "group"
-        else:
-            self._th = rank_rows(ts.thresholds, self.layer, self.rt.tp_rank, self.num_heads).to(device)
-            self._selection = "head"
-        if ts is not None and ts.layer_k[self.layer] != 0:
-            if s.sdc == "offline":
-                self._sdc = rank_rows(ts.sdc_table, self.layer, self.rt.tp_rank, self.num_heads).to(device)
-            self._placement, self._sdc_mode, self._vmc = ts.placement, s.sdc, s.vmc
+        self.rule = layer_rule(self.rt, self.layer, self.num_heads, self.num_kv_heads, device)
 
     def _value_sum(self, value_cache: torch.Tensor) -> PagedValueSum:
         nb, bs = value_cache.shape[0], value_cache.shape[1]
@@ -272,7 +185,7 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         k_cache, v_cache = nhd_views(kv_cache, self.head_size)
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]
-        if self._vmc:
+        if self.rule.vmc:
             self._value_sum(v_cache).update(v_cache, value, slot_mapping)
         write_kv(k_cache, v_cache, key, value, slot_mapping, "NHD")
 
@@ -310,7 +223,6 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         return output
 
     def _decode(self, query, k_cache, v_cache, m: TopthAttentionMetadata, out):
-        s = self.rt.settings
         B = m.num_decodes
         bs = k_cache.shape[1]
         n = m.seq_lens[:B]
@@ -318,18 +230,8 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         bt = m.block_table[:B, :width]
         if bt.dtype != torch.int32:
             bt = bt.to(torch.int32)
-        value_mean = self._value_sum(v_cache).mean(bt, n, v_cache) if self._vmc else None
-        want_stats = self.rt.stats is not None
-        res = decode_attention(
-            query[:B], k_cache, v_cache, n, self._th, scale=self.scale,
-            placement=self._placement, sdc=self._sdc_mode,
-            sdc_gamma=s.sdc_gamma if self._sdc_mode == "exp_threshold" else DEFAULT_SDC_GAMMA,
-            sdc_table=self._sdc, vmc=self._vmc, value_mean=value_mean, return_stats=want_stats,
-            backend=s.op_backend, block_table=bt, kv_layout="NHD", selection=self._selection,
-        )
-        if want_stats:
-            res, st = res
-            out[:B] = res.to(out.dtype)
-            return st.v_rows, n
+        value_mean = self._value_sum(v_cache).mean(bt, n, v_cache) if self.rule.vmc else None
+        res, v_rows = decode_rows(self.rt, self.rule, query[:B], k_cache, v_cache, n, bt, self.scale, "NHD",
+                                  value_mean)
         out[:B] = res.to(out.dtype)
-        return None, None
+        return (v_rows, n) if v_rows is not None else (None, None)

@@ -5,8 +5,9 @@ cannot tell yet whether Top-Theta is wanted (``additional_config`` arrives later
 registers ``topth_ops.vllm.dispatch.CPU_ATTN`` in place of vLLM's CPU attention; vLLM
 resolves that name with ``getattr`` while it builds the model, with the configuration
 current, and this module's ``__getattr__`` then answers: the Top-Theta backend when the
-settings make it active (:func:`topth_ops.vllm.settings.is_active`), else vLLM's own
-``CPUAttentionBackend``, unchanged.
+settings make it active (:func:`topth_ops.vllm.settings.is_active`; the CPU backend of
+:mod:`topth_ops.vllm.cpu_backend`, vLLM's own attention with thresholded decode rows), else
+vLLM's own ``CPUAttentionBackend``, unchanged.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ def __getattr__(name: str):
         from .settings import is_active
 
         if is_active(additional_config=_additional_config()):
-            from .backend import TopthAttentionBackend
+            from .cpu_backend import TopthCpuAttentionBackend
 
-            return TopthAttentionBackend
+            return TopthCpuAttentionBackend
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         return CPUAttentionBackend

@@ -1,0 +1,218 @@
+"""The CPU backend (vLLM's own CPU attention, thresholded decode rows through the op) on a
+hand-built mixed batch (decodes + a fresh prompt + a chunked prefill) written by vLLM's own
+cache writer, against the float64 oracle (decode rows) and float64 causal attention
+(every other row, served by vLLM's kernel). No engine is started: the per-process runtime
+is replaced by one built here, and vLLM's metadata is built with its own scheduler op."""
+
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from topth_ops.conformance.oracle import oracle_decode
+from topth_ops.vllm.runtime import Runtime
+from topth_ops.vllm.settings import VllmTopthSettings
+from topth_ops.vllm.stats import ServingStats
+
+pytestmark = pytest.mark.vllm
+ops = pytest.importorskip("vllm._custom_ops")
+CB = pytest.importorskip("topth_ops.vllm.cpu_backend")
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends import cpu_attn  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: E402
+
+LAYER = 2
+_AMX = torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()  # Linux grants the tile state (as vLLM's worker asks)
+ISAS = [pytest.param("amx", torch.bfloat16, marks=pytest.mark.skipif(
+            not _AMX, reason="vLLM's amx kernel needs AMX tiles (this CPU has none)")),
+        ("vec", torch.float32), ("vec", torch.bfloat16)]
+
+
+class Engine:
+    """Allocates blocks and slot mappings for sequences the way vLLM does, writes through
+    the backend, builds vLLM's metadata and runs the forward."""
+
+    def __init__(self, impl, isa, dtype, Hq, nb=12, bs=32, H=2, D=64, seed=0, window=-1):
+        self.g = torch.Generator().manual_seed(seed)
+        self.impl, self.isa, self.dtype, self.Hq, self.bs, self.H, self.D = impl, isa, dtype, Hq, bs, H, D
+        self.window = window
+        self.kv_cache = (torch.randn(nb, H, bs, 2 * D, generator=self.g) * 50).to(dtype)  # stale garbage
+        self.free = torch.randperm(nb, generator=self.g).tolist()
+        self.table: dict[str, list] = {}
+        self.lens: dict[str, int] = {}
+        self.rows: dict[str, tuple] = {}
+        self.layer = types.SimpleNamespace(layer_name=f"model.layers.{LAYER}.self_attn.attn", isa=isa,
+                                           _k_scale_float=1.0, _v_scale_float=1.0)
+
+    def _slots(self, seq, T):
+        tab = self.table.setdefault(seq, [])
+        n0 = self.lens.get(seq, 0)
+        out = []
+        for p in range(n0, n0 + T):
+            if p // self.bs >= len(tab):
+                tab.append(self.free.pop())
+            out.append(tab[p // self.bs] * self.bs + p % self.bs)
+        self.lens[seq] = n0 + T
+        return out
+
+    def _build(self, cm):
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=cm.num_reqs, num_heads=self.Hq, num_kv_heads=self.H, head_dim=self.D, seq_lens=cm.seq_lens,
+            dtype=self.dtype, query_start_loc=cm.query_start_loc, causal=True, sliding_window_size=self.window,
+            isa=self.isa, enable_kv_split=False)
+        return CPUAttentionMetadata(num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
+                                    query_start_loc=cm.query_start_loc, max_seq_len=cm.max_seq_len,
+                                    seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+                                    slot_mapping=cm.slot_mapping, scheduler_metadata=sched)
+
+    def step(self, plan):
+        """plan: list of (seq, new tokens), decodes first."""
+        slots, qsl = [], [0]
+        for seq, T in plan:
+            slots += self._slots(seq, T)
+            qsl.append(qsl[-1] + T)
+        N = qsl[-1]
+        k = torch.randn(N, self.H, self.D, generator=self.g).to(self.dtype)
+        v = torch.randn(N, self.H, self.D, generator=self.g).to(self.dtype)
+        for (seq, _), lo, hi in zip(plan, qsl[:-1], qsl[1:]):
+            ok, ov = self.rows.get(seq, (k[:0], v[:0]))
+            self.rows[seq] = (torch.cat([ok, k[lo:hi]]), torch.cat([ov, v[lo:hi]]))
+        q = torch.randn(N, self.Hq, self.D, generator=self.g).to(self.dtype)
+        sm = torch.tensor(slots)
+        self.impl.do_kv_cache_update(self.layer, k, v, self.kv_cache, sm)
+        width = max(len(self.table[s]) for s, _ in plan) + 2
+        bt = torch.tensor([self.table[s] + [0] * (width - len(self.table[s])) for s, _ in plan], dtype=torch.int32)
+        lens = torch.tensor([self.lens[s] for s, _ in plan], dtype=torch.int32)
+        qt = torch.tensor(qsl, dtype=torch.int32)
+        cm = CommonAttentionMetadata(query_start_loc=qt, query_start_loc_cpu=qt, seq_lens=lens, num_reqs=len(plan),
+                                     num_actual_tokens=N, max_query_len=max(T for _, T in plan),
+                                     max_seq_len=int(lens.max()), block_table_tensor=bt, slot_mapping=sm)
+        md = CB.split_metadata(self._build, cm, self.bs)
+        out = torch.full((N, self.Hq * self.D), float("nan"), dtype=self.dtype)
+        self.impl.forward(self.layer, q, k, v, self.kv_cache, md, out)
+        return q, out.view(N, self.Hq, self.D), bt, lens, qsl
+
+
+def _impl(monkeypatch, ts, settings, Hq, Hkv, D, **kw):
+    stats = ServingStats(settings.mode, None, 0.0)
+    rt = Runtime(settings, ts, 0, 1, stats, "tiny")
+    monkeypatch.setattr(CB, "runtime", lambda: rt)
+    # vLLM's impl reads the model dtype from the engine config (to pick zentorch on AMD)
+    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: cfg)
+    return CB.TopthCpuImpl(Hq, D, 1 / math.sqrt(D), Hkv, kv_cache_dtype="auto", **kw), stats
+
+
+def _causal(q, k, v, ctx, scale, window=-1):
+    """float64 causal attention of new token i (position ctx + i) over its keys."""
+    L, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = np.zeros((L, Hq, D))
+    for i in range(L):
+        hi = ctx + i + 1
+        lo = max(0, hi - window) if window > 0 else 0
+        for h in range(Hq):
+            a = k[lo:hi, h // G] @ q[i, h] * scale
+            w = np.exp(a - a.max())
+            out[i, h] = (w / w.sum()) @ v[lo:hi, h // G]
+    return out
+
+
+def _tol(dtype):
+    return 2e-2 if dtype == torch.bfloat16 else 2e-5
+
+
+def _run_three_steps(eng):
+    eng.step([("A", 70), ("B", 12)])                  # two prompts
+    eng.step([("A", 1), ("B", 1), ("C", 40)])         # decodes + C's first chunk
+    return eng.step([("A", 1), ("B", 1), ("D", 9), ("C", 25)])  # + a fresh prompt, chunk 2 of C
+
+
+@pytest.mark.parametrize("isa,dtype", ISAS)
+@pytest.mark.parametrize("vmc,dense_layer", [(True, False), (False, False), (False, True)])
+def test_mixed_batch_on_vllms_cache(monkeypatch, isa, dtype, vmc, dense_layer, make_cfg, make_threshold_set):
+    Hq, Hkv, D = 8, 2, 64
+    cfg = make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
+    ts = make_threshold_set(cfg, rows=128, k=4, seed=1)
+    if dense_layer:
+        ts.layer_k[LAYER] = 0
+    impl, stats = _impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused", vmc=vmc), Hq, Hkv, D)
+    eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D)
+    q, out, bt, lens, qsl = _run_three_steps(eng)
+    assert not torch.isnan(out.float()).any()
+    scale = 1 / math.sqrt(D)
+    if not dense_layer:
+        # decode rows: the float64 oracle on the rows each sequence wrote (BNSD, independent of the
+        # backend's reading of vLLM's packing)
+        S = int(lens[:2].max())
+        kb = torch.zeros(2, Hkv, S, D, dtype=dtype)
+        vb = torch.zeros(2, Hkv, S, D, dtype=dtype)
+        for b, seq in enumerate(["A", "B"]):
+            kk, vv = eng.rows[seq]
+            kb[b, :, :kk.shape[0]], vb[b, :, :vv.shape[0]] = kk.transpose(0, 1), vv.transpose(0, 1)
+        want = oracle_decode(q[:2], kb, vb, lens[:2], ts.thresholds[LAYER], scale=scale, placement="post_softmax",
+                             vmc=vmc)
+        np.testing.assert_allclose(out[:2].double().numpy(), want.out, rtol=_tol(dtype), atol=_tol(dtype))
+        rep = stats.report()["last_steps"][-1]
+        assert rep["v_rows_read"] == int(want.v_rows.sum()) < rep["v_rows_dense"]
+    # every other row (and every row of a dense layer): vLLM's kernel = dense causal attention
+    seqs = ["A", "B", "D", "C"]
+    for i, (lo, hi) in enumerate(zip(qsl[:-1], qsl[1:])):
+        if i < 2 and not dense_layer:
+            continue
+        kk, vv = (t.double().numpy() for t in eng.rows[seqs[i]])
+        ref = _causal(q[lo:hi].double().numpy(), kk, vv, int(lens[i]) - (hi - lo), scale)
+        np.testing.assert_allclose(out[lo:hi].double().numpy(), ref, rtol=_tol(dtype), atol=_tol(dtype))
+    assert stats.report()["prefill_tokens_dense"] == 70 + 12 + 40 + 34
+
+
+@pytest.mark.parametrize("isa,dtype", ISAS[1:2])
+def test_sliding_window_layer_is_served_by_vllm(monkeypatch, isa, dtype, make_cfg, make_threshold_set):
+    Hq, Hkv, D = 4, 2, 64
+    ts = make_threshold_set(make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D), rows=128, k=4)
+    impl, stats = _impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused"), Hq, Hkv, D,
+                        sliding_window=16)
+    eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D, window=16)
+    q, out, bt, lens, qsl = _run_three_steps(eng)
+    assert not impl.rule.thresholded
+    for i, seq in enumerate(["A", "B", "D", "C"]):
+        lo, hi = qsl[i], qsl[i + 1]
+        kk, vv = (t.double().numpy() for t in eng.rows[seq])
+        ref = _causal(q[lo:hi].double().numpy(), kk, vv, int(lens[i]) - (hi - lo), 1 / math.sqrt(D), window=16)
+        np.testing.assert_allclose(out[lo:hi].double().numpy(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("isa,dtype", ISAS)
+def test_cache_views_are_vllms_packing(isa, dtype):
+    """The views hold, at [block, head, slot], the rows vLLM's own writer stored at that slot."""
+    nb, H, bs, D = 3, 2, 32, 64
+    kv = torch.zeros(nb, H, bs, 2 * D, dtype=dtype)
+    k, v = torch.randn(2, nb * bs, H, D).to(dtype)
+    kc, vc = kv.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+    slots = torch.randperm(nb * bs)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    kr, vr, lay = CB.cache_views(kv, isa)
+    if lay == "VLLM_AMX":
+        from topth_ops import packed
+        kr, vr = packed.unpack(kr, "key"), packed.unpack(vr, "value")
+    assert torch.equal(kr[slots // bs, :, slots % bs], k) and torch.equal(vr[slots // bs, :, slots % bs], v)
+
+
+def test_cache_views_refuse_an_unknown_isa():
+    with pytest.raises(NotImplementedError, match="ISA 'neon'"):
+        CB.cache_views(torch.zeros(2, 1, 32, 128), "neon")
+
+
+def test_prefill_part_rebases_tokens_and_requests():
+    qt = torch.tensor([0, 1, 2, 12, 15], dtype=torch.int32)
+    lens = torch.tensor([40, 9, 10, 20], dtype=torch.int32)
+    bt = torch.arange(16, dtype=torch.int32).view(4, 4)
+    cm = CommonAttentionMetadata(query_start_loc=qt, query_start_loc_cpu=qt, seq_lens=lens, num_reqs=4,
+                                 num_actual_tokens=15, max_query_len=10, max_seq_len=40, block_table_tensor=bt,
+                                 slot_mapping=torch.arange(15))
+    p = CB.prefill_part(cm, 2, 2)
+    assert p.query_start_loc.tolist() == [0, 10, 13] and p.num_reqs == 2 and p.num_actual_tokens == 13
+    assert p.seq_lens.tolist() == [10, 20] and p.max_query_len == 10
+    assert torch.equal(p.block_table_tensor, bt[2:]) and p.slot_mapping.tolist() == list(range(2, 15))
