@@ -234,7 +234,7 @@ class TopthCpuImpl(CPUAttentionBackendImpl):
         if not (self.rule.thresholded and B):
             super().forward(layer, query, key, value, kv_cache, m.full, output, output_scale, output_block_scale)
             if st is not None:
-                n = m.seq_lens
+                n = m.seq_lens if self.sliding_window <= 0 else m.seq_lens.clamp(max=self.sliding_window)
                 st.add(self.layer, n[:, None].expand(B, self.num_kv_heads) if B else None, n, m.num_prefill_tokens)
             return output
         if output_scale is not None or output_block_scale is not None:

@@ -4,11 +4,13 @@
 platform  how the backend is reached                                   verified
 ========  ===========================================================  ==================
 CPU       ``CPU_ATTN`` is overridden by ``topth_ops.vllm.dispatch``:    vLLM 0.32 CPU
-          Top-Theta when the settings are active, vLLM's own CPU       build (tests, docs)
-          attention otherwise (vLLM's CPU platform always picks
-          ``CPU_ATTN`` and ignores ``--attention-backend``)
-CUDA      ``CUSTOM``: start vLLM with ``--attention-backend CUSTOM``   untested (no GPU)
-          and the ``TOPTH_VLLM_*`` settings
+          ``cpu_backend`` (vLLM's CPU attention, thresholded decode    build (tests, docs)
+          rows through the op) when the settings are active, vLLM's
+          own CPU attention otherwise (vLLM's CPU platform always
+          picks ``CPU_ATTN`` and ignores ``--attention-backend``)
+CUDA      ``CUSTOM`` (the generic ``backend``): start vLLM with        untested (no GPU)
+          ``--attention-backend CUSTOM`` and the ``TOPTH_VLLM_*``
+          settings
 Ascend    vLLM-Ascend's platform picks its attention class itself;    untested (no NPU)
           its ``get_attn_backend_cls`` is wrapped to return the
           backend when the settings are active
