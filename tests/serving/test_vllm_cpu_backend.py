@@ -216,3 +216,26 @@ def test_prefill_part_rebases_tokens_and_requests():
     assert p.query_start_loc.tolist() == [0, 10, 13] and p.num_reqs == 2 and p.num_actual_tokens == 13
     assert p.seq_lens.tolist() == [10, 20] and p.max_query_len == 10
     assert torch.equal(p.block_table_tensor, bt[2:]) and p.slot_mapping.tolist() == list(range(2, 15))
+
+
+def test_one_token_prompt_tails_stay_with_vllm():
+    """A request with one new token that is still in its prompt (vLLM's is_prefilling: the last
+    prompt token recomputed after a full prefix-cache hit) is not a decode row; without
+    is_prefilling every one-token request is. Encoder-only / cross groups get no decode rows."""
+    qt = torch.tensor([0, 1, 2, 3, 13], dtype=torch.int32)
+    lens = torch.tensor([40, 33, 50, 20], dtype=torch.int32)
+    bt = torch.arange(16, dtype=torch.int32).view(4, 4)
+
+    def cm(prefilling):
+        return CommonAttentionMetadata(query_start_loc=qt, query_start_loc_cpu=qt, seq_lens=lens, num_reqs=4,
+                                       num_actual_tokens=13, max_query_len=10, max_seq_len=50,
+                                       block_table_tensor=bt, slot_mapping=torch.arange(13),
+                                       is_prefilling=prefilling)
+
+    built = []
+    build = lambda c: built.append(c) or c  # noqa: E731 - records what vLLM's builder would get
+    m = CB.split_metadata(build, cm(torch.tensor([False, False, True, True])), 32)
+    assert m.num_decodes == 2 and m.prefill.num_reqs == 2 and m.prefill.seq_lens.tolist() == [50, 20]
+    assert CB.split_metadata(build, cm(None), 32).num_decodes == 3
+    whole = CB.split_metadata(build, cm(None), 32, split=False)
+    assert whole.num_decodes == 0 and whole.prefill is None and whole.full.num_reqs == 4

@@ -11,10 +11,11 @@ everything that is not a thresholded decode row:
 - every row of layers the threshold file keeps dense (k = dense), and of every layer in
   dense mode (then the engine runs vLLM's attention unchanged, plus bookkeeping);
 - layers the op does not cover: sliding-window, logit soft-capping, attention sinks,
-  ALiBi, encoder / cross attention, KV-cache sharing (logged at start, with the reason).
+  ALiBi, encoder / cross attention, KV-cache sharing (a warning at the layer's first step
+  when the file thresholds it).
 
-The decode rows of thresholded layers (requests with one new token; the builder asks vLLM
-to put them first) are one op call that reads vLLM's cache in place: with the ``amx`` ISA
+The decode rows of thresholded layers (requests with one new token past their prompt; the
+builder asks vLLM to put one-token requests first) are one op call that reads vLLM's cache in place: with the ``amx`` ISA
 (bfloat16, AMX tiles) ``kv_layout="VLLM_AMX"``; with ``vec`` / ``vec16`` (other dtypes or
 CPUs) K is stored transposed per block and head (``[head_dim, block_size]``) and V as rows,
 an ``HND`` view with strides. VMC keeps per-block V sums beside the cache
@@ -98,6 +99,10 @@ class TopthCpuMetadata:
     block_table: torch.Tensor    # [num_decodes, width] int32
 
 
+#: Lazily filled per-batch caches of CommonAttentionMetadata that a sliced copy must not inherit.
+_WHOLE_BATCH_CACHES = ("_num_computed_tokens_cache", "_token_to_req_indices_cache")
+
+
 def prefill_part(cm: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int) -> CommonAttentionMetadata:
     """The common metadata of requests ``[num_decodes, num_reqs)`` alone (tokens from
     ``num_decode_tokens``), re-based so its first token and request are 0."""
@@ -113,13 +118,26 @@ def prefill_part(cm: CommonAttentionMetadata, num_decodes: int, num_decode_token
         seq_lens_cpu_upper_bound=(None if cm.seq_lens_cpu_upper_bound is None
                                   else cm.seq_lens_cpu_upper_bound[num_decodes:]),
         is_prefilling=None if cm.is_prefilling is None else cm.is_prefilling[num_decodes:],
-        logits_indices_padded=None, num_logits_indices=None, req_idx=None)
+        logits_indices_padded=None, num_logits_indices=None, req_idx=None, mm_req_doc_ranges=None,
+        **{f: None for f in _WHOLE_BATCH_CACHES if hasattr(cm, f)})
 
 
-def split_metadata(build, cm: CommonAttentionMetadata, block_size: int) -> TopthCpuMetadata:
+def split_metadata(build, cm: CommonAttentionMetadata, block_size: int, split: bool = True) -> TopthCpuMetadata:
     """Build :class:`TopthCpuMetadata` with ``build`` (vLLM's builder: common metadata ->
-    ``CPUAttentionMetadata``)."""
-    nd, npf, ndt, npt = split_decodes_and_prefills(cm, decode_threshold=1)
+    ``CPUAttentionMetadata``).
+
+    Decode rows are requests with one new token that are past their prompt (vLLM's
+    ``is_prefilling`` where the runner gives it): a one-token prompt tail (the last prompt
+    token recomputed after a full prefix-cache hit, a one-token final chunk) stays with vLLM.
+    ``split=False`` (encoder-only and cross-attention groups, whose builder rewrites the slot
+    mapping in place) gives no decode rows: vLLM serves the whole batch.
+    """
+    if not split:
+        full = build(cm)
+        return TopthCpuMetadata(full, None, 0, cm.num_actual_tokens, cm.seq_lens[:0],
+                                cm.block_table_tensor[:0, :1].to(torch.int32))
+    nd, npf, ndt, npt = split_decodes_and_prefills(
+        cm, decode_threshold=1, treat_short_extends_as_decodes=cm.is_prefilling is None)
     if ndt != nd:
         raise NotImplementedError(f"topth vLLM backend: {nd} decode requests carry {ndt} tokens; multi-token "
                                   "decode steps (speculative decoding) are not supported")
@@ -143,7 +161,7 @@ class TopthCpuMetadataBuilder(CPUAttentionMetadataBuilder):
               fast_build: bool = False) -> TopthCpuMetadata:
         sup = super().build
         return split_metadata(lambda cm: sup(common_prefix_len, cm, fast_build), common_attn_metadata,
-                              self.block_size)
+                              self.block_size, split=not (self.is_cross_attention or self.is_encoder_only_attention))
 
 
 def platform_reason(impl: CPUAttentionBackendImpl, kv_sharing: bool) -> Optional[str]:
@@ -184,14 +202,14 @@ class TopthCpuImpl(CPUAttentionBackendImpl):
         self.layer = extract_layer_index(layer_module.layer_name)
         if self._platform is not None:
             self.rule = LayerRule(False, torch.empty(0))
-            if self.rt.thresholds is not None:
-                logger.info("topth: layer %d served by vLLM's own attention in every row (%s)", self.layer,
-                            self._platform)
+            if self.rt.thresholds is not None and self.rt.thresholds.layer_k[self.layer] != 0:
+                logger.warning("topth: layer %d is thresholded in the file but served densely by vLLM's own "
+                               "attention in every row (%s)", self.layer, self._platform)
             return
         self.rule = layer_rule(self.rt, self.layer, self.num_heads, self.num_kv_heads, kv_cache.device)
         if self.rule.thresholded:
             isa = self._isa(layer_module, kv_cache)
-            cache_views(kv_cache, isa)  # refuses an ISA the op cannot read, at the first (profiling) step
+            cache_views(kv_cache, isa)  # refuses an ISA the op cannot read, at the layer's first step
 
     def _isa(self, layer_module, kv_cache: torch.Tensor) -> str:
         isa = getattr(layer_module, "isa", None)
