@@ -65,6 +65,7 @@ SHAPES = {
     "smollm2": (8, 9, 3, 64, 8192, torch.bfloat16),
     "llama8b": (8, 32, 8, 128, 8192, torch.bfloat16),
     "llama8b-fp32-b1": (1, 32, 8, 128, 32768, torch.float32),
+    "gemma3-global": (4, 4, 1, 256, 16384, torch.bfloat16),  # Gemma 3 270M's global layers, serving workload (b)
 }
 LAYOUTS = ("BNSD", "NHD16", "NHD32", "NHD48", "HND128", "HND256", "vllm128")
 PROBE_BYTES = 1 << 30

@@ -16,13 +16,15 @@ from topth_ops.vllm.paged_ops import gather_sequence
 from topth_ops.vllm.settings import VllmTopthSettings
 from topth_ops.vllm.stats import ServingStats
 
+from .slots import PagedSlots
+
 pytestmark = pytest.mark.vllm
 
 
 LAYER = 2
 
 
-class Engine:
+class Engine(PagedSlots):
     """Allocates blocks and slot mappings for sequences the way vLLM does."""
 
     def __init__(self, impl, nb=24, bs=8, H=2, D=16, seed=0):
@@ -30,21 +32,8 @@ class Engine:
         self.impl, self.bs, self.H, self.D = impl, bs, H, D
         phys = torch.randn(nb, bs, H, 2 * D, generator=self.g) * 50  # stale garbage
         self.kv_cache = phys.permute(0, 2, 1, 3)  # vLLM's logical view of an LBNHC cache
-        self.free = torch.randperm(nb, generator=self.g).tolist()
-        self.table: dict[str, list] = {}
-        self.lens: dict[str, int] = {}
+        PagedSlots.__init__(self, torch.randperm(nb, generator=self.g).tolist(), bs)
         self.layer = types.SimpleNamespace(layer_name=f"model.layers.{LAYER}.self_attn.attn")
-
-    def slots(self, seq, T):
-        tab = self.table.setdefault(seq, [])
-        n0 = self.lens.get(seq, 0)
-        out = []
-        for p in range(n0, n0 + T):
-            if p // self.bs >= len(tab):
-                tab.append(self.free.pop())
-            out.append(tab[p // self.bs] * self.bs + p % self.bs)
-        self.lens[seq] = n0 + T
-        return out
 
     def kv(self, T):
         return (torch.randn(T, self.H, self.D, generator=self.g), torch.randn(T, self.H, self.D, generator=self.g))

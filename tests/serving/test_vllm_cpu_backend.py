@@ -16,6 +16,8 @@ from topth_ops.vllm.runtime import Runtime
 from topth_ops.vllm.settings import VllmTopthSettings
 from topth_ops.vllm.stats import ServingStats
 
+from .slots import PagedSlots
+
 pytestmark = pytest.mark.vllm
 ops = pytest.importorskip("vllm._custom_ops")
 CB = pytest.importorskip("topth_ops.vllm.cpu_backend")
@@ -30,7 +32,7 @@ ISAS = [pytest.param("amx", torch.bfloat16, marks=pytest.mark.skipif(
         ("vec", torch.float32), ("vec", torch.bfloat16)]
 
 
-class Engine:
+class Engine(PagedSlots):
     """Allocates blocks and slot mappings for sequences the way vLLM does, writes through
     the backend, builds vLLM's metadata and runs the forward."""
 
@@ -39,23 +41,10 @@ class Engine:
         self.impl, self.isa, self.dtype, self.Hq, self.bs, self.H, self.D = impl, isa, dtype, Hq, bs, H, D
         self.window = window
         self.kv_cache = (torch.randn(nb, H, bs, 2 * D, generator=self.g) * 50).to(dtype)  # stale garbage
-        self.free = torch.randperm(nb, generator=self.g).tolist()
-        self.table: dict[str, list] = {}
-        self.lens: dict[str, int] = {}
+        PagedSlots.__init__(self, torch.randperm(nb, generator=self.g).tolist(), bs)
         self.rows: dict[str, tuple] = {}
         self.layer = types.SimpleNamespace(layer_name=f"model.layers.{LAYER}.self_attn.attn", isa=isa,
                                            _k_scale_float=1.0, _v_scale_float=1.0)
-
-    def _slots(self, seq, T):
-        tab = self.table.setdefault(seq, [])
-        n0 = self.lens.get(seq, 0)
-        out = []
-        for p in range(n0, n0 + T):
-            if p // self.bs >= len(tab):
-                tab.append(self.free.pop())
-            out.append(tab[p // self.bs] * self.bs + p % self.bs)
-        self.lens[seq] = n0 + T
-        return out
 
     def _build(self, cm):
         sched = ops.cpu_attn_get_scheduler_metadata(
@@ -71,7 +60,7 @@ class Engine:
         """plan: list of (seq, new tokens), decodes first."""
         slots, qsl = [], [0]
         for seq, T in plan:
-            slots += self._slots(seq, T)
+            slots += self.slots(seq, T)
             qsl.append(qsl[-1] + T)
         N = qsl[-1]
         k = torch.randn(N, self.H, self.D, generator=self.g).to(self.dtype)
