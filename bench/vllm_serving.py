@@ -6,7 +6,9 @@ Configurations (``--configs``, run one after another with the same engine settin
 
 - ``vllm``: vLLM's own attention (the plugin inactive);
 - ``dense``: this backend in dense mode (on the CPU: vLLM's attention plus bookkeeping);
-- ``topth``: this backend with ``--thresholds`` (and ``--vmc``).
+- ``topth``: this backend with ``--thresholds`` (and ``--vmc``), statistics and metrics on;
+- ``topth_nometrics``: the same without any bookkeeping (metrics off, no statistics):
+  the cost of the live metrics is ``topth`` over ``topth_nometrics``.
 
 Workload: ``--prompts`` distinct prompts of ``--prompt-tokens`` tokens of standard-library
 source (consecutive windows of the concatenated files), ``--new-tokens`` greedy tokens
@@ -40,7 +42,7 @@ import torch
 from . import vllm_common as vc
 from .cpu_cold import machine
 
-CONFIGS = ("vllm", "dense", "topth")
+CONFIGS = ("vllm", "dense", "topth", "topth_nometrics")
 
 
 def stdlib_prompts(model_dir: str, n: int, length: int) -> list[list[int]]:
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="model folder (e.g. from `topth-ops export-hf`)")
     ap.add_argument("--thresholds", help="threshold file (configuration topth)")
     ap.add_argument("--vmc", action="store_true", help="V-mean compensation in configuration topth")
+    ap.add_argument("--threshold-set", type=int, default=None, help="the set of a file holding several")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=6000)
@@ -155,8 +158,8 @@ def main(argv=None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
         ap.error(f"--configs: unknown {bad}; choose from {CONFIGS}")
-    if "topth" in configs and not args.thresholds:
-        ap.error("--thresholds is required by configuration topth")
+    if any(c.startswith("topth") for c in configs) and not args.thresholds:
+        ap.error("--thresholds is required by configurations topth*")
     if args.prompt_tokens + args.new_tokens > args.max_model_len:
         ap.error(f"--prompt-tokens + --new-tokens must be <= --max-model-len ({args.max_model_len})")
 
@@ -173,9 +176,13 @@ def main(argv=None) -> int:
             topth = None
             if name == "dense":
                 topth = {"mode": "dense", "log_interval": 0}
-            elif name == "topth":
+            elif name.startswith("topth"):
                 topth = {"thresholds": os.path.abspath(args.thresholds), "vmc": args.vmc, "log_interval": 0,
-                         "stats_file": os.path.join(work, f"stats_{r}.json")}
+                         "threshold_set": args.threshold_set}
+                if name == "topth":
+                    topth["stats_file"] = os.path.join(work, f"stats_{r}.json")
+                else:
+                    topth["metrics"] = False
             res = run_config(name, args.model, ids, args.new_tokens, topth, engine)
             res["round"] = r
             if name == "topth":

@@ -84,9 +84,9 @@ class Engine(PagedSlots):
         return q, out.view(N, self.Hq, self.D), bt, lens, qsl
 
 
-def _impl(monkeypatch, ts, settings, Hq, Hkv, D, **kw):
+def _impl(monkeypatch, ts, settings, Hq, Hkv, D, sets=(), **kw):
     stats = ServingStats(settings.mode, None, 0.0)
-    rt = Runtime(settings, ts, 0, 1, stats, "tiny")
+    rt = Runtime(settings, ts, 0, 1, stats, "tiny", list(sets), [True] * len(sets))
     monkeypatch.setattr(CB, "runtime", lambda: rt)
     # vLLM's impl reads the model dtype from the engine config (to pick zentorch on AMD)
     cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
@@ -155,6 +155,43 @@ def test_mixed_batch_on_vllms_cache(monkeypatch, isa, dtype, vmc, dense_layer, m
         ref = _causal(q[lo:hi].double().numpy(), kk, vv, int(lens[i]) - (hi - lo), scale)
         np.testing.assert_allclose(out[lo:hi].double().numpy(), ref, rtol=_tol(dtype), atol=_tol(dtype))
     assert stats.report()["prefill_tokens_dense"] == 70 + 12 + 40 + 34
+
+
+@pytest.mark.parametrize("isa,dtype", ISAS)
+@pytest.mark.parametrize("beyond", [0, 60])
+def test_requests_at_different_sets_share_one_op_call(monkeypatch, isa, dtype, beyond, make_cfg, make_threshold_set):
+    """Per-request sparsity: decode rows of one batch at set 1, dense, and the default set 0
+    (one op call), each against the float64 oracle with its own thresholds; with
+    dense_beyond=60 the longer row (A, 72 positions) is dense whatever it chose."""
+    from topth_ops.vllm import requests as R
+
+    Hq, Hkv, D = 8, 2, 64
+    cfg = make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
+    sets = [make_threshold_set(cfg, rows=128, k=k, seed=k) for k in (4, 8, 16)]
+    sets[2].thresholds[LAYER] = 0.02  # a set that drops more
+    settings = VllmTopthSettings(mode="topth", thresholds="unused", dense_beyond=beyond)
+    impl, stats = _impl(monkeypatch, sets[0], settings, Hq, Hkv, D, sets=sets)
+    eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D)
+    eng.step([("A", 70), ("B", 12), ("E", 30)])
+    eng.step([("A", 1), ("B", 1), ("E", 1)])
+    choices = [R.Choice(set=2), R.Choice(dense=True), None]
+    monkeypatch.setattr(R, "row_choices", lambda n: choices[:n])
+    q, out, bt, lens, qsl = eng.step([("A", 1), ("B", 1), ("E", 1), ("C", 20)])
+    rows = [sets[2].thresholds[LAYER], torch.full((Hq, 128), float("-inf")), sets[0].thresholds[LAYER]]
+    if beyond:
+        rows[0] = rows[1]
+    reads = 0
+    for b, seq in enumerate(["A", "B", "E"]):
+        kk, vv = eng.rows[seq]
+        want = oracle_decode(q[b:b + 1], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None], lens[b:b + 1],
+                             rows[b], scale=1 / math.sqrt(D), placement="post_softmax")
+        np.testing.assert_allclose(out[b:b + 1].double().numpy(), want.out, rtol=_tol(dtype), atol=_tol(dtype))
+        reads += int(want.v_rows.sum())
+        if b == 1 or (b == 0 and beyond):
+            assert int(want.v_rows.sum()) == Hkv * int(lens[b])
+    assert stats.report()["last_steps"][-1]["v_rows_read"] == reads
+    per_set = impl.rt.fidelity.report()["sets"]
+    assert set(per_set) == ({"dense", "0"} if beyond else {"dense", "0", "2"})
 
 
 @pytest.mark.parametrize("isa,dtype", ISAS[1:2])

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -121,14 +122,40 @@ def test_engine_start_refuses_a_file_for_another_model(smol, tiny, tmp_path):
     assert time.monotonic() - t0 < 600
 
 
+def _two_set_file(tiny, tmp_path) -> str:
+    """A file of two sets for the tiny model: set 0 (k=4) and set 1 (k=8, other thresholds)."""
+    import dataclasses
+
+    from topth_ops.thresholds import load_thresholds, save_threshold_sets
+
+    one = vc.write_threshold_file(tiny, str(tmp_path / "one.safetensors"), kind="uniform", scale=0.5, k=4)
+    a = load_thresholds(one)
+    b = dataclasses.replace(a, thresholds=a.thresholds * 0.5, layer_k=[8] * len(a.layer_k))
+    path = str(tmp_path / "two.safetensors")
+    save_threshold_sets(path, [a, b])
+    return path
+
+
+def _post(port, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        return 200, json.loads(urllib.request.urlopen(req, timeout=300).read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
 def test_openai_server_with_topth_serve(tiny, tmp_path):
-    th = vc.write_threshold_file(tiny, str(tmp_path / "th.safetensors"), kind="uniform", scale=0.5, k=4)
+    """`topth-ops serve` with a two-set file: requests at the default set, at k=8 (by k) and
+    dense; a k the file does not hold is a 400 for that request alone; the worker's
+    topth_* metrics appear on the server's /metrics, per set."""
+    th = _two_set_file(tiny, tmp_path)
     stats = tmp_path / "stats.json"
     port = 8791
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "topth_ops", "serve", tiny, "--thresholds", th, "--vmc",
-                             "--stats", str(stats), "--log-interval", "1", "--port", str(port), "--",
-                             "--kv-cache-memory-bytes", str(256 << 20)],
+                             "--threshold-set", "0", "--stats", str(stats), "--log-interval", "1", "--port", str(port),
+                             "--", "--kv-cache-memory-bytes", str(256 << 20)],
                             stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -140,20 +167,31 @@ def test_openai_server_with_topth_serve(tiny, tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "server not ready in 600 s"
                 time.sleep(2)
-        for prompt in (list(range(100, 140)), list(range(200, 900))):
-            body = json.dumps({"model": tiny, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                               "ignore_eos": True, "logprobs": 1}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-            data = json.loads(urllib.request.urlopen(req, timeout=300).read())
+        base = {"model": tiny, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+        for prompt, choice in ((list(range(100, 140)), None), (list(range(200, 900)), "k=8"),
+                               (list(range(300, 700)), "dense")):
+            body = dict(base, prompt=prompt, **({"vllm_xargs": {"topth": choice}} if choice else {}))
+            status, data = _post(port, body)
+            assert status == 200, data
             lps = data["choices"][0]["logprobs"]["token_logprobs"]
             assert data["usage"]["completion_tokens"] == 8 and all(x == x for x in lps if x is not None)
+        status, data = _post(port, dict(base, prompt=[1, 2, 3], vllm_xargs={"topth": "k=5"}))
+        assert status == 400 and "k 5: no set" in json.dumps(data), (status, data)
         deadline = time.monotonic() + 30
-        while not (stats.exists() and json.loads(stats.read_text())["decode_tokens"] >= 14):
-            assert time.monotonic() < deadline, stats.read_text() if stats.exists() else "no stats file"
+        while True:
+            rep = json.loads(stats.read_text()) if stats.exists() else {}
+            sets = rep.get("per_set", {}).get("sets", {})
+            if rep.get("decode_tokens", 0) >= 21 and {"0", "1", "dense"} <= set(sets):
+                break
+            assert time.monotonic() < deadline, rep or "no stats file"
             time.sleep(1)
-        rep = json.loads(stats.read_text())
         assert rep["mode"] == "topth" and rep["vmc"] is True and 0 < rep["v_rows_fraction"] < 1
+        assert sets["dense"]["v_rows_fraction"] == 1.0 and sets["0"]["v_rows_fraction"] < 1
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        for name in ("topth_decode_steps_total", "topth_decode_rows_total", "topth_v_rows_read_total",
+                     "topth_v_rows_dense_total", "topth_threshold_set_info"):
+            assert name in metrics, name
+        assert 'topth_decode_rows_total{rank="0",set="dense"}' in metrics
     finally:
         import signal
 

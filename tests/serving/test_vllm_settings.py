@@ -16,8 +16,8 @@ from topth_ops.vllm.settings import (
     is_active,
     load_for_model,
     model_name_of,
-    rank_rows,
 )
+from topth_ops.vllm.tp import rank_rows
 
 pytestmark = pytest.mark.vllm
 

@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from ..paged import PagedValueSum, write_kv
 from .paged_ops import nhd_views, prefill_dense
-from .runtime import LayerRule, decode_rows, layer_rule, runtime
+from .runtime import DecodeSets, LayerRule, decode_rows, decode_sets, layer_rule, record, runtime, value_sums
 
 logger = logging.getLogger("vllm.topth_ops")
 
@@ -97,6 +97,7 @@ class TopthAttentionMetadata:
     seq_lens_cpu: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    sets: Optional[DecodeSets] = None  # filled by the first layer's decode (shared)
 
 
 class TopthMetadataBuilder(AttentionMetadataBuilder[TopthAttentionMetadata]):
@@ -168,11 +169,8 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         self.rule = layer_rule(self.rt, self.layer, self.num_heads, self.num_kv_heads, device)
 
     def _value_sum(self, value_cache: torch.Tensor) -> PagedValueSum:
-        nb, bs = value_cache.shape[0], value_cache.shape[1]
-        vs = self._vsum
-        if vs is None or vs.num_blocks != nb or vs.block_size != bs or vs.sum.device != value_cache.device:
-            vs = self._vsum = PagedValueSum(nb, bs, self.num_kv_heads, self.head_size, device=value_cache.device)
-        return vs
+        self._vsum = value_sums(self._vsum, value_cache, self.num_kv_heads, self.head_size, "NHD")
+        return self._vsum
 
     # ---------------------------------------------------------------- vLLM hooks
 
@@ -203,9 +201,9 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         m = attn_metadata
         k_cache, v_cache = nhd_views(kv_cache, self.head_size)
         out = output.view(-1, self.num_heads, self.head_size)
-        v_rows = lens = None
+        op_stats = None
         if m.num_decodes:
-            v_rows, lens = self._decode(query, k_cache, v_cache, m, out)
+            op_stats = self._decode(query, k_cache, v_cache, m, out)
         prefill_tokens = 0
         if m.num_prefills:
             qsl = m.query_start_loc_cpu.tolist()
@@ -217,9 +215,9 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
                 out[lo:hi] = prefill_dense(query[lo:hi], k_cache, v_cache, m.block_table[i], int(lens_cpu[i]),
                                            self.scale).to(out.dtype)
                 prefill_tokens += hi - lo
-        st = self.rt.stats
-        if st is not None:
-            st.add(self.layer, v_rows, lens, prefill_tokens)
+        if self.rt.stats is not None or self.rt.settings.metrics:
+            record(self.rt, self.layer, self.rule, m.sets, m.seq_lens[:m.num_decodes], self.num_kv_heads, op_stats,
+                   prefill_tokens)
         return output
 
     def _decode(self, query, k_cache, v_cache, m: TopthAttentionMetadata, out):
@@ -230,8 +228,10 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         bt = m.block_table[:B, :width]
         if bt.dtype != torch.int32:
             bt = bt.to(torch.int32)
+        if m.sets is None:
+            m.sets = decode_sets(self.rt, B, n)
         value_mean = self._value_sum(v_cache).mean(bt, n, v_cache) if self.rule.vmc else None
-        res, v_rows = decode_rows(self.rt, self.rule, query[:B], k_cache, v_cache, n, bt, self.scale, "NHD",
-                                  value_mean)
+        res, op_stats = decode_rows(self.rt, self.rule, query[:B], k_cache, v_cache, n, bt, self.scale, "NHD",
+                                    m.sets, value_mean)
         out[:B] = res.to(out.dtype)
-        return (v_rows, n) if v_rows is not None else (None, None)
+        return op_stats

@@ -34,6 +34,14 @@ def add_arguments(p) -> None:
                    help="backend of the decode op (default: automatic; `topth-ops info` lists them)")
     p.add_argument("--stats", help="JSON report of V rows read vs dense, rewritten while serving")
     p.add_argument("--log-interval", type=float, default=None, help="seconds between statistics log lines")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="no fidelity statistics and no topth_* metrics on /metrics (docs/vllm.md, \"Metrics\")")
+    p.add_argument("--guard-band", default=None, metavar="LOW,HIGH",
+                   help="k~/k band of the drift guardrail (default 0.8,1.25)")
+    p.add_argument("--guard-window", type=int, default=None, metavar="STEPS",
+                   help="decode steps the guardrail averages k~/k over (default 256)")
+    p.add_argument("--dense-beyond", type=int, default=None, metavar="ROW_ID",
+                   help="serve decode rows longer than this row id dense (a file used far past its calibrated rows)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--no-cpu-defaults", action="store_true",
@@ -103,7 +111,10 @@ def build(args) -> tuple[list[str], dict[str, str]]:
                   "stats_file": os.path.abspath(args.stats) if args.stats else None,
                   "log_interval": None if args.log_interval is None else str(args.log_interval),
                   "sdc_gamma": None if args.sdc_gamma is None else str(args.sdc_gamma),
-                  "op_backend": args.op_backend}
+                  "op_backend": args.op_backend, "metrics": "0" if args.no_metrics else None,
+                  "guard_band": args.guard_band,
+                  "guard_window": None if args.guard_window is None else str(args.guard_window),
+                  "dense_beyond": None if args.dense_beyond is None else str(args.dense_beyond)}
         env = {ENV[k]: v for k, v in values.items() if v is not None}
         if args.mode is None and not args.thresholds:
             raise CliError("give --thresholds FILE (Top-Theta), or --mode dense / --mode vllm for a baseline")
@@ -150,5 +161,12 @@ def run(args) -> int:
         del full[var]
     full.update(env)
     full.setdefault("HF_HUB_OFFLINE", "1")
+    if args.mode != "vllm" and not args.no_metrics and "PROMETHEUS_MULTIPROC_DIR" not in full:
+        # the worker's topth_* metrics reach /metrics through prometheus_client's multi-process mode
+        import tempfile
+
+        full["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="topth-prometheus-")
+        print(f"topth-ops serve: PROMETHEUS_MULTIPROC_DIR={full['PROMETHEUS_MULTIPROC_DIR']} (metrics of every "
+              "engine process; remove it after the server stops)", file=sys.stderr, flush=True)
     os.execvpe(cmd[0], cmd, full)
     return 0  # not reached

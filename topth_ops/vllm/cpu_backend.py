@@ -43,7 +43,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from ..paged import PagedValueSum
-from .runtime import LayerRule, decode_rows, layer_rule, runtime
+from .runtime import DecodeSets, LayerRule, decode_rows, decode_sets, layer_rule, record, runtime, value_sums
 
 logger = logging.getLogger("vllm.topth_ops")
 
@@ -89,7 +89,9 @@ def cache_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.T
 class TopthCpuMetadata:
     """One batch: vLLM's metadata of the whole batch (``full``), of its prefill requests
     alone (``prefill``, token and request indices re-based to 0; None without decodes or
-    without prefills), and the decode requests ``[0, num_decodes)`` for the op."""
+    without prefills), and the decode requests ``[0, num_decodes)`` for the op. ``sets``
+    (each decode row's threshold set) is filled by the first layer that needs it and
+    shared by the others."""
 
     full: CPUAttentionMetadata
     prefill: Optional[CPUAttentionMetadata]
@@ -97,6 +99,7 @@ class TopthCpuMetadata:
     num_prefill_tokens: int
     seq_lens: torch.Tensor       # [num_decodes]
     block_table: torch.Tensor    # [num_decodes, width] int32
+    sets: Optional[DecodeSets] = None
 
 
 #: Lazily filled per-batch caches of CommonAttentionMetadata that a sliced copy must not inherit.
@@ -218,12 +221,8 @@ class TopthCpuImpl(CPUAttentionBackendImpl):
         return isa
 
     def _value_sum(self, value_cache: torch.Tensor, kv_layout: str) -> PagedValueSum:
-        nb, bs = value_cache.shape[0], value_cache.shape[2]
-        vs = self._vsum
-        if vs is None or vs.num_blocks != nb or vs.block_size != bs or vs.sum.device != value_cache.device:
-            vs = self._vsum = PagedValueSum(nb, bs, self.num_kv_heads, self.head_size, kv_layout=kv_layout,
-                                            device=value_cache.device)
-        return vs
+        self._vsum = value_sums(self._vsum, value_cache, self.num_kv_heads, self.head_size, kv_layout)
+        return self._vsum
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -247,26 +246,27 @@ class TopthCpuImpl(CPUAttentionBackendImpl):
         if self.layer is None:
             self._bind(layer, kv_cache)
         m = attn_metadata
-        st = self.rt.stats
         B = m.num_decodes
-        if not (self.rule.thresholded and B):
+        rt = self.rt
+        if B and m.sets is None and (self.rule.thresholded or rt.settings.metrics):
+            m.sets = decode_sets(rt, B, m.seq_lens)
+        if not (B and self.rule.thresholded and self.rule.serves(m.sets.present)):
             super().forward(layer, query, key, value, kv_cache, m.full, output, output_scale, output_block_scale)
-            if st is not None:
+            if rt.stats is not None or rt.settings.metrics:
                 n = m.seq_lens if self.sliding_window <= 0 else m.seq_lens.clamp(max=self.sliding_window)
-                st.add(self.layer, n[:, None].expand(B, self.num_kv_heads) if B else None, n, m.num_prefill_tokens)
+                record(rt, self.layer, self.rule, m.sets, n, self.num_kv_heads, None, m.num_prefill_tokens)
             return output
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("topth vLLM backend: fused output quantization is not supported")
         kc, vc, lay = cache_views(kv_cache, self._isa(layer, kv_cache))
         n = m.seq_lens
         value_mean = self._value_sum(vc, lay).mean(m.block_table, n, vc) if self.rule.vmc else None
-        res, v_rows = decode_rows(self.rt, self.rule, query[:B], kc, vc, n, m.block_table, self.scale, lay,
-                                  value_mean)
+        res, op_stats = decode_rows(rt, self.rule, query[:B], kc, vc, n, m.block_table, self.scale, lay, m.sets,
+                                    value_mean)
         output[:B] = res.reshape(output[:B].shape).to(output.dtype)
         if m.prefill is not None:
             super().forward(layer, query[B:], key[B:], value[B:], kv_cache, m.prefill, output[B:])
-        if st is not None:
-            st.add(self.layer, v_rows, n, m.num_prefill_tokens)
+        record(rt, self.layer, self.rule, m.sets, n, self.num_kv_heads, op_stats, m.num_prefill_tokens)
         return output
 
 

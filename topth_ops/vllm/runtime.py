@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -20,24 +20,67 @@ import torch
 from vllm.config import get_current_vllm_config
 
 from .. import decode_attention
+from ..paged import PagedValueSum
 from ..contract import DEFAULT_SDC_GAMMA
+from ..thresholds import attention_config_of, load_threshold_sets
+from . import requests as requests_mod
 from . import stats as stats_mod
-from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of, rank_kv_rows, rank_rows
+from .fidelity import Fidelity, buckets
+from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of
+from .tp import rank_kv_rows, rank_rows
 
 logger = logging.getLogger("vllm.topth_ops")
 
 
 @dataclass
 class Runtime:
-    """Per-process state shared by every layer: settings, the checked threshold file and
-    this rank's place in tensor parallelism."""
+    """Per-process state shared by every layer: settings, the checked threshold file, the
+    set table requests choose from, this rank's place in tensor parallelism, statistics.
+
+    The set table has one row per set of the file (file order) and a last row, dense,
+    that keeps every position: a request's choice (:mod:`topth_ops.vllm.requests`) is an
+    index into it."""
 
     settings: VllmTopthSettings
-    thresholds: Optional[object]  # ThresholdSet
+    thresholds: Optional[object]  # ThresholdSet: the default set
     tp_rank: int
     tp_size: int
     stats: Optional[stats_mod.ServingStats]
     model_name: Optional[str]
+    sets: list = field(default_factory=list)  # every ThresholdSet of the file
+    servable: list = field(default_factory=list)
+    num_layers: int = 0
+    default_set: int = 0
+    fidelity: Optional[Fidelity] = None
+    _resolved: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.thresholds is not None and not self.sets:  # a runtime of one set (tests, tools)
+            self.sets, self.servable, self.default_set = [self.thresholds], [True], 0
+        if not self.num_layers and self.thresholds is not None:
+            self.num_layers = self.thresholds.num_layers
+
+    @property
+    def dense_index(self) -> int:
+        return len(self.sets)
+
+    @property
+    def set_labels(self) -> list:
+        return [str(i) for i in range(len(self.sets))] + ["dense"]
+
+    def resolve(self, choice) -> int:
+        """Set-table row of one request's choice (None: the default). A choice the file
+        cannot serve (possible only when the front end could not check it) is served dense
+        and warned about once."""
+        if choice not in self._resolved:
+            try:
+                idx = requests_mod.resolve(choice, self.sets, self.default_set, self.servable,
+                                           dense_mode=self.thresholds is None)
+            except requests_mod.RequestChoiceError as e:
+                logger.warning("topth: %s; requests choosing %s are served dense", e, choice.describe())
+                idx = self.dense_index
+            self._resolved[choice] = idx
+        return self._resolved[choice]
 
 
 _RUNTIMES: dict = {}
@@ -79,6 +122,18 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
                     f"; dense layers (k = dense in the file's layer map) {dense_layers}" if dense_layers else "")
     else:
         logger.info("topth: dense mode (every row kept; A/B baseline); TP rank %d of %d", tp_rank, tp_size)
+    sets, servable = [], []
+    if ts is not None:
+        sets = load_threshold_sets(settings.thresholds)
+        servable = requests_mod.servable_sets(sets, ts.set_index, settings.sdc)
+        for i, other in enumerate(sets):
+            if servable[i] and other is not sets[ts.set_index]:
+                other.check_model(hf, name, compare_name=name is not None)
+        sets[ts.set_index] = ts
+        logger.info("topth: requests may choose (extra_args['topth']): %s, or dense; default set %d",
+                    ", ".join(f"set {i} (k={s.k})" for i, s in enumerate(sets) if servable[i]), ts.set_index)
+    if settings.dense_beyond:
+        logger.info("topth: decode rows beyond row id %d are served dense (dense_beyond)", settings.dense_beyond)
     st = None
     if settings.stats_file or settings.log_interval > 0:
         path = stats_mod.rank_path(settings.stats_file, tp_rank) if settings.stats_file else None
@@ -87,7 +142,70 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
             meta={"model": name, "thresholds": settings.thresholds, "vmc": settings.vmc, "sdc": settings.sdc,
                   "placement": ts.placement if ts is not None else None, "tp_rank": tp_rank,
                   "tp_size": tp_size}))
-    return Runtime(settings, ts, tp_rank, tp_size, st, name)
+    return Runtime(settings, ts, tp_rank, tp_size, st, name, sets, servable,
+                   int(attention_config_of(hf)["num_layers"]), ts.set_index if ts is not None else 0)
+
+
+def fidelity(rt: Runtime, device) -> Optional[Fidelity]:
+    """The runtime's fidelity sums (created at the first decode step; None with metrics
+    off). With prometheus_client present, each flush updates the metrics."""
+    if not rt.settings.metrics or not rt.num_layers:
+        return None
+    if rt.fidelity is None:
+        from .metrics import PrometheusExporter
+
+        info = [{"set": lab, "k": (ts.k if i < len(rt.sets) else "dense"),
+                 "placement": (ts.placement if i < len(rt.sets) else "dense"),
+                 "selection": (ts.selection if i < len(rt.sets) else "dense"),
+                 "file": rt.settings.thresholds or ""}
+                for i, (lab, ts) in enumerate(zip(rt.set_labels, [*rt.sets, None]))
+                if i == len(rt.sets) or rt.servable[i]]
+        try:
+            exporter = PrometheusExporter(rt.tp_rank, info)
+        except ImportError:
+            logger.warning("topth: prometheus_client is not installed; fidelity statistics go to the JSON report only")
+            exporter = None
+        s = rt.settings
+        rt.fidelity = Fidelity(rt.num_layers, rt.set_labels, device, s.guard_band, s.guard_window, exporter)
+        if rt.stats is not None:
+            rt.stats.sections["per_set"] = rt.fidelity.report
+    return rt.fidelity
+
+
+@dataclass
+class DecodeSets:
+    """The decode rows' set-table rows of one step (built by the metadata builders).
+
+    Attributes
+    ----------
+    threshold_set : torch.Tensor
+        ``[num_decodes]`` int32, the op's ``threshold_set``.
+    set_idx, bucket : torch.Tensor or None
+        ``[num_decodes]`` int64 (statistics; None with metrics off).
+    present : frozenset of int
+        Set-table rows that may occur this step (host side: decides per layer whether the
+        op runs at all).
+    """
+
+    threshold_set: torch.Tensor
+    set_idx: Optional[torch.Tensor]
+    bucket: Optional[torch.Tensor]
+    present: frozenset
+
+
+def decode_sets(rt: Runtime, num_decodes: int, seq_lens: torch.Tensor) -> DecodeSets:
+    """Each decode row's set-table row: the request's choice, then ``dense_beyond``
+    (rows longer than it read every position). ``seq_lens`` ``[num_decodes]`` on the
+    device; no host sync."""
+    idx = [rt.resolve(c) for c in requests_mod.row_choices(num_decodes)]
+    present = set(idx)
+    ts = torch.tensor(idx, dtype=torch.int32).to(seq_lens.device, non_blocking=True)
+    if rt.settings.dense_beyond:
+        ts = torch.where(seq_lens > rt.settings.dense_beyond, torch.full_like(ts, rt.dense_index), ts)
+        present.add(rt.dense_index)
+    metrics = rt.settings.metrics
+    return DecodeSets(ts, ts.to(torch.int64) if metrics else None, buckets(seq_lens) if metrics else None,
+                      frozenset(present))
 
 
 @dataclass
@@ -97,23 +215,47 @@ class LayerRule:
     Attributes
     ----------
     thresholded : bool
-        False in dense mode and for layers the file keeps dense (k = dense).
+        Some set of the table thresholds this layer (False in dense mode, for layers every
+        set keeps dense, and for layers vLLM's own attention serves).
     thresholds : torch.Tensor
-        ``[num_heads, max_row_id]`` (selection "head") or ``[num_kv_heads, max_row_id]``
-        ("group") float32 rows of this rank; ``[num_heads, 1]`` of -inf when not thresholded.
+        ``[num_sets + 1, H, max_row_id]`` float32, H = this rank's query heads (selection
+        "head") or KV heads ("group"): one row per set of the file, -inf rows for sets
+        that keep the layer dense or cannot be served, and a last row of -inf (dense).
+    active : tuple of bool
+        Per set-table row: that set thresholds this layer.
+    set_k : torch.Tensor
+        ``[num_sets + 1]`` float32 target k of the layer per set-table row (0: dense).
     placement, sdc, selection : str
     sdc_table : torch.Tensor or None
-        ``[num_heads, max_row_id]`` (sdc "offline").
+        ``[num_sets + 1, num_heads, max_row_id]`` (sdc "offline"; zeros in dense rows).
     vmc : bool
     """
 
     thresholded: bool
     thresholds: torch.Tensor
+    active: tuple = ()
+    set_k: Optional[torch.Tensor] = None
     placement: str = "post_softmax"
     sdc: str = "none"
     selection: str = "head"
     sdc_table: Optional[torch.Tensor] = None
     vmc: bool = False
+
+    def serves(self, present: frozenset) -> bool:
+        """Whether a step whose rows use the set-table rows ``present`` needs the op."""
+        return self.thresholded and any(self.active[i] for i in present)
+
+
+def _rank_table(rt: Runtime, table: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int,
+                selection: str) -> torch.Tensor:
+    if selection == "group":
+        # one threshold per KV head (this rank's KV heads), against the group maximum
+        th = rank_kv_rows(table, layer, rt.tp_rank, rt.tp_size)
+        if th.shape[0] != num_kv_heads:
+            raise ValueError(f"topth vLLM backend: rank {rt.tp_rank} holds {num_kv_heads} KV heads, "
+                             f"but the group-selection file gives it {th.shape[0]} threshold rows")
+        return th
+    return rank_rows(table, layer, rt.tp_rank, num_heads)
 
 
 def layer_rule(rt: Runtime, layer: int, num_heads: int, num_kv_heads: int, device) -> LayerRule:
@@ -126,23 +268,33 @@ def layer_rule(rt: Runtime, layer: int, num_heads: int, num_kv_heads: int, devic
         A group-selection file whose KV-head rows do not match this rank's KV heads.
     """
     s, ts = rt.settings, rt.thresholds
-    if ts is None or ts.layer_k[layer] == 0:
-        return LayerRule(False, torch.full((num_heads, 1), float("-inf"), device=device))
-    if ts.selection == "group":
-        # one threshold per KV head (this rank's KV heads), against the group maximum
-        th = rank_kv_rows(ts.thresholds, layer, rt.tp_rank, rt.tp_size).to(device)
-        if th.shape[0] != num_kv_heads:
-            raise ValueError(f"topth vLLM backend: rank {rt.tp_rank} holds {num_kv_heads} KV heads, "
-                             f"but the group-selection file gives it {th.shape[0]} threshold rows")
-    else:
-        th = rank_rows(ts.thresholds, layer, rt.tp_rank, num_heads).to(device)
-    sdc_table = rank_rows(ts.sdc_table, layer, rt.tp_rank, num_heads).to(device) if s.sdc == "offline" else None
-    return LayerRule(True, th, ts.placement, s.sdc, ts.selection, sdc_table, s.vmc)
+    nsets = len(rt.sets)
+    active = tuple(rt.servable[i] and rt.sets[i].layer_k[layer] != 0 for i in range(nsets)) + (False,)
+    if ts is None or not any(active):
+        return LayerRule(False, torch.full((nsets + 1, num_heads, 1), float("-inf"), device=device), active,
+                         torch.zeros(nsets + 1, device=device))
+    H = num_kv_heads if ts.selection == "group" else num_heads
+    R = max(x.max_row_id for x in rt.sets)
+    th = torch.full((nsets + 1, H, R), float("-inf"))
+    sdc_table = torch.zeros((nsets + 1, num_heads, R)) if s.sdc == "offline" else None
+    for i, x in enumerate(rt.sets):
+        if not active[i]:
+            continue
+        t = _rank_table(rt, x.thresholds, layer, num_heads, num_kv_heads, ts.selection)
+        th[i, :, :t.shape[-1]] = t
+        th[i, :, t.shape[-1]:] = t[:, -1:]  # the op reads the last column beyond a table anyway
+        if sdc_table is not None:
+            d = rank_rows(x.sdc_table, layer, rt.tp_rank, num_heads)
+            sdc_table[i, :, :d.shape[-1]] = d
+            sdc_table[i, :, d.shape[-1]:] = d[:, -1:]
+    set_k = torch.tensor([float(x.layer_k[layer]) if active[i] else 0.0 for i, x in enumerate(rt.sets)] + [0.0])
+    return LayerRule(True, th.to(device), active, set_k.to(device), ts.placement, s.sdc, ts.selection,
+                     None if sdc_table is None else sdc_table.to(device), s.vmc)
 
 
 def decode_rows(rt: Runtime, rule: LayerRule, query: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                kv_layout: str, value_mean: Optional[torch.Tensor] = None):
+                kv_layout: str, sets: DecodeSets, value_mean: Optional[torch.Tensor] = None):
     """One layer's decode rows through :func:`topth_ops.decode_attention`.
 
     Parameters
@@ -157,6 +309,8 @@ def decode_rows(rt: Runtime, rule: LayerRule, query: torch.Tensor, key_cache: to
         ``[num_decodes, width]`` int32.
     scale : float
     kv_layout : {"NHD", "HND", "VLLM_AMX"}
+    sets : DecodeSets
+        Each row's set-table row.
     value_mean : torch.Tensor, optional
         ``[num_decodes, num_kv_heads, head_dim]`` (VMC).
 
@@ -164,19 +318,50 @@ def decode_rows(rt: Runtime, rule: LayerRule, query: torch.Tensor, key_cache: to
     -------
     out : torch.Tensor
         ``[num_decodes, num_heads, head_dim]``.
-    v_rows : torch.Tensor or None
-        ``[num_decodes, num_kv_heads]`` V rows read, when statistics are collected.
+    stats : DecodeStats or None
+        The op's statistics, when statistics or metrics are collected.
     """
     s = rt.settings
-    want_stats = rt.stats is not None
+    want_stats = rt.stats is not None or s.metrics
     res = decode_attention(
         query, key_cache, value_cache, seq_lens, rule.thresholds, scale=scale,
         placement=rule.placement, sdc=rule.sdc,
         sdc_gamma=s.sdc_gamma if rule.sdc == "exp_threshold" else DEFAULT_SDC_GAMMA,
         sdc_table=rule.sdc_table, vmc=rule.vmc, value_mean=value_mean, return_stats=want_stats,
         backend=s.op_backend, block_table=block_table, kv_layout=kv_layout, selection=rule.selection,
+        threshold_set=sets.threshold_set,
     )
-    if want_stats:
-        out, st = res
-        return out, st.v_rows
-    return res, None
+    return res if want_stats else (res, None)
+
+
+def record(rt: Runtime, layer: int, rule: LayerRule, sets: Optional[DecodeSets], seq_lens: torch.Tensor,
+           num_kv_heads: int, op_stats=None, prefill_tokens: int = 0) -> None:
+    """Statistics of one layer's forward: V rows (the JSON report) and the fidelity sums.
+    ``seq_lens`` ``[num_decodes]`` are the rows dense attention reads (clamped to a
+    sliding window); ``op_stats`` the op's statistics when it ran (else dense)."""
+    B = seq_lens.shape[0]
+    v_rows = op_stats.v_rows if op_stats is not None else None
+    st = rt.stats
+    if st is not None:
+        dense_rows = seq_lens[:, None].expand(B, num_kv_heads) if B else None
+        st.add(layer, v_rows if v_rows is not None else dense_rows, seq_lens, prefill_tokens)
+    fid = fidelity(rt, seq_lens.device) if sets is not None and sets.set_idx is not None else None
+    if fid is not None:
+        if op_stats is None:
+            fid.add(layer, sets.set_idx, sets.bucket, seq_lens, num_kv_heads)
+        else:
+            fid.add(layer, sets.set_idx, sets.bucket, seq_lens, num_kv_heads, v_rows, op_stats.kept,
+                    op_stats.dropped_mass, rule.set_k)
+
+
+def value_sums(current: Optional[PagedValueSum], value_cache: torch.Tensor, num_kv_heads: int, head_size: int,
+               kv_layout: str) -> PagedValueSum:
+    """VMC's per-block V sums for a paged ``value_cache`` (``[num_blocks, block_size, H, D]``
+    NHD or ``[num_blocks, H, block_size, D]`` otherwise): ``current`` when it still fits the
+    cache, else a new, zeroed one (the first step, or a cache re-allocated by the engine)."""
+    nb = value_cache.shape[0]
+    bs = value_cache.shape[1] if kv_layout == "NHD" else value_cache.shape[2]
+    if (current is None or current.num_blocks != nb or current.block_size != bs
+            or current.sum.device != value_cache.device):
+        current = PagedValueSum(nb, bs, num_kv_heads, head_size, kv_layout=kv_layout, device=value_cache.device)
+    return current

@@ -19,6 +19,12 @@ TOPTH_VLLM_SDC_GAMMA      [sdc_gamma]         gamma of exp_threshold
 TOPTH_VLLM_OP_BACKEND     [op_backend]        backend of the decode op (default: automatic)
 TOPTH_VLLM_STATS          [stats_file]        JSON report of V rows read, rewritten as it runs
 TOPTH_VLLM_LOG_INTERVAL   [log_interval]      seconds between statistics log lines (0: off)
+TOPTH_VLLM_METRICS        [metrics]           1/0: fidelity statistics and Prometheus metrics
+                                              (default 1; docs/vllm.md, "Metrics")
+TOPTH_VLLM_GUARD_BAND     [guard_band]        k~/k band of the drift guardrail (``0.8,1.25``)
+TOPTH_VLLM_GUARD_WINDOW   [guard_window]      decode steps of the guardrail's window (256)
+TOPTH_VLLM_DENSE_BEYOND   [dense_beyond]      rows longer than this row id are served dense
+                                              (0: off)
 ========================  ==================  ==============================================
 
 The backend is active when TOPTH_VLLM_MODE or TOPTH_VLLM_THRESHOLDS is set, or when
@@ -31,8 +37,6 @@ import os
 import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional
-
-import torch
 
 from ..contract import DEFAULT_SDC_GAMMA, SDC_MODES
 from ..thresholds import ThresholdFileError, ThresholdSet, attention_config_of, load_thresholds
@@ -49,6 +53,10 @@ ENV = {
     "op_backend": "TOPTH_VLLM_OP_BACKEND",
     "stats_file": "TOPTH_VLLM_STATS",
     "log_interval": "TOPTH_VLLM_LOG_INTERVAL",
+    "metrics": "TOPTH_VLLM_METRICS",
+    "guard_band": "TOPTH_VLLM_GUARD_BAND",
+    "guard_window": "TOPTH_VLLM_GUARD_WINDOW",
+    "dense_beyond": "TOPTH_VLLM_DENSE_BEYOND",
 }
 ENV_PREFIX = "TOPTH_VLLM_"
 _TRUE = ("1", "true", "yes", "on")
@@ -80,6 +88,15 @@ class VllmTopthSettings:
         Report path; with tensor parallelism rank r > 0 writes ``<stem>.rank<r><suffix>``.
     log_interval : float
         Seconds between statistics log lines; 0 turns them off.
+    metrics : bool
+        Per-layer, per-set fidelity statistics (k~/k, dropped mass, V rows) and their
+        Prometheus metrics; the drift guardrail needs them.
+    guard_band : tuple of float
+        ``(low, high)``: the guardrail warns when a layer's windowed k~/k leaves it.
+    guard_window : int
+        Decode steps the guardrail's k~/k is averaged over.
+    dense_beyond : int
+        Decode rows whose row id exceeds it are served dense; 0 turns it off.
     """
 
     mode: str = "topth"
@@ -91,6 +108,10 @@ class VllmTopthSettings:
     op_backend: Optional[str] = None
     stats_file: Optional[str] = None
     log_interval: float = 10.0
+    metrics: bool = True
+    guard_band: tuple = (0.8, 1.25)
+    guard_window: int = 256
+    dense_beyond: int = 0
 
     def validated(self) -> "VllmTopthSettings":
         """Check the values that need no file or model.
@@ -116,6 +137,15 @@ class VllmTopthSettings:
                                    f"({ENV['threshold_set']} or additional_config['topth']['threshold_set'])")
         if not (self.log_interval >= 0):
             raise TopthConfigError(f"topth vLLM backend: log_interval must be >= 0 seconds, got {self.log_interval!r}")
+        lo, hi = self.guard_band
+        if not (0 <= lo < hi < float("inf")):
+            raise TopthConfigError(f"topth vLLM backend: guard_band must be two numbers 0 <= low < high, got "
+                                   f"{self.guard_band!r} ({ENV['guard_band']} or additional_config['topth']['guard_band'])")
+        for key in ("guard_window", "dense_beyond"):
+            v = getattr(self, key)
+            if v < (1 if key == "guard_window" else 0):
+                raise TopthConfigError(f"topth vLLM backend: {key} must be an integer >= "
+                                       f"{1 if key == 'guard_window' else 0}, got {v!r} ({ENV[key]})")
         if not (0 < self.sdc_gamma < float("inf")):
             raise TopthConfigError(f"topth vLLM backend: sdc_gamma must be finite and > 0, got {self.sdc_gamma!r} "
                                    f"({ENV['sdc_gamma']} or additional_config['topth']['sdc_gamma'])")
@@ -124,7 +154,7 @@ class VllmTopthSettings:
 
 def _parse(key: str, raw: Any, where: str) -> Any:
     kind = {f.name: f.type for f in fields(VllmTopthSettings)}[key]
-    if key == "vmc":
+    if key in ("vmc", "metrics"):
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()
@@ -133,6 +163,22 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         if s in _FALSE:
             return False
         raise TopthConfigError(f"topth vLLM backend: {where} must be 1/0 (true/false), got {raw!r}")
+    if key == "guard_band":
+        parts = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        try:
+            band = tuple(float(x) for x in parts)
+        except (TypeError, ValueError):
+            band = ()
+        if len(band) != 2:
+            raise TopthConfigError(f"topth vLLM backend: {where} must be two numbers 'low,high', got {raw!r}")
+        return band
+    if key in ("guard_window", "dense_beyond"):
+        if isinstance(raw, bool):
+            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer, got {raw!r}")
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer, got {raw!r}") from None
     if key == "threshold_set":
         if raw is None or (isinstance(raw, str) and raw.strip() == ""):
             return None
@@ -311,73 +357,3 @@ def _check_op_backend(name: str) -> None:
     if reasons:
         raise TopthConfigError(f"topth vLLM backend: {ENV['op_backend']} = {name!r} is unavailable here: "
                                + "; ".join(reasons))
-
-
-def rank_rows(table: torch.Tensor, layer: int, tp_rank: int, num_local_heads: int) -> torch.Tensor:
-    """The rows of one layer that a tensor-parallel rank's query heads read.
-
-    vLLM's tensor parallelism gives rank r the query heads
-    ``[r * num_local_heads, (r + 1) * num_local_heads)`` (column-parallel QKV projection).
-
-    Parameters
-    ----------
-    table : torch.Tensor
-        ``[num_layers, num_q_heads, max_row_id]`` (thresholds or sdc_table of a file).
-    layer : int
-    tp_rank : int
-    num_local_heads : int
-
-    Returns
-    -------
-    torch.Tensor
-        float32 contiguous ``[num_local_heads, max_row_id]``.
-
-    Raises
-    ------
-    ValueError
-        Layer or rank out of range for the table.
-    """
-    L, H, _ = table.shape
-    lo = tp_rank * num_local_heads
-    if not 0 <= layer < L:
-        raise ValueError(f"layer {layer} out of range: the threshold file has {L} layers")
-    if tp_rank < 0 or num_local_heads < 1 or lo + num_local_heads > H:
-        raise ValueError(f"rank {tp_rank} with {num_local_heads} heads per rank needs query heads "
-                         f"[{lo}, {lo + num_local_heads}), but the table has {H}")
-    return table[layer, lo:lo + num_local_heads].to(torch.float32).contiguous()
-
-
-def rank_kv_rows(table: torch.Tensor, layer: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The rows of one layer that a tensor-parallel rank's KV heads read (group-selection
-    files: one threshold per KV head, compared with the group maximum).
-
-    vLLM gives rank r the KV heads ``[r * Hkv / tp, (r + 1) * Hkv / tp)`` when
-    ``Hkv >= tp``, and replicates them otherwise: rank r then holds KV head
-    ``r * Hkv // tp`` (``tp`` a multiple of ``Hkv``). Both are ``lo = r * Hkv // tp``.
-
-    Parameters
-    ----------
-    table : torch.Tensor
-        ``[num_layers, num_kv_heads, max_row_id]`` (thresholds of a group-selection file).
-    layer, tp_rank, tp_size : int
-
-    Returns
-    -------
-    torch.Tensor
-        float32 contiguous ``[max(1, num_kv_heads // tp_size), max_row_id]``.
-
-    Raises
-    ------
-    ValueError
-        Layer or rank out of range, or ``tp_size`` neither a divisor nor a multiple of the
-        KV head count.
-    """
-    L, H, _ = table.shape
-    if not 0 <= layer < L:
-        raise ValueError(f"layer {layer} out of range: the threshold file has {L} layers")
-    if tp_size < 1 or not 0 <= tp_rank < tp_size or (H % tp_size and tp_size % H):
-        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: tp_size must divide the {H} KV heads "
-                         f"or be a multiple of them (group-selection threshold rows are per KV head)")
-    n = max(1, H // tp_size)
-    lo = tp_rank * H // tp_size
-    return table[layer, lo:lo + n].to(torch.float32).contiguous()

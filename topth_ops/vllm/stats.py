@@ -62,6 +62,7 @@ class ServingStats:
         self.stats_file = stats_file
         self.log_interval = float(log_interval)
         self.meta = dict(meta or {})
+        self.sections: dict = {}  # report key -> callable giving its value (e.g. "per_set")
         self._lock = threading.Lock()
         self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, seqs, read, dense)
         self._step = 0
@@ -175,6 +176,7 @@ class ServingStats:
                 "v_rows_fraction": frac,
                 "v_rows_read_per_decode_step": (self.v_rows_read / self.decode_steps) if self.decode_steps else None,
                 "v_rows_dense_per_decode_step": (self.v_rows_dense / self.decode_steps) if self.decode_steps else None,
+                **{key: _section(key, f) for key, f in self.sections.items()},
                 "last_steps": steps[-256:],
                 "updated_unix": time.time(),
             }
@@ -199,6 +201,14 @@ class ServingStats:
             self._logged_read, self._logged_dense = rep["v_rows_read"], rep["v_rows_dense"]
         if self.stats_file:
             _write_json(self.stats_file, rep)
+
+
+def _section(key: str, f):
+    try:
+        return f()
+    except Exception as e:  # statistics must never take the server down
+        logger.warning("topth: statistics section %s failed: %s", key, e)
+        return None
 
 
 def _write_json(path: str, data: dict) -> None:
