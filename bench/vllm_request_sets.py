@@ -189,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scrape-every", type=float, default=2.0)
     ap.add_argument("--settle", type=float, default=12.0)
     ap.add_argument("--port", type=int, default=PORT)
+    ap.add_argument("--guard-only", action="store_true", help="skip step 1")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from topth_ops.thresholds import load_threshold_sets
@@ -199,36 +200,40 @@ def main(argv=None) -> int:
     lo, hi = (int(x) for x in args.prompt_tokens.split(","))
     work = prompts(args.model, args.requests, lo, hi, args.max_tokens)
     choices = [menu[i % len(menu)] for i in range(args.requests)]
-    out: dict = {"requests": args.requests, "choices": choices, "prompt_lengths": [len(p) for p, _ in work]}
+    from .cpu_cold import machine
+
+    out: dict = {"requests": args.requests, "choices": choices, "prompt_lengths": [len(p) for p, _ in work],
+                 "machine": vars(machine()), "thresholds": args.thresholds, "guard_thresholds": args.guard_thresholds}
     wd = tempfile.mkdtemp(prefix="topth_sets_")
     log = os.path.join(wd, "server.log")
     bands = [b.strip() for b in args.guard_bands.split(";") if b.strip()]
     out["guard_band_step1"] = bands[0]
-    proc = serve(args.model, args.thresholds, args.default_set, log, args.port, bands[0])
-    try:
-        out["ready_s"] = asyncio.run(wait_ready(args.port, proc, 900))
-        r = asyncio.run(mixed_run(args, args.port, work, choices))
-    finally:
-        stop(proc)
-    same = [a[0] == b[0] == 200 and tokens_of(a[1]) == tokens_of(b[1]) for a, b in zip(r["together"], r["alone"])]
-    final = topth_samples(r["final"])
-    out.update({
-        "http_status": [a[0] for a in r["together"]], "same_as_alone": same, "wall_s": r["wall_s"],
-        "completion_tokens": sum(a[1]["usage"]["completion_tokens"] for a in r["together"] if a[0] == 200),
-        "bad_requests": [{"status": b[0], "message": str(b[1].get("error", b[1]))[:300]} for b in r["bad"]],
-        "scrapes_with_topth_series_during_run": r["scrapes_during"],
-        "scrape_during_run": sorted(ln for ln in (r["scrape_during"] or (0, ""))[1].splitlines()
-                                    if ln.startswith("topth_") and not ln.endswith(" 0.0"))[:60],
-        "v_rows_fraction_per_set": per_set_fraction(final),
-        "kept_over_k_range_per_set": kept_range(final),
-        "series_nonzero": sorted({n for (n, _), v in final.items() if v}),
-        "guardrail_lines_in_range": [ln for ln in open(log) if "topth guardrail" in ln],
-        "server_log_topth": [ln.rstrip() for ln in open(log) if "topth" in ln][:20],
-    })
-    print(f"{args.requests} requests over {menu}: same tokens as alone {sum(same)}/{len(same)}; "
-          f"bad requests -> {[b['status'] for b in out['bad_requests']]}; V rows per set "
-          f"{ {k: round(v, 3) for k, v in out['v_rows_fraction_per_set'].items()} }; "
-          f"guardrail warnings in range: {len(out['guardrail_lines_in_range'])}", flush=True)
+    if not args.guard_only:
+        proc = serve(args.model, args.thresholds, args.default_set, log, args.port, bands[0])
+        try:
+            out["ready_s"] = asyncio.run(wait_ready(args.port, proc, 900))
+            r = asyncio.run(mixed_run(args, args.port, work, choices))
+        finally:
+            stop(proc)
+        same = [a[0] == b[0] == 200 and tokens_of(a[1]) == tokens_of(b[1]) for a, b in zip(r["together"], r["alone"])]
+        final = topth_samples(r["final"])
+        out.update({
+            "http_status": [a[0] for a in r["together"]], "same_as_alone": same, "wall_s": r["wall_s"],
+            "completion_tokens": sum(a[1]["usage"]["completion_tokens"] for a in r["together"] if a[0] == 200),
+            "bad_requests": [{"status": b[0], "message": str(b[1].get("error", b[1]))[:300]} for b in r["bad"]],
+            "scrapes_with_topth_series_during_run": r["scrapes_during"],
+            "scrape_during_run": sorted(ln for ln in (r["scrape_during"] or (0, ""))[1].splitlines()
+                                        if ln.startswith("topth_") and not ln.endswith(" 0.0"))[:60],
+            "v_rows_fraction_per_set": per_set_fraction(final),
+            "kept_over_k_range_per_set": kept_range(final),
+            "series_nonzero": sorted({n for (n, _), v in final.items() if v}),
+            "guardrail_lines_in_range": [ln for ln in open(log) if "topth guardrail" in ln],
+            "server_log_topth": [ln.rstrip() for ln in open(log) if "topth" in ln][:20],
+        })
+        print(f"{args.requests} requests over {menu}: same tokens as alone {sum(same)}/{len(same)}; "
+              f"bad requests -> {[b['status'] for b in out['bad_requests']]}; V rows per set "
+              f"{ {k: round(v, 3) for k, v in out['v_rows_fraction_per_set'].items()} }; "
+              f"guardrail warnings in range: {len(out['guardrail_lines_in_range'])}", flush=True)
     if args.guard_thresholds:
         out["guard"] = {}
         for band in bands:
@@ -244,7 +249,9 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    return 0 if all(same) and all(b["status"] == 400 for b in out["bad_requests"]) else 1
+    if args.guard_only:
+        return 0
+    return 0 if all(out["same_as_alone"]) and all(b["status"] == 400 for b in out["bad_requests"]) else 1
 
 
 if __name__ == "__main__":

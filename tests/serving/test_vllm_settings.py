@@ -291,3 +291,19 @@ def test_serve_threshold_set_option(tmp_path, capsys, make_threshold_set):
     assert "TOPTH_VLLM_THRESHOLD_SET=1" in capsys.readouterr().err
     assert main(["serve", str(model), "--thresholds", str(p), "--dry-run"]) == 2
     assert "--threshold-set" in capsys.readouterr().err
+
+
+def test_serving_control_settings_parse_and_refuse_bad_values():
+    s = from_sources({"TOPTH_VLLM_MODE": "dense", "TOPTH_VLLM_METRICS": "0", "TOPTH_VLLM_GUARD_BAND": "0.7, 1.4",
+                      "TOPTH_VLLM_GUARD_WINDOW": "64", "TOPTH_VLLM_DENSE_BEYOND": "8192"})
+    assert (s.metrics, s.guard_band, s.guard_window, s.dense_beyond) == (False, (0.7, 1.4), 64, 8192)
+    d = from_sources({"TOPTH_VLLM_MODE": "dense"})
+    assert (d.metrics, d.guard_band, d.guard_window, d.dense_beyond) == (True, (0.8, 1.25), 256, 0)
+    for var, value, match in [("TOPTH_VLLM_GUARD_BAND", "1.3,0.7", "0 <= low < high"),
+                              ("TOPTH_VLLM_GUARD_BAND", "0.8", "two numbers"),
+                              ("TOPTH_VLLM_GUARD_WINDOW", "0", "guard_window must be an integer >= 1"),
+                              ("TOPTH_VLLM_DENSE_BEYOND", "-1", "dense_beyond must be an integer >= 0"),
+                              ("TOPTH_VLLM_DENSE_BEYOND", "lots", "must be an integer"),
+                              ("TOPTH_VLLM_METRICS", "maybe", "1/0")]:
+        with pytest.raises(TopthConfigError, match=match):
+            from_sources({"TOPTH_VLLM_MODE": "dense", var: value})

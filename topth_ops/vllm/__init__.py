@@ -34,7 +34,9 @@ def register() -> None:
 
 def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc: bool = False,
            sdc: str = "none", stats_file: Optional[str] = None, log_interval: Optional[float] = None,
-           op_backend: Optional[str] = None, threshold_set: Optional[int] = None) -> VllmTopthSettings:
+           op_backend: Optional[str] = None, threshold_set: Optional[int] = None, metrics: Optional[bool] = None,
+           guard_band: Optional[tuple] = None, guard_window: Optional[int] = None,
+           dense_beyond: Optional[int] = None) -> VllmTopthSettings:
     """Switch Top-Theta on for vLLM engines this process starts from now on, by setting
     the ``TOPTH_VLLM_*`` environment variables (inherited by vLLM's engine and worker
     processes).
@@ -56,7 +58,16 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
     op_backend : str, optional
         Backend of the decode op.
     threshold_set : int, optional
-        Which set of a file holding several (0-based); needed only then.
+        Which set of a file holding several (0-based); needed only then. The engine
+        default: requests may choose another (``extra_args={"topth": ...}``).
+    metrics : bool, optional
+        Fidelity statistics and ``topth_*`` Prometheus metrics (default on).
+    guard_band : (float, float), optional
+        k~/k band of the drift guardrail (default (0.8, 1.25)).
+    guard_window : int, optional
+        Decode steps of the guardrail's window (default 256).
+    dense_beyond : int, optional
+        Serve decode rows longer than this row id dense (default 0: off).
 
     Returns
     -------
@@ -73,7 +84,11 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
               "vmc": "1" if vmc else "0", "sdc": sdc,
               "stats_file": os.path.abspath(stats_file) if stats_file else None,
               "log_interval": None if log_interval is None else str(log_interval), "op_backend": op_backend,
-              "threshold_set": None if threshold_set is None else str(threshold_set)}
+              "threshold_set": None if threshold_set is None else str(threshold_set),
+              "metrics": None if metrics is None else ("1" if metrics else "0"),
+              "guard_band": None if guard_band is None else ",".join(str(float(x)) for x in guard_band),
+              "guard_window": None if guard_window is None else str(guard_window),
+              "dense_beyond": None if dense_beyond is None else str(dense_beyond)}
     new = {ENV[k]: str(v) for k, v in values.items() if v is not None}
     env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
     env.update(new)

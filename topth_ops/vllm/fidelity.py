@@ -140,6 +140,7 @@ class Fidelity:
         self.decode_steps = 0
         self._steps_at_flush = 0
         self._last_layer: Optional[int] = None
+        self._entries: list = []  # the current step's layers (tensors; summed when the step ends)
         self._lock = threading.Lock()
         self.guardrail = Guardrail(band, window, self.describe)
         self.on_flush = on_flush
@@ -172,27 +173,43 @@ class Fidelity:
             if self._last_layer is None or layer <= self._last_layer:
                 self._new_step()
             self._last_layer = layer
-            B = set_idx.shape[0]
-            if B == 0:
-                return
-            dense = seq_lens.to(torch.float64) * num_kv_heads
-            read = dense if v_rows is None else v_rows.sum(1, dtype=torch.float64)
+            if set_idx.shape[0]:
+                # kept until the step ends: one batch of small ops per step, not per layer
+                self._entries.append((layer, set_idx, bucket, seq_lens, num_kv_heads, v_rows, kept, dropped_mass,
+                                      set_k if kept is not None else None))
+
+    def _sum_step(self) -> None:
+        """Add the finished step's layers to the device sums (a few batched ops, no sync)."""
+        entries, self._entries = self._entries, []
+        groups: dict = {}
+        for e in entries:  # layers with op statistics / without, and batch shape
+            groups.setdefault((e[6] is not None, e[1].shape[0], e[4]), []).append(e)
+        S, NB = len(self.set_labels), self.num_buckets
+        f64 = torch.float64
+        for (with_stats, _, hkv), es in groups.items():
+            layers = torch.tensor([e[0] for e in es], device=self.device)[:, None]      # [n, 1]
+            set_idx = torch.stack([e[1] for e in es])                                   # [n, B]
+            bucket = torch.stack([e[2] for e in es])
+            n = torch.stack([e[3] for e in es]).to(f64)
+            dense = n * hkv
             zero = torch.zeros_like(dense)
-            if kept is not None and set_k is not None:
-                k = set_k.to(self.device, torch.float64)[set_idx]
+            if with_stats:
+                read = torch.stack([e[5] for e in es]).sum(-1, dtype=f64)
+                k = torch.gather(torch.stack([e[8] for e in es]).to(self.device, f64), 1, set_idx)
                 has = k > 0
-                k = torch.minimum(k, seq_lens.to(torch.float64))  # a row of n positions keeps at most n
-                ratio = torch.where(has, kept.to(torch.float64).mean(1) / k.clamp(min=1), zero)
-                rrows = has.to(torch.float64)
-                beta = dropped_mass.to(torch.float64).mean(1)
+                k_eff = torch.minimum(k, n).clamp(min=1)  # a row of n positions keeps at most n
+                ratio = torch.where(has, torch.stack([e[6] for e in es]).to(f64).mean(-1) / k_eff, zero)
+                rrows = has.to(f64)
+                beta = torch.where(has, torch.stack([e[7] for e in es]).to(f64).mean(-1), zero)
             else:
-                ratio, rrows, beta = zero, zero, zero
-            src = torch.stack([ratio, rrows, beta, read, dense, torch.ones_like(dense)], 1)
-            idx = (layer * len(self.set_labels) + set_idx) * self.num_buckets + bucket
-            self._flat.index_add_(0, idx, src)
+                read, ratio, rrows, beta = dense, zero, zero, zero
+            src = torch.stack([ratio, rrows, beta, read, dense, torch.ones_like(dense)], -1)
+            idx = (layers * S + set_idx) * NB + bucket
+            self._flat.index_add_(0, idx.reshape(-1), src.reshape(-1, len(CHANNELS)))
 
     def _new_step(self) -> None:
         if self._last_layer is not None:
+            self._sum_step()
             self.decode_steps += 1
         if self.decode_steps - self._steps_at_flush >= FLUSH_STEPS:
             self._flush_locked()
@@ -215,6 +232,7 @@ class Fidelity:
     def snapshot(self) -> np.ndarray:
         """Flush now and return the host totals ``[L, S, NB, len(CHANNELS)]``."""
         with self._lock:
+            self._sum_step()  # the step in progress too (its later layers add to the sums when they come)
             self._flush_locked()
             return self.totals.copy()
 

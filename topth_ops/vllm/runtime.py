@@ -174,7 +174,8 @@ def fidelity(rt: Runtime, device) -> Optional[Fidelity]:
 
 @dataclass
 class DecodeSets:
-    """The decode rows' set-table rows of one step (built by the metadata builders).
+    """The decode rows' set-table rows of one step (built by the step's first layer that needs
+    them, shared through the attention metadata).
 
     Attributes
     ----------

@@ -65,6 +65,7 @@ class ServingStats:
         self.sections: dict = {}  # report key -> callable giving its value (e.g. "per_set")
         self._lock = threading.Lock()
         self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, seqs, read, dense)
+        self._step_rows: list = []  # (v_rows, seq_lens, num_kv_heads) of the step in progress
         self._step = 0
         self._last_layer = None
         self._step_has_decode = False
@@ -104,6 +105,7 @@ class ServingStats:
     def _advance(self, layer: int) -> None:
         # A step is one model forward: layer indices rise within it.
         if self._last_layer is None or layer <= self._last_layer:
+            self._close_step()
             self._step += 1
             self._step_has_decode = False
             self._step_has_prefill = False
@@ -122,12 +124,11 @@ class ServingStats:
             if v_rows is not None and v_rows.numel():
                 self.layers_seen.add(layer)
                 B, Hkv = v_rows.shape
-                read = v_rows.sum(dtype=torch.int64)
-                dense = seq_lens.to(torch.int64).sum() * Hkv
                 if not self._step_has_decode:
                     self._step_has_decode = True
                     self.decode_tokens += B
-                self._pending.append((self._step, B, read, dense))
+                # summed once per step (_close_step): a few ops per step, not per layer
+                self._step_rows.append((v_rows, seq_lens, Hkv))
             self._dirty = True
         if self._thread is None and (self.stats_file or self.log_interval > 0):
             self._start_flusher()
@@ -135,7 +136,18 @@ class ServingStats:
 
     # ------------------------------------------------------------------ reading
 
+    def _close_step(self) -> None:
+        rows, self._step_rows = self._step_rows, []
+        if not rows:
+            return
+        B = rows[0][0].shape[0]
+        read = torch.cat([v.reshape(-1) for v, _, _ in rows]).sum(dtype=torch.int64)
+        dense = sum(n.to(torch.int64).sum() * h for _, n, h in rows) if len({h for *_, h in rows}) > 1 else \
+            torch.stack([n for _, n, _ in rows]).sum(dtype=torch.int64) * rows[0][2]
+        self._pending.append((self._step, B, read, dense))
+
     def _collect(self) -> None:
+        self._close_step()  # the step in progress too (_collect merges records of one step)
         pending, self._pending = self._pending, []
         if not pending:
             return
