@@ -236,10 +236,15 @@ class Fidelity:
             self._flush_locked()
             return self.totals.copy()
 
-    def report(self) -> dict:
+    def report(self, fresh: bool = True) -> dict:
         """Per set and layer: V rows read / dense, k~/k per bucket, mean beta, rows (the
-        JSON report's ``per_set`` section)."""
-        t = self.snapshot()
+        JSON report's ``per_set`` section). ``fresh=False`` reads the sums of the last
+        flush (at most :data:`FLUSH_STEPS` decode steps old) instead of flushing now."""
+        if fresh:
+            t = self.snapshot()
+        else:
+            with self._lock:
+                t = self.totals.copy()
         labels = bucket_labels()
         out = {}
         for s, name in enumerate(self.set_labels):

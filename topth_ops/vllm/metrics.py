@@ -88,6 +88,7 @@ class PrometheusExporter:
         self._last: Optional[np.ndarray] = None
         self._steps = 0
         self._trips: dict = {}
+        self._shown: dict = {}  # (layer, set, bucket) -> (k~/k, out, trips) last exported
         for s in sets:
             self.m["info"].labels(**{k: str(v) for k, v in s.items()}, rank=self.rank).set(1)
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ and "prometheus_multiproc_dir" not in os.environ:
@@ -119,16 +120,20 @@ class PrometheusExporter:
             if rr > 0:
                 m["beta"].labels(layer=ll, set=sl, rank=r).set(float(dc[:, 2].sum()) / rr)
             for b in range(fid.num_buckets):
-                if g.ratio is not None and not math.isnan(float(g.ratio[layer, s, b])):
-                    bl = labels[b]
-                    m["kept"].labels(layer=ll, set=sl, bucket=bl, rank=r).set(float(g.ratio[layer, s, b]))
-                    m["out"].labels(layer=ll, set=sl, bucket=bl, rank=r).set(int(g.out[layer, s, b]))
-                    trips = int(g.trips[layer, s, b])
-                    c = m["trips"].labels(layer=ll, set=sl, bucket=bl, rank=r)
-                    seen = self._trips.get((layer, s, b), 0)
-                    if trips > seen:
-                        c.inc(trips - seen)
-                        self._trips[(layer, s, b)] = trips
+                if g.ratio is None or math.isnan(float(g.ratio[layer, s, b])):
+                    continue
+                key = (layer, s, b)
+                state = (round(float(g.ratio[layer, s, b]), 4), bool(g.out[layer, s, b]), int(g.trips[layer, s, b]))
+                if self._shown.get(key) == state:  # unchanged since the last update: no metric calls
+                    continue
+                self._shown[key] = state
+                bl = labels[b]
+                m["kept"].labels(layer=ll, set=sl, bucket=bl, rank=r).set(state[0])
+                m["out"].labels(layer=ll, set=sl, bucket=bl, rank=r).set(int(state[1]))
+                seen = self._trips.get(key, 0)
+                if state[2] > seen:
+                    m["trips"].labels(layer=ll, set=sl, bucket=bl, rank=r).inc(state[2] - seen)
+                    self._trips[key] = state[2]
         for s, layer in first.items():
             n = float(d[layer, s, :, 5].sum())
             if n > 0:

@@ -168,7 +168,8 @@ def fidelity(rt: Runtime, device) -> Optional[Fidelity]:
         s = rt.settings
         rt.fidelity = Fidelity(rt.num_layers, rt.set_labels, device, s.guard_band, s.guard_window, exporter)
         if rt.stats is not None:
-            rt.stats.sections["per_set"] = rt.fidelity.report
+            # the statistics thread reads the last flush; the forward flushes every FLUSH_STEPS steps
+            rt.stats.sections["per_set"] = lambda: rt.fidelity.report(fresh=False)
     return rt.fidelity
 
 
