@@ -17,8 +17,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -44,6 +42,7 @@ def main(argv=None) -> int:
     from topth_ops.vllm.stats import ServingStats
 
     from .cpu_cold import machine
+    from .vllm_common import save_json
 
     torch.set_num_threads(args.threads)
     Hq, Hkv = (int(x) for x in args.heads.split(","))
@@ -96,9 +95,7 @@ def main(argv=None) -> int:
           f"{on * 1e3:.2f} ms with metrics, {off * 1e3:.2f} ms without; throughput with metrics = "
           f"{off / on:.3f}x of without ({out['flushes']} flushes)", flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        save_json(args.json, out)
     return 0
 
 

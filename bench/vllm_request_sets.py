@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -31,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from .vllm_common import save_json
 from .vllm_serve_load import long_text, stop, wait_ready
 
 PORT = 8779
@@ -246,9 +246,7 @@ def main(argv=None) -> int:
                       f"line(s); {g['out_of_band_series']} cells out of band on /metrics; k~/k of the cells on "
                       f"/metrics {g['kept_over_k_range']}", flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        save_json(args.json, out)
     if args.guard_only:
         return 0
     return 0 if all(out["same_as_alone"]) and all(b["status"] == 400 for b in out["bad_requests"]) else 1
