@@ -130,7 +130,9 @@ def _two_set_file(tiny, tmp_path) -> str:
 
     one = vc.write_threshold_file(tiny, str(tmp_path / "one.safetensors"), kind="uniform", scale=0.5, k=4)
     a = load_thresholds(one)
-    b = dataclasses.replace(a, thresholds=a.thresholds * 0.5, layer_k=[8] * len(a.layer_k))
+    th = a.thresholds * 0.5
+    th[:, :, :8] = float("-inf")  # a row of n <= k positions keeps them all
+    b = dataclasses.replace(a, thresholds=th, layer_k=[8] * len(a.layer_k))
     path = str(tmp_path / "two.safetensors")
     save_threshold_sets(path, [a, b])
     return path

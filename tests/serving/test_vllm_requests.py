@@ -13,7 +13,7 @@ pytestmark = pytest.mark.vllm
 @pytest.mark.parametrize("value,want", [
     ({"set": 2}, R.Choice(set=2)), (1, R.Choice(set=1)), ({"k": 64}, R.Choice(k=64)),
     ("dense", R.Choice(dense=True)), ({"dense": True}, R.Choice(dense=True)), ("k=32", R.Choice(k=32)),
-    (" set = 0", R.Choice(set=0)),
+    (" set = 0", R.Choice(set=0)), (" DENSE ", R.Choice(dense=True)), ("K=64", R.Choice(k=64)),
 ])
 def test_accepted_forms(value, want):
     assert R.parse_choice({"topth": value, "other": 1}) == want
@@ -27,7 +27,8 @@ def test_no_choice_is_the_default():
     ({"set": -1}, r"\['set'\] must be an integer >= 0"), ({"set": "1"}, "integer"), ({"k": True}, "integer"),
     ({"set": 1, "k": 2}, "exactly one of"), ({"sets": 1}, "exactly one of"), ({}, "exactly one of"),
     ({"dense": False}, "must be true"), ("sparse", "set index"), (1.5, "set index"), (True, "set index"),
-    ("k=-2", "integer >= 0"), ("k=x", "set index"), ("top=3", "set index"),
+    ("k=-2", "set index"), ("k=x", "set index"), ("top=3", "set index"), ("set=+1", "set index"),
+    ("set=1_0", "set index"), ("set=\u0661", "set index"), (-1, "a set index must be >= 0"), ("1", "set index"),
 ])
 def test_malformed_values_are_refused(value, match):
     with pytest.raises(R.RequestChoiceError, match=match):

@@ -104,6 +104,13 @@ def save_threshold_sets(path: Union[str, os.PathLike], sets: Sequence) -> Path:
     except OSError as e:
         raise OSError(e.errno, f"cannot write threshold file {str(path)!r}: {e.strerror}") from None
     os.close(fd)
+    # sets that share a tensor (one made from another with dataclasses.replace) are written
+    # as separate copies: safetensors refuses tensors that share memory
+    seen: set = set()
+    for name, t in tensors.items():
+        if t.untyped_storage().data_ptr() in seen:
+            tensors[name] = t.clone()
+        seen.add(tensors[name].untyped_storage().data_ptr())
     try:
         save_file(tensors, tmp, metadata=meta)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; follow the umask like open()

@@ -123,7 +123,7 @@ class TopthMetadataBuilder(AttentionMetadataBuilder[TopthAttentionMetadata]):
             num_prefills=num_prefills,
             query_start_loc=cm.query_start_loc,
             query_start_loc_cpu=cm.query_start_loc_cpu,
-            seq_lens=cm.seq_lens,
+            seq_lens=cm.seq_lens.clone(),  # vLLM rewrites its buffer for the next step; statistics keep this one
             seq_lens_cpu=cm.seq_lens.to("cpu"),
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,

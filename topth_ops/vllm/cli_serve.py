@@ -41,7 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--guard-window", type=int, default=None, metavar="STEPS",
                    help="decode steps the guardrail averages k~/k over (default 256)")
     p.add_argument("--dense-beyond", type=int, default=None, metavar="ROW_ID",
-                   help="serve decode rows longer than this row id dense (a file used far past its calibrated rows)")
+                   help="serve decode rows longer than this row id dense (a file used far past its calibrated "
+                        "rows); 0: off (the default)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--no-cpu-defaults", action="store_true",

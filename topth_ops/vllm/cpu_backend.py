@@ -150,7 +150,9 @@ def split_metadata(build, cm: CommonAttentionMetadata, block_size: int, split: b
     bt = cm.block_table_tensor[:nd, :width]
     if bt.dtype != torch.int32:
         bt = bt.to(torch.int32)
-    return TopthCpuMetadata(full, prefill, nd, npt, cm.seq_lens[:nd], bt)
+    # a copy: vLLM rewrites its seq_lens buffer for the next step before the statistics of
+    # this one are summed (they keep references until the step ends)
+    return TopthCpuMetadata(full, prefill, nd, npt, cm.seq_lens[:nd].clone(), bt)
 
 
 class TopthCpuMetadataBuilder(CPUAttentionMetadataBuilder):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable, Optional, Sequence
 
@@ -141,6 +142,7 @@ class Fidelity:
         self._steps_at_flush = 0
         self._last_layer: Optional[int] = None
         self._entries: list = []  # the current step's layers (tensors; summed when the step ends)
+        self._last_add = time.monotonic()
         self._lock = threading.Lock()
         self.guardrail = Guardrail(band, window, self.describe)
         self.on_flush = on_flush
@@ -168,11 +170,15 @@ class Fidelity:
             ``[B, num_q_heads]`` from the op's statistics.
         set_k : torch.Tensor, optional
             ``[num_sets]`` float: the layer's target k per set-table row (0: dense).
+
+        The tensors are summed when the step ends: they must not change until then (a
+        buffer the engine rewrites for the next step must be passed as a copy).
         """
         with self._lock:
             if self._last_layer is None or layer <= self._last_layer:
                 self._new_step()
             self._last_layer = layer
+            self._last_add = time.monotonic()
             if set_idx.shape[0]:
                 # kept until the step ends: one batch of small ops per step, not per layer
                 self._entries.append((layer, set_idx, bucket, seq_lens, num_kv_heads, v_rows, kept, dropped_mass,
@@ -229,9 +235,15 @@ class Fidelity:
             except Exception as e:  # metrics must never take the server down
                 logger.warning("topth: metrics update failed: %s", e)
 
+    def idle(self, seconds: float = 1.0) -> bool:
+        """No decode row added for ``seconds`` and some not yet flushed: the statistics
+        thread flushes then, so the last steps of a burst reach the metrics."""
+        return (time.monotonic() - self._last_add > seconds
+                and (bool(self._entries) or self.decode_steps > self._steps_at_flush))
+
     def snapshot(self) -> np.ndarray:
         """Flush now and return the host totals ``[L, S, NB, len(CHANNELS)]``."""
-        with self._lock:
+        with self._lock, torch.inference_mode():  # the sums are inference tensors (made in the forward)
             self._sum_step()  # the step in progress too (its later layers add to the sums when they come)
             self._flush_locked()
             return self.totals.copy()

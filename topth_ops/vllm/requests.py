@@ -5,11 +5,13 @@ A request chooses with ``SamplingParams(extra_args={"topth": ...})`` offline, or
 OpenAI server's ``vllm_xargs`` field (``{"vllm_xargs": {"topth": ...}}`` in the request
 body; the OpenAI client passes it as ``extra_body``). Accepted values:
 
-- ``i``, ``"set=i"`` or ``{"set": i}``: set ``i`` of the file (0-based, file order);
-- ``"k=K"`` or ``{"k": K}``: the set whose k is ``K`` (``ThresholdSet.k``; unique in the file);
-- ``"dense"`` or ``{"dense": true}``: every row kept for this request.
+- ``i`` or ``"set=i"``: set ``i`` of the file (0-based, file order);
+- ``"k=K"``: the set whose k is ``K`` (``ThresholdSet.k``; unique in the file);
+- ``"dense"``: every row kept for this request (case and surrounding spaces ignored).
 
-(The server's ``vllm_xargs`` holds only strings, numbers and lists: use the first forms there.)
+Offline, ``{"set": i}``, ``{"k": K}`` and ``{"dense": True}`` work too; the server's
+``vllm_xargs`` holds only strings, numbers and lists, so there only the forms above. (vLLM
+turns a JSON ``true`` / ``false`` there into 1 / 0 before this code sees it.)
 
 Requests that choose nothing get the engine default (``TOPTH_VLLM_THRESHOLD_SET``).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -44,6 +47,8 @@ logger = logging.getLogger("vllm.topth_ops")
 #: The key of ``SamplingParams.extra_args`` / ``vllm_xargs``.
 REQUEST_KEY = "topth"
 _FIELDS = ("set", "k", "dense")
+#: "set=N" / "k=K" (ASCII digits, spaces around "=" allowed).
+_STRING_FORM = re.compile(r"(set|k)\s*=\s*([0-9]+)", re.ASCII)
 
 
 class RequestChoiceError(ValueError):
@@ -79,24 +84,22 @@ def parse_choice(extra_args: Optional[Mapping[str, Any]]) -> Optional[Choice]:
     if not extra_args or REQUEST_KEY not in extra_args:
         return None
     v = extra_args[REQUEST_KEY]
-    if v == "dense":
-        return Choice(dense=True)
+    forms = "a set index (0, 1, ...), \"set=N\", \"k=K\" or \"dense\""
     if isinstance(v, str):
-        name, eq, num = v.strip().partition("=")
-        if eq and name.strip() in ("set", "k"):
-            try:
-                n = int(num.strip())
-            except ValueError:
-                n = None
-            if n is not None:
-                return Choice(**{name.strip(): _int_field(name.strip(), n)})
-        raise RequestChoiceError(f"extra_args['{REQUEST_KEY}'] must be a set index, \"set=N\", \"k=K\" or \"dense\"; "
-                                 f"got {v!r}")
+        text = v.strip().lower()
+        if text == "dense":
+            return Choice(dense=True)
+        m = _STRING_FORM.fullmatch(text)
+        if m is None:
+            raise RequestChoiceError(f"extra_args['{REQUEST_KEY}'] must be {forms}; got {v!r}")
+        return Choice(**{m.group(1): int(m.group(2))})
     if isinstance(v, int) and not isinstance(v, bool):
-        return Choice(set=_int_field("set", v))
+        if v < 0:
+            raise RequestChoiceError(f"extra_args['{REQUEST_KEY}']: a set index must be >= 0, got {v}")
+        return Choice(set=int(v))
     if not isinstance(v, Mapping):
-        raise RequestChoiceError(f"extra_args['{REQUEST_KEY}'] must be a set index, \"set=N\", \"k=K\", \"dense\", or "
-                                 f"an object with one of {list(_FIELDS)}; got {v!r}")
+        raise RequestChoiceError(f"extra_args['{REQUEST_KEY}'] must be {forms} (offline also an object with one of "
+                                 f"{list(_FIELDS)}); got {v!r}")
     unknown = sorted(set(v) - set(_FIELDS))
     given = [f for f in _FIELDS if f in v]
     if unknown or len(given) != 1:

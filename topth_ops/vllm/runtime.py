@@ -168,8 +168,10 @@ def fidelity(rt: Runtime, device) -> Optional[Fidelity]:
         s = rt.settings
         rt.fidelity = Fidelity(rt.num_layers, rt.set_labels, device, s.guard_band, s.guard_window, exporter)
         if rt.stats is not None:
-            # the statistics thread reads the last flush; the forward flushes every FLUSH_STEPS steps
+            # the forward flushes every FLUSH_STEPS steps; the statistics thread reads the last
+            # flush, and flushes itself only when no decode row came for a second (the end of a burst)
             rt.stats.sections["per_set"] = lambda: rt.fidelity.report(fresh=False)
+            rt.stats.idle_hooks.append(lambda: rt.fidelity.snapshot() if rt.fidelity.idle() else None)
     return rt.fidelity
 
 

@@ -63,6 +63,7 @@ class ServingStats:
         self.log_interval = float(log_interval)
         self.meta = dict(meta or {})
         self.sections: dict = {}  # report key -> callable giving its value (e.g. "per_set")
+        self.idle_hooks: list = []  # called by the statistics thread every period (e.g. a flush when idle)
         self._lock = threading.Lock()
         self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, seqs, read, dense)
         self._step_rows: list = []  # (v_rows, seq_lens, num_kv_heads) of the step in progress
@@ -94,6 +95,8 @@ class ServingStats:
         def loop():
             while True:
                 time.sleep(period)
+                for hook in self.idle_hooks:
+                    _section("idle hook", hook)
                 if self._dirty and time.monotonic() - self._last_flush >= period:
                     self.flush(log=self.log_interval > 0)
 
