@@ -117,3 +117,17 @@ def test_flushes_inside_and_outside_inference_mode():
     t.start()
     t.join()
     assert not errors and fid.guardrail.out.any() and int(fid.guardrail.trips.sum()) == 1
+
+
+def test_idle_flush_hook_reports_new_sums(monkeypatch):
+    """When decoding stops, the statistics thread's hook flushes the last steps (fewer than
+    FLUSH_STEPS) and says so, so the JSON report is rewritten with them."""
+    from topth_ops.vllm import runtime as R
+
+    fid = F.Fidelity(1, ["0", "dense"], "cpu")
+    hook = R._idle_flush(fid)
+    _step(fid, [10], [10, 10], [0, 0], [100, 100])
+    assert not hook()  # rows just came: not idle
+    monkeypatch.setattr(F.time, "monotonic", lambda: fid._last_add + 5.0)
+    assert hook() and fid.totals[0, 0, :, 5].sum() == 2
+    assert not hook()  # nothing new since

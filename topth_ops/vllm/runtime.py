@@ -171,8 +171,19 @@ def fidelity(rt: Runtime, device) -> Optional[Fidelity]:
             # the forward flushes every FLUSH_STEPS steps; the statistics thread reads the last
             # flush, and flushes itself only when no decode row came for a second (the end of a burst)
             rt.stats.sections["per_set"] = lambda: rt.fidelity.report(fresh=False)
-            rt.stats.idle_hooks.append(lambda: rt.fidelity.snapshot() if rt.fidelity.idle() else None)
+            rt.stats.idle_hooks.append(_idle_flush(rt.fidelity))
     return rt.fidelity
+
+
+def _idle_flush(fid: Fidelity):
+    """The statistics thread's hook: flush ``fid`` once decoding has stopped; True when it
+    did (the JSON report is then rewritten with the new sums)."""
+    def hook() -> bool:
+        if fid.idle():
+            fid.snapshot()
+            return True
+        return False
+    return hook
 
 
 @dataclass

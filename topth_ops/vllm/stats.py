@@ -96,7 +96,8 @@ class ServingStats:
             while True:
                 time.sleep(period)
                 for hook in self.idle_hooks:
-                    _section("idle hook", hook)
+                    if _section("idle hook", hook):
+                        self._dirty = True  # new sums: rewrite the report
                 if self._dirty and time.monotonic() - self._last_flush >= period:
                     self.flush(log=self.log_interval > 0)
 
