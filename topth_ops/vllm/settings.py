@@ -152,6 +152,16 @@ class VllmTopthSettings:
         return self
 
 
+def _parse_int(raw: Any, where: str, what: str) -> int:
+    """``raw`` (int or decimal string, not bool) as an int; TopthConfigError naming ``where``."""
+    if isinstance(raw, bool):
+        raise TopthConfigError(f"topth vLLM backend: {where} must be {what}, got {raw!r}")
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise TopthConfigError(f"topth vLLM backend: {where} must be {what}, got {raw!r}") from None
+
+
 def _parse(key: str, raw: Any, where: str) -> Any:
     kind = {f.name: f.type for f in fields(VllmTopthSettings)}[key]
     if key in ("vmc", "metrics"):
@@ -173,21 +183,11 @@ def _parse(key: str, raw: Any, where: str) -> Any:
             raise TopthConfigError(f"topth vLLM backend: {where} must be two numbers 'low,high', got {raw!r}")
         return band
     if key in ("guard_window", "dense_beyond"):
-        if isinstance(raw, bool):
-            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer, got {raw!r}")
-        try:
-            return int(str(raw).strip())
-        except ValueError:
-            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer, got {raw!r}") from None
+        return _parse_int(raw, where, "an integer")
     if key == "threshold_set":
         if raw is None or (isinstance(raw, str) and raw.strip() == ""):
             return None
-        if isinstance(raw, bool):
-            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer index, got {raw!r}")
-        try:
-            return int(str(raw).strip())
-        except ValueError:
-            raise TopthConfigError(f"topth vLLM backend: {where} must be an integer index, got {raw!r}") from None
+        return _parse_int(raw, where, "an integer index")
     if key in ("sdc_gamma", "log_interval"):
         try:
             return float(raw)
