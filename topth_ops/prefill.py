@@ -29,6 +29,9 @@ from .contract import DEFAULT_SDC_GAMMA, PLACEMENTS, SDC_MODES
 
 RULE_KINDS = ("dense", "table", "topk")
 
+#: Score values per row chunk (``rows = max(1, MAX_CHUNK_ELEMS // (B * num_q_heads * S))``).
+MAX_CHUNK_ELEMS = 1 << 22
+
 
 @dataclass(frozen=True)
 class RowRule:
@@ -127,7 +130,7 @@ def prefill_attention(
     key_valid: Optional[torch.Tensor] = None,
     return_stats: bool = False,
     score_hook: Optional[ScoreHook] = None,
-    max_chunk_elems: int = 1 << 22,
+    max_chunk_elems: int = MAX_CHUNK_ELEMS,
     threshold_set: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[RowStats]]:
     """Thresholded attention for T query rows against S keys (BNSD layout).

@@ -5,95 +5,18 @@ cache writer, against the float64 oracle (decode rows) and float64 causal attent
 is replaced by one built here, and vLLM's metadata is built with its own scheduler op."""
 
 import math
-import types
 
 import numpy as np
 import pytest
 import torch
 
 from topth_ops.conformance.oracle import oracle_decode
-from topth_ops.vllm.runtime import Runtime
 from topth_ops.vllm.settings import VllmTopthSettings
-from topth_ops.vllm.stats import ServingStats
 
-from .slots import PagedSlots
+from .cpu_engine import CB, ISAS, LAYER, Engine, make_impl, ops
 
 pytestmark = pytest.mark.vllm
-ops = pytest.importorskip("vllm._custom_ops")
-CB = pytest.importorskip("topth_ops.vllm.cpu_backend")
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.backends import cpu_attn  # noqa: E402
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: E402
-
-LAYER = 2
-_AMX = torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()  # Linux grants the tile state (as vLLM's worker asks)
-ISAS = [pytest.param("amx", torch.bfloat16, marks=pytest.mark.skipif(
-            not _AMX, reason="vLLM's amx kernel needs AMX tiles (this CPU has none)")),
-        ("vec", torch.float32), ("vec", torch.bfloat16)]
-
-
-class Engine(PagedSlots):
-    """Allocates blocks and slot mappings for sequences the way vLLM does, writes through
-    the backend, builds vLLM's metadata and runs the forward."""
-
-    def __init__(self, impl, isa, dtype, Hq, nb=12, bs=32, H=2, D=64, seed=0, window=-1):
-        self.g = torch.Generator().manual_seed(seed)
-        self.impl, self.isa, self.dtype, self.Hq, self.bs, self.H, self.D = impl, isa, dtype, Hq, bs, H, D
-        self.window = window
-        self.kv_cache = (torch.randn(nb, H, bs, 2 * D, generator=self.g) * 50).to(dtype)  # stale garbage
-        PagedSlots.__init__(self, torch.randperm(nb, generator=self.g).tolist(), bs)
-        self.rows: dict[str, tuple] = {}
-        self.layer = types.SimpleNamespace(layer_name=f"model.layers.{LAYER}.self_attn.attn", isa=isa,
-                                           _k_scale_float=1.0, _v_scale_float=1.0)
-
-    def _build(self, cm):
-        sched = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=cm.num_reqs, num_heads=self.Hq, num_kv_heads=self.H, head_dim=self.D, seq_lens=cm.seq_lens,
-            dtype=self.dtype, query_start_loc=cm.query_start_loc, causal=True, sliding_window_size=self.window,
-            isa=self.isa, enable_kv_split=False)
-        return CPUAttentionMetadata(num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
-                                    query_start_loc=cm.query_start_loc, max_seq_len=cm.max_seq_len,
-                                    seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
-                                    slot_mapping=cm.slot_mapping, scheduler_metadata=sched)
-
-    def step(self, plan):
-        """plan: list of (seq, new tokens), decodes first."""
-        slots, qsl = [], [0]
-        for seq, T in plan:
-            slots += self.slots(seq, T)
-            qsl.append(qsl[-1] + T)
-        N = qsl[-1]
-        k = torch.randn(N, self.H, self.D, generator=self.g).to(self.dtype)
-        v = torch.randn(N, self.H, self.D, generator=self.g).to(self.dtype)
-        for (seq, _), lo, hi in zip(plan, qsl[:-1], qsl[1:]):
-            ok, ov = self.rows.get(seq, (k[:0], v[:0]))
-            self.rows[seq] = (torch.cat([ok, k[lo:hi]]), torch.cat([ov, v[lo:hi]]))
-        q = torch.randn(N, self.Hq, self.D, generator=self.g).to(self.dtype)
-        sm = torch.tensor(slots)
-        self.impl.do_kv_cache_update(self.layer, k, v, self.kv_cache, sm)
-        width = max(len(self.table[s]) for s, _ in plan) + 2
-        bt = torch.tensor([self.table[s] + [0] * (width - len(self.table[s])) for s, _ in plan], dtype=torch.int32)
-        lens = torch.tensor([self.lens[s] for s, _ in plan], dtype=torch.int32)
-        qt = torch.tensor(qsl, dtype=torch.int32)
-        cm = CommonAttentionMetadata(query_start_loc=qt, query_start_loc_cpu=qt, seq_lens=lens, num_reqs=len(plan),
-                                     num_actual_tokens=N, max_query_len=max(T for _, T in plan),
-                                     max_seq_len=int(lens.max()), block_table_tensor=bt, slot_mapping=sm)
-        md = CB.split_metadata(self._build, cm, self.bs)
-        out = torch.full((N, self.Hq * self.D), float("nan"), dtype=self.dtype)
-        self.impl.forward(self.layer, q, k, v, self.kv_cache, md, out)
-        kept_lens = lens.clone()
-        lens.zero_()  # vLLM rewrites its seq_lens buffer for the next step before statistics are summed
-        return q, out.view(N, self.Hq, self.D), bt, kept_lens, qsl
-
-
-def _impl(monkeypatch, ts, settings, Hq, Hkv, D, sets=(), **kw):
-    stats = ServingStats(settings.mode, None, 0.0)
-    rt = Runtime(settings, ts, 0, 1, stats, "tiny", list(sets), [True] * len(sets))
-    monkeypatch.setattr(CB, "runtime", lambda: rt)
-    # vLLM's impl reads the model dtype from the engine config (to pick zentorch on AMD)
-    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
-    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: cfg)
-    return CB.TopthCpuImpl(Hq, D, 1 / math.sqrt(D), Hkv, kv_cache_dtype="auto", **kw), stats
 
 
 def _causal(q, k, v, ctx, scale, window=-1):
@@ -129,7 +52,7 @@ def test_mixed_batch_on_vllms_cache(monkeypatch, isa, dtype, vmc, dense_layer, m
     ts = make_threshold_set(cfg, rows=128, k=4, seed=1)
     if dense_layer:
         ts.layer_k[LAYER] = 0
-    impl, stats = _impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused", vmc=vmc), Hq, Hkv, D)
+    impl, stats = make_impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused", vmc=vmc), Hq, Hkv, D)
     eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D)
     q, out, bt, lens, qsl = _run_three_steps(eng)
     assert not torch.isnan(out.float()).any()
@@ -172,7 +95,7 @@ def test_requests_at_different_sets_share_one_op_call(monkeypatch, isa, dtype, b
     sets = [make_threshold_set(cfg, rows=128, k=k, seed=k) for k in (4, 8, 16)]
     sets[2].thresholds[LAYER] = 0.02  # a set that drops more
     settings = VllmTopthSettings(mode="topth", thresholds="unused", dense_beyond=beyond)
-    impl, stats = _impl(monkeypatch, sets[0], settings, Hq, Hkv, D, sets=sets)
+    impl, stats = make_impl(monkeypatch, sets[0], settings, Hq, Hkv, D, sets=sets)
     eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D)
     eng.step([("A", 70), ("B", 12), ("E", 30)])
     eng.step([("A", 1), ("B", 1), ("E", 1)])
@@ -201,7 +124,7 @@ def test_requests_at_different_sets_share_one_op_call(monkeypatch, isa, dtype, b
 def test_sliding_window_layer_is_served_by_vllm(monkeypatch, isa, dtype, make_cfg, make_threshold_set):
     Hq, Hkv, D = 4, 2, 64
     ts = make_threshold_set(make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D), rows=128, k=4)
-    impl, stats = _impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused"), Hq, Hkv, D,
+    impl, stats = make_impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused"), Hq, Hkv, D,
                         sliding_window=16)
     eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D, window=16)
     q, out, bt, lens, qsl = _run_three_steps(eng)

@@ -9,14 +9,8 @@ import torch
 
 from topth_ops.thresholds import ThresholdFileError
 from topth_ops.vllm import enable
-from topth_ops.vllm.settings import (
-    ENV,
-    TopthConfigError,
-    from_sources,
-    is_active,
-    load_for_model,
-    model_name_of,
-)
+from topth_ops.vllm.model_check import load_for_model, model_name_of
+from topth_ops.vllm.settings import ENV, TopthConfigError, from_sources, is_active
 from topth_ops.vllm.tp import rank_rows
 
 pytestmark = pytest.mark.vllm

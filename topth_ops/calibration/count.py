@@ -51,6 +51,7 @@ from ..thresholds.length_model import (
     fit_length_model,
     from_domain,
 )
+from .mean import CalibrationResult
 from .rows import no_long_rows_error, row_log_z, to_host
 
 DEFAULT_BINS = 512
@@ -222,11 +223,15 @@ class CountAccumulator:
             self._set_range(p, rng, x)
         lo = rng[:, 0].to(torch.float32).view(1, H, 1)
         inv_w = (1.0 / rng[:, 1]).to(torch.float32).view(1, H, 1)
-        size = H * self.NB * self.bins
+        # count into the buckets these rows touch only (a chunk or a decode row covers few)
+        used, b_local = torch.unique(b_idx, return_inverse=True)
+        U = used.numel()
+        size = H * U * self.bins
         idx = (x - lo).mul_(inv_w).floor_().clamp_(0, self.bins - 1).to(torch.int64)
-        slot = (torch.arange(H).view(1, H, 1) * self.NB + b_idx.view(R, 1, 1)) * self.bins
+        slot = (torch.arange(H).view(1, H, 1) * U + b_local.view(R, 1, 1)) * self.bins
         flat = torch.where(torch.isfinite(x), idx.add_(slot), size)  # invalid keys -> a dump slot
-        self.hist[(p, s)][layer].view(-1).add_(torch.bincount(flat.view(-1), minlength=size + 1)[:size])
+        counts = torch.bincount(flat.view(-1), minlength=size + 1)[:size].view(H, U, self.bins)
+        self.hist[(p, s)][layer][:, used] += counts
 
     def _set_range(self, p: str, rng: torch.Tensor, x: torch.Tensor) -> None:
         """Per-head histogram range from the first rows a layer sees: their finite values'
@@ -348,3 +353,41 @@ class CountAccumulator:
         beyond_mask = n_beyond[None, None, :] > np.nan_to_num(anc_n, nan=np.inf)[..., None]
         theta = np.where(beyond_mask, m, theta)
         return theta, counts, model
+
+    def results(self, targets: Sequence[LayerK], extend_to: Optional[int] = None,
+                calibrated_rows: Optional[int] = None) -> dict:
+        """Thresholds of every target, placement and selection recorded.
+
+        Parameters
+        ----------
+        targets : sequence of list of int
+            Layer-k maps (one per target k).
+        extend_to : int, optional
+            Table length (see :meth:`result`).
+        calibrated_rows : int, optional
+            Keep the per-row-id counts up to this row id (the longest row recorded, when
+            the accumulator was sized for longer rows, e.g. an engine's context length):
+            a file's calibrated row ids are its counts' length.
+
+        Returns
+        -------
+        dict
+            ``{(target index, placement, selection): CalibrationResult}``.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`result`.
+        """
+        out = {}
+        for i, layer_k in enumerate(targets):
+            for p in self.placements:
+                for sel in self.selections:
+                    th, counts, lm = self.result(p, sel, layer_k, extend_to=extend_to)
+                    if calibrated_rows is not None:
+                        counts = counts[..., :calibrated_rows]
+                    out[(i, p, sel)] = CalibrationResult(
+                        thresholds=torch.from_numpy(th.astype("float32")), counts=torch.from_numpy(counts),
+                        layer_k=list(layer_k), placement=p, alpha=None, selection=sel, estimator="count",
+                        length_model=lm)
+        return out

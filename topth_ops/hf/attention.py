@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..prefill import RowRule, prefill_attention
+from ..prefill import MAX_CHUNK_ELEMS, RowRule, prefill_attention
 from ..rowstats import StatsCollector
 from ..thresholds import DENSE
 from ..vmean import valid_value_mean
@@ -76,7 +76,7 @@ class TopthAttention:
 
     def __init__(self, model, settings: TopthSettings, *, prefill_stats: Optional[StatsCollector] = None,
                  decode_stats: Optional[StatsCollector] = None, score_hook: Optional[ScoreHook] = None,
-                 max_chunk_elems: int = 1 << 22):
+                 max_chunk_elems: int = MAX_CHUNK_ELEMS):
         cfg = model.config
         self.num_layers = int(cfg.num_hidden_layers)
         if settings.mode == "topth" and settings.thresholds is not None:

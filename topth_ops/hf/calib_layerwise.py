@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..calibration import CalibrationResult, CountAccumulator, SdcAccumulator
-from ..prefill import RowRule, prefill_attention
+from ..prefill import MAX_CHUNK_ELEMS, RowRule, prefill_attention
 from ..thresholds import DENSE
 
 
@@ -68,7 +68,7 @@ class LayerwiseCalibrator:
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, lengths: Sequence[int],
                  layer_k: list, placement: str, selection: str, extend_to: int, *, sdc: bool, vmc: bool,
-                 max_chunk_elems: int = 1 << 22):
+                 max_chunk_elems: int = MAX_CHUNK_ELEMS):
         if len(layer_k) != num_layers:
             raise ValueError(f"layer_k must have {num_layers} entries, got {len(layer_k)}")
         if sdc and placement != "pre_softmax":

@@ -254,16 +254,11 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
 
         run_calibration_pass(model, text.samples, settings, hook, desc, progress)
         for j, i in enumerate(idx):
+            if estimator == "count":
+                results.update({(i, p, sel): r for (_, p, sel), r in acc.results([targets[i]], extend_to).items()})
+                continue
             for p in placements:
-                if estimator == "mean":
-                    results[(i, p, "head")] = acc.result(j, p, alpha)
-                    continue
-                for sel in selections:
-                    th, counts, lm = acc.result(p, sel, targets[i], extend_to=extend_to)
-                    results[(i, p, sel)] = CalibrationResult(
-                        thresholds=torch.from_numpy(th.astype("float32")), counts=torch.from_numpy(counts),
-                        layer_k=list(targets[i]), placement=p, alpha=None, selection=sel,
-                        estimator="count", length_model=lm)
+                results[(i, p, "head")] = acc.result(j, p, alpha)
 
     if sdc_table and "pre_softmax" in placements and not layerwise:
         pre = [key for key in results if key[1] == "pre_softmax"]

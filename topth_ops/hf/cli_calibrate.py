@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Optional
 
 from .cli_common import (
     add_calibration_arguments,
@@ -24,6 +23,8 @@ from .cli_common import (
     parse_k_list,
     show_progress,
 )
+
+from ..thresholds.save import sets_file_path as out_path
 
 PLACEMENT_CHOICES = ("pre_softmax", "post_softmax", "both")
 
@@ -50,17 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import-sdc", metavar="SDC_TXT", default=None,
                    help="with --import-reference: the reference code's sdc.txt")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-
-
-def out_path(template: str, k: Optional[int], placement: str, multi_p: bool, selection: str = "head",
-             multi_s: bool = False) -> str:
-    """The file of one (k, placement, selection); k None: the file of all k's sets."""
-    if multi_p and "{placement}" not in template:
-        raise ValueError(f"--out {template!r} must contain {{placement}} with --placement both")
-    if multi_s and "{selection}" not in template:
-        raise ValueError(f"--out {template!r} must contain {{selection}} with --selection both")
-    out = template.replace("{placement}", placement).replace("{selection}", selection)
-    return out if k is None else out.replace("{k}", str(k))
 
 
 def run(args: argparse.Namespace) -> int:

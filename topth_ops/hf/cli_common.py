@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Optional
+
+from ..cli import check_output_dir, check_output_file  # noqa: F401 (the commands import them from here)
 
 DEFAULT_LAYER_K = "0:256,1:256"
 
@@ -127,44 +126,6 @@ def show_progress(args: argparse.Namespace) -> bool:
     """Progress bars unless --quiet or stderr is not a terminal (a log file fills with
     carriage-return redraws otherwise)."""
     return not getattr(args, "quiet", False) and sys.stderr.isatty()
-
-
-def check_output_file(path: str, flag: str) -> None:
-    """Raise ValueError unless ``path`` can be written as a file (checked before any long
-    work; the write itself still reports OSError with the path)."""
-    if not path:
-        raise ValueError(f"{flag} is empty; expected a file path")
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{flag} {path!r} is a directory; expected a file path")
-    _check_creatable_dir(p.parent, flag, path)
-
-
-def check_output_dir(path: str, flag: str) -> None:
-    """Raise ValueError unless ``path`` is, or can be created as, a writable directory."""
-    if not path:
-        raise ValueError(f"{flag} is empty; expected a directory")
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"{flag} {path!r} exists and is not a directory")
-    _check_creatable_dir(p, flag, path)
-
-
-def _check_creatable_dir(d: Path, flag: str, path: str) -> None:
-    """The nearest existing folder at or above ``d`` must accept a new file: tried with a
-    temporary file (``os.access`` says yes to root even on read-only or virtual file
-    systems such as /proc)."""
-    a = d.absolute()
-    while not a.exists() and a != a.parent:
-        a = a.parent
-    if not a.is_dir():
-        raise ValueError(f"{flag} {path!r}: {str(a)!r} is not a directory")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".topth-write-check.", dir=a)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"{flag} {path!r}: cannot create files in {str(a)!r} ({e.strerror})") from None
 
 
 def check_sizes(args: argparse.Namespace, minimum: dict) -> None:

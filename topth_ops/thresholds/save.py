@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -128,3 +128,17 @@ def save_threshold_sets(path: Union[str, os.PathLike], sets: Sequence) -> Path:
     for i, ts in enumerate(sets):
         ts.path, ts.set_index = str(path), i
     return path
+
+
+def sets_file_path(template: str, k: Optional[int], placement: str, multi_p: bool, selection: str = "head",
+                   multi_s: bool = False, flag: str = "--out") -> str:
+    """The file of one (k, placement, selection) from an output name template (``--out`` of
+    ``topth-ops calibrate``): ``{placement}`` / ``{selection}`` are required when several are
+    written (``multi_p`` / ``multi_s``, ValueError otherwise), ``{k}`` gives one file per k;
+    k None: the file of all k's sets. ``flag`` names the template in messages."""
+    if multi_p and "{placement}" not in template:
+        raise ValueError(f"{flag} {template!r} must contain {{placement}} with both placements")
+    if multi_s and "{selection}" not in template:
+        raise ValueError(f"{flag} {template!r} must contain {{selection}} with both selections")
+    out = template.replace("{placement}", placement).replace("{selection}", selection)
+    return out if k is None else out.replace("{k}", str(k))

@@ -36,7 +36,7 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
            sdc: str = "none", stats_file: Optional[str] = None, log_interval: Optional[float] = None,
            op_backend: Optional[str] = None, threshold_set: Optional[int] = None, metrics: Optional[bool] = None,
            guard_band: Optional[tuple] = None, guard_window: Optional[int] = None,
-           dense_beyond: Optional[int] = None) -> VllmTopthSettings:
+           dense_beyond: Optional[int] = None, calibrate: Optional[dict] = None) -> VllmTopthSettings:
     """Switch Top-Theta on for vLLM engines this process starts from now on, by setting
     the ``TOPTH_VLLM_*`` environment variables (inherited by vLLM's engine and worker
     processes).
@@ -45,8 +45,8 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
     ----------
     thresholds : str, optional
         Threshold file from ``topth-ops calibrate``; required unless ``mode="dense"``.
-    mode : {"topth", "dense"}, optional
-        Default "topth" with a file, else "dense".
+    mode : {"topth", "dense", "calibrate"}, optional
+        Default "topth" with a file, "calibrate" with ``calibrate``, else "dense".
     vmc : bool
         V-mean compensation (paper section 3.2.2).
     sdc : {"none", "exact", "exp_threshold", "offline"}
@@ -68,6 +68,10 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
         Decode steps of the guardrail's window (default 256).
     dense_beyond : int, optional
         Serve decode rows longer than this row id dense (default 0: off).
+    calibrate : dict, optional
+        Calibration from served traffic (mode "calibrate", the default with it): keys
+        ``out`` (required), ``k`` (e.g. "16,32"), ``layer_k``, ``placement``,
+        ``selection``, ``requests``, ``prefill`` (docs/vllm.md, "Calibrating in the engine").
 
     Returns
     -------
@@ -89,6 +93,13 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
               "guard_band": None if guard_band is None else ",".join(str(float(x)) for x in guard_band),
               "guard_window": None if guard_window is None else str(guard_window),
               "dense_beyond": None if dense_beyond is None else str(dense_beyond)}
+    for key, v in (calibrate or {}).items():
+        if f"calibrate_{key}" not in ENV:
+            raise TopthConfigError(f"topth vLLM backend: unknown calibrate key {key!r}; known: "
+                                   f"{sorted(k[len('calibrate_'):] for k in ENV if k.startswith('calibrate_'))}")
+        if key == "out":
+            v = os.path.abspath(os.fspath(v))
+        values[f"calibrate_{key}"] = str(int(v) if isinstance(v, bool) else v)
     new = {ENV[k]: str(v) for k, v in values.items() if v is not None}
     env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
     env.update(new)

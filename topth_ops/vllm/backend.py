@@ -156,6 +156,9 @@ class TopthAttentionImpl(AttentionImpl[TopthAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.rt = runtime()  # engine start: settings and threshold file checked here
+        if self.rt.calib is not None:
+            raise NotImplementedError("topth vLLM backend: mode 'calibrate' records rows beside vLLM's own CPU "
+                                      "attention; on this platform calibrate offline (`topth-ops calibrate`)")
         self.layer: Optional[int] = None
         self.rule: Optional[LayerRule] = None
         self._vsum: Optional[PagedValueSum] = None

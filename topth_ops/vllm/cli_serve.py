@@ -21,9 +21,9 @@ CPU_DEFAULTS = [("--dtype", "float32"), ("--enforce-eager", None), ("--max-model
 def add_arguments(p) -> None:
     p.add_argument("model", help="Hugging Face model folder (e.g. from `topth-ops export-hf`)")
     p.add_argument("--thresholds", help="threshold file from `topth-ops calibrate` (mode topth)")
-    p.add_argument("--mode", choices=("topth", "dense", "vllm"), default=None,
-                   help="topth (default with --thresholds), dense (this backend keeping every row), "
-                        "or vllm (vLLM's own attention, no Top-Theta: the baseline)")
+    p.add_argument("--mode", choices=("topth", "dense", "calibrate", "vllm"), default=None,
+                   help="topth (default with --thresholds), dense (this backend keeping every row), calibrate "
+                        "(default with --calibrate), or vllm (vLLM's own attention, no Top-Theta: the baseline)")
     p.add_argument("--threshold-set", type=int, default=None,
                    help="which threshold set of a file holding several (0-based, in the order of --k at calibration; without it such a file is refused with the list)")
     p.add_argument("--vmc", action="store_true", help="V-mean compensation")
@@ -43,6 +43,22 @@ def add_arguments(p) -> None:
     p.add_argument("--dense-beyond", type=int, default=None, metavar="ROW_ID",
                    help="serve decode rows longer than this row id dense (a file used far past its calibrated "
                         "rows); 0: off (the default)")
+    c = p.add_argument_group("calibration from served traffic (docs/vllm.md, \"Calibrating in the engine\")")
+    c.add_argument("--calibrate", metavar="OUT", default=None,
+                   help="serve every row dense (vLLM's own attention) and write a threshold file from the served "
+                        "rows: at shutdown, on SIGUSR1 to the worker, or after --calibrate-requests; OUT as "
+                        "`topth-ops calibrate --out` ({placement}, {selection}, {k})")
+    c.add_argument("--k", default=None, metavar="K,K", help="with --calibrate: the k list, e.g. 16,32,64")
+    c.add_argument("--layer-k", default=None, metavar="SPEC",
+                   help="with --calibrate: per-layer k overrides (default 0:256,1:256, as `topth-ops calibrate`)")
+    c.add_argument("--placement", default=None, choices=("post_softmax", "pre_softmax", "both"),
+                   help="with --calibrate (default post_softmax)")
+    c.add_argument("--selection", default=None, choices=("head", "group", "both"),
+                   help="with --calibrate (default head)")
+    c.add_argument("--calibrate-requests", type=int, default=None, metavar="N",
+                   help="with --calibrate: write the file once N requests have finished (default: at shutdown)")
+    c.add_argument("--no-calibrate-prefill", action="store_true",
+                   help="with --calibrate: record decode rows only (prompt rows give every row id of a prompt)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--no-cpu-defaults", action="store_true",
@@ -98,7 +114,8 @@ def build(args) -> tuple[list[str], dict[str, str]]:
     """
     from ..cli import CliError
     from ..thresholds import ThresholdFileError
-    from .settings import ENV, TopthConfigError, from_sources, load_for_model, model_name_of
+    from .model_check import load_for_model, model_name_of
+    from .settings import ENV, TopthConfigError, from_sources
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise CliError(f"{args.model!r} is not a Hugging Face model folder (no config.json); "
@@ -115,10 +132,22 @@ def build(args) -> tuple[list[str], dict[str, str]]:
                   "op_backend": args.op_backend, "metrics": "0" if args.no_metrics else None,
                   "guard_band": args.guard_band,
                   "guard_window": None if args.guard_window is None else str(args.guard_window),
-                  "dense_beyond": None if args.dense_beyond is None else str(args.dense_beyond)}
+                  "dense_beyond": None if args.dense_beyond is None else str(args.dense_beyond),
+                  "calibrate_out": os.path.abspath(args.calibrate) if args.calibrate else None,
+                  "calibrate_k": args.k, "calibrate_layer_k": args.layer_k, "calibrate_placement": args.placement,
+                  "calibrate_selection": args.selection,
+                  "calibrate_requests": None if args.calibrate_requests is None else str(args.calibrate_requests),
+                  "calibrate_prefill": "0" if args.no_calibrate_prefill else None}
+        calib_flags = [f for f, v in (("--k", args.k), ("--layer-k", args.layer_k), ("--placement", args.placement),
+                                      ("--selection", args.selection), ("--calibrate-requests", args.calibrate_requests),
+                                      ("--no-calibrate-prefill", args.no_calibrate_prefill)) if v not in (None, False)]
+        if calib_flags and not args.calibrate:
+            raise CliError(f"{', '.join(calib_flags)} {'needs' if len(calib_flags) == 1 else 'need'} --calibrate OUT "
+                           "(calibration from served traffic)")
         env = {ENV[k]: v for k, v in values.items() if v is not None}
-        if args.mode is None and not args.thresholds:
-            raise CliError("give --thresholds FILE (Top-Theta), or --mode dense / --mode vllm for a baseline")
+        if args.mode is None and not args.thresholds and not args.calibrate:
+            raise CliError("give --thresholds FILE (Top-Theta), --calibrate OUT (calibrate from served traffic), "
+                           "or --mode dense / --mode vllm for a baseline")
         try:
             settings = from_sources(env)
             from transformers import AutoConfig
@@ -130,6 +159,10 @@ def build(args) -> tuple[list[str], dict[str, str]]:
             with warnings.catch_warnings():
                 warnings.simplefilter("default")
                 load_for_model(settings, cfg, model_name_of(cfg, args.model), tp)
+            if settings.mode == "calibrate":
+                from .calibration import check_calibration
+
+                check_calibration(settings, cfg, tp)
         except (TopthConfigError, ThresholdFileError, ValueError) as e:
             raise CliError(str(e)) from None
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,

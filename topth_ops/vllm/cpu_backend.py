@@ -207,6 +207,8 @@ class TopthCpuImpl(CPUAttentionBackendImpl):
         self.layer = extract_layer_index(layer_module.layer_name)
         if self._platform is not None:
             self.rule = LayerRule(False, torch.empty(0))
+            if self.rt.calib is not None:
+                self.rt.calib.platform_layer(self.layer, self._platform)
             if self.rt.thresholds is not None and self.rt.thresholds.layer_k[self.layer] != 0:
                 logger.warning("topth: layer %d is thresholded in the file but served densely by vLLM's own "
                                "attention in every row (%s)", self.layer, self._platform)
@@ -257,6 +259,11 @@ class TopthCpuImpl(CPUAttentionBackendImpl):
             if rt.stats is not None or rt.settings.metrics:
                 n = m.seq_lens if self.sliding_window <= 0 else m.seq_lens.clamp(max=self.sliding_window)
                 record(rt, self.layer, self.rule, m.sets, n, self.num_kv_heads, None, m.num_prefill_tokens)
+            if rt.calib is not None and self._platform is None:
+                f = m.full
+                kc, _, lay = cache_views(kv_cache, self._isa(layer, kv_cache))
+                rt.calib.observe(self.layer, query, kc, lay, f.query_start_loc, f.seq_lens, f.block_table, B,
+                                 self.scale)
             return output
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("topth vLLM backend: fused output quantization is not supported")

@@ -197,7 +197,7 @@ def _frontend_table(environ: Mapping[str, str]):
     if not is_active(environ):
         return None
     s = from_sources(environ)
-    if s.mode == "dense":
+    if s.mode != "topth":  # dense or calibrate: every request dense
         return (), 0, (), True
     st = os.stat(s.thresholds)
     key = (s.thresholds, st.st_mtime_ns, s.threshold_set, s.sdc)
@@ -249,6 +249,8 @@ class TopthRequests(LogitsProcessor):  # type: ignore[misc,valid-type]
     def __init__(self, vllm_config=None, device=None, is_pin_memory: bool = False) -> None:
         global _CURRENT
         self.rows: dict[int, Choice] = {}
+        self.removed = 0  # requests that left the batch (finished or preempted), ever
+        self.size = 0     # requests in the batch now
         _CURRENT = self
 
     def is_argmax_invariant(self) -> bool:
@@ -261,6 +263,8 @@ class TopthRequests(LogitsProcessor):  # type: ignore[misc,valid-type]
         if batch_update is None:
             return
         rows = self.rows
+        self.removed += len(batch_update.removed)
+        self.size = int(batch_update.batch_size)
         for i in batch_update.removed:
             rows.pop(i, None)
         for i, params, _, _ in batch_update.added:
@@ -288,3 +292,10 @@ def row_choices(num_rows: int) -> list:
     if cur is None or not cur.rows:
         return [None] * num_rows
     return [cur.rows.get(i) for i in range(num_rows)]
+
+
+def batch_counts() -> tuple:
+    """``(requests that left the batch so far, requests in the batch now)`` in this process,
+    from the :class:`TopthRequests` processor ((0, 0) when none runs here)."""
+    cur = _CURRENT
+    return (0, 0) if cur is None else (cur.removed, cur.size)

@@ -26,7 +26,8 @@ from ..thresholds import attention_config_of, load_threshold_sets
 from . import requests as requests_mod
 from . import stats as stats_mod
 from .fidelity import Fidelity, buckets
-from .settings import VllmTopthSettings, from_sources, load_for_model, model_name_of
+from .model_check import load_for_model, model_name_of
+from .settings import VllmTopthSettings, from_sources
 from .tp import rank_kv_rows, rank_rows
 
 logger = logging.getLogger("vllm.topth_ops")
@@ -52,6 +53,7 @@ class Runtime:
     num_layers: int = 0
     default_set: int = 0
     fidelity: Optional[Fidelity] = None
+    calib: Optional[object] = None  # EngineCalibration (mode "calibrate")
     _resolved: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -120,7 +122,7 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
         logger.info("topth: Top-Theta decode, %s; vmc=%s sdc=%s; TP rank %d of %d%s",
                     ts.summary(), settings.vmc, settings.sdc, tp_rank, tp_size,
                     f"; dense layers (k = dense in the file's layer map) {dense_layers}" if dense_layers else "")
-    else:
+    elif settings.mode == "dense":
         logger.info("topth: dense mode (every row kept; A/B baseline); TP rank %d of %d", tp_rank, tp_size)
     sets, servable = [], []
     if ts is not None:
@@ -142,8 +144,16 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
             meta={"model": name, "thresholds": settings.thresholds, "vmc": settings.vmc, "sdc": settings.sdc,
                   "placement": ts.placement if ts is not None else None, "tp_rank": tp_rank,
                   "tp_size": tp_size}))
+    calib = None
+    if settings.mode == "calibrate":
+        from .calibration import EngineCalibration
+
+        calib = EngineCalibration(settings, hf, name, tp_rank, tp_size, int(vcfg.model_config.max_model_len))
+        calib.start_triggers()
+        if st is not None:
+            st.sections["calibration"] = calib.report
     return Runtime(settings, ts, tp_rank, tp_size, st, name, sets, servable,
-                   int(attention_config_of(hf)["num_layers"]), ts.set_index if ts is not None else 0)
+                   int(attention_config_of(hf)["num_layers"]), ts.set_index if ts is not None else 0, calib=calib)
 
 
 def fidelity(rt: Runtime, device) -> Optional[Fidelity]:

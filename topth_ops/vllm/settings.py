@@ -25,6 +25,14 @@ TOPTH_VLLM_GUARD_BAND     [guard_band]        k~/k band of the drift guardrail (
 TOPTH_VLLM_GUARD_WINDOW   [guard_window]      decode steps of the guardrail's window (256)
 TOPTH_VLLM_DENSE_BEYOND   [dense_beyond]      rows longer than this row id are served dense
                                               (0: off)
+TOPTH_VLLM_CALIBRATE_*    [calibrate_*]       mode ``calibrate`` (serve dense, write a threshold
+                                              file from the served rows): ``OUT`` (file, with
+                                              ``{placement}`` / ``{selection}`` / ``{k}`` as
+                                              ``topth-ops calibrate --out``), ``K`` (``16,32``),
+                                              ``LAYER_K`` (``0:256,1:256``), ``PLACEMENT``,
+                                              ``SELECTION`` (or ``both``), ``REQUESTS`` (write
+                                              after this many requests; 0: at shutdown or on
+                                              SIGUSR1), ``PREFILL`` (1/0: prompt rows too)
 ========================  ==================  ==============================================
 
 The backend is active when TOPTH_VLLM_MODE or TOPTH_VLLM_THRESHOLDS is set, or when
@@ -39,9 +47,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional
 
 from ..contract import DEFAULT_SDC_GAMMA, SDC_MODES
-from ..thresholds import ThresholdFileError, ThresholdSet, attention_config_of, load_thresholds
 
-MODES = ("topth", "dense")
+MODES = ("topth", "dense", "calibrate")
 CONFIG_KEY = "topth"
 ENV = {
     "mode": "TOPTH_VLLM_MODE",
@@ -57,7 +64,10 @@ ENV = {
     "guard_band": "TOPTH_VLLM_GUARD_BAND",
     "guard_window": "TOPTH_VLLM_GUARD_WINDOW",
     "dense_beyond": "TOPTH_VLLM_DENSE_BEYOND",
+    **{f"calibrate_{k}": f"TOPTH_VLLM_CALIBRATE_{k.upper()}"
+       for k in ("out", "k", "layer_k", "placement", "selection", "requests", "prefill")},
 }
+CALIBRATE_CHOICES = {"placement": ("post_softmax", "pre_softmax", "both"), "selection": ("head", "group", "both")}
 ENV_PREFIX = "TOPTH_VLLM_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -73,7 +83,9 @@ class VllmTopthSettings:
 
     Attributes
     ----------
-    mode : {"topth", "dense"}
+    mode : {"topth", "dense", "calibrate"}
+        ``calibrate``: every row dense (vLLM's own attention) while the served rows are
+        recorded for a threshold file (:mod:`topth_ops.vllm.calibration`).
     thresholds : str or None
         Path of the threshold file; required by mode "topth".
     threshold_set : int or None
@@ -97,6 +109,13 @@ class VllmTopthSettings:
         Decode steps the guardrail's k~/k is averaged over.
     dense_beyond : int
         Decode rows whose row id exceeds it are served dense; 0 turns it off.
+    calibrate_out, calibrate_k, calibrate_layer_k, calibrate_placement, calibrate_selection : str
+        Mode ``calibrate``: output file template, the k list, the layer-k overrides, and
+        which placements / selections to write (as ``topth-ops calibrate``).
+    calibrate_requests : int
+        Write the file once this many requests have finished (0: at shutdown / SIGUSR1).
+    calibrate_prefill : bool
+        Record prompt rows (prefill and chunked prefill) besides decode rows.
     """
 
     mode: str = "topth"
@@ -112,6 +131,13 @@ class VllmTopthSettings:
     guard_band: tuple = (0.8, 1.25)
     guard_window: int = 256
     dense_beyond: int = 0
+    calibrate_out: Optional[str] = None
+    calibrate_k: Optional[str] = None
+    calibrate_layer_k: str = "0:256,1:256"
+    calibrate_placement: str = "post_softmax"
+    calibrate_selection: str = "head"
+    calibrate_requests: int = 0
+    calibrate_prefill: bool = True
 
     def validated(self) -> "VllmTopthSettings":
         """Check the values that need no file or model.
@@ -146,10 +172,48 @@ class VllmTopthSettings:
             if v < (1 if key == "guard_window" else 0):
                 raise TopthConfigError(f"topth vLLM backend: {key} must be an integer >= "
                                        f"{1 if key == 'guard_window' else 0}, got {v!r} ({ENV[key]})")
+        if self.mode == "calibrate":
+            self._check_calibrate()
         if not (0 < self.sdc_gamma < float("inf")):
             raise TopthConfigError(f"topth vLLM backend: sdc_gamma must be finite and > 0, got {self.sdc_gamma!r} "
                                    f"({ENV['sdc_gamma']} or additional_config['topth']['sdc_gamma'])")
         return self
+
+
+    def _check_calibrate(self) -> None:
+        where = "(TOPTH_VLLM_CALIBRATE_* or additional_config['topth']['calibrate_*'])"
+        if not self.calibrate_out:
+            raise TopthConfigError(f"topth vLLM backend: mode 'calibrate' needs an output file: calibrate_out {where}")
+        if self.thresholds:
+            raise TopthConfigError("topth vLLM backend: mode 'calibrate' serves every row dense and writes a threshold "
+                                   f"file; it takes no thresholds file (got {self.thresholds!r})")
+        self.calibrate_ks()
+        for key, choices in CALIBRATE_CHOICES.items():
+            v = getattr(self, f"calibrate_{key}")
+            if v not in choices:
+                raise TopthConfigError(f"topth vLLM backend: calibrate_{key} must be one of {choices}, got {v!r} {where}")
+        if self.calibrate_requests < 0:
+            raise TopthConfigError(f"topth vLLM backend: calibrate_requests must be an integer >= 0, got "
+                                   f"{self.calibrate_requests!r} {where}")
+        from ..thresholds import layer_k_overrides
+
+        try:
+            layer_k_overrides(self.calibrate_layer_k)
+        except ValueError as e:
+            raise TopthConfigError(f"topth vLLM backend: calibrate_layer_k: {e}") from None
+
+    def calibrate_ks(self) -> list:
+        """The k list of mode ``calibrate`` (``"16,32"`` -> [16, 32], order kept, no repeats)."""
+        out = []
+        for part in str(self.calibrate_k or "").replace(",", " ").split():
+            k = int(part) if part.isascii() and part.isdigit() else 0
+            if k < 1:
+                raise TopthConfigError(f"topth vLLM backend: calibrate_k must be integers >= 1 ('16,32,64'), got "
+                                       f"{self.calibrate_k!r}")
+            out += [k] if k not in out else []
+        if not out:
+            raise TopthConfigError("topth vLLM backend: mode 'calibrate' needs the k list: calibrate_k, e.g. '16,32,64'")
+        return out
 
 
 def _parse_int(raw: Any, where: str, what: str) -> int:
@@ -164,7 +228,7 @@ def _parse_int(raw: Any, where: str, what: str) -> int:
 
 def _parse(key: str, raw: Any, where: str) -> Any:
     kind = {f.name: f.type for f in fields(VllmTopthSettings)}[key]
-    if key in ("vmc", "metrics"):
+    if key in ("vmc", "metrics", "calibrate_prefill"):
         if isinstance(raw, bool):
             return raw
         s = str(raw).strip().lower()
@@ -182,7 +246,7 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         if len(band) != 2:
             raise TopthConfigError(f"topth vLLM backend: {where} must be two numbers 'low,high', got {raw!r}")
         return band
-    if key in ("guard_window", "dense_beyond"):
+    if key in ("guard_window", "dense_beyond", "calibrate_requests"):
         return _parse_int(raw, where, "an integer")
     if key == "threshold_set":
         if raw is None or (isinstance(raw, str) and raw.strip() == ""):
@@ -267,93 +331,8 @@ def from_sources(environ: Optional[Mapping[str, str]] = None,
         for key, raw in extra.items():
             values[key] = _parse(key, raw, f"additional_config['topth'][{key!r}]")
     if "mode" not in values or values["mode"] is None:
-        values["mode"] = "topth" if values.get("thresholds") else "dense"
+        values["mode"] = "topth" if values.get("thresholds") else "calibrate" if values.get("calibrate_out") else "dense"
     values["mode"] = str(values["mode"]).lower()
     if values.get("sdc") is None:
         values.pop("sdc", None)
     return replace(VllmTopthSettings(), **values).validated()
-
-
-def model_name_of(hf_config: Any, model_path: Optional[str]) -> Optional[str]:
-    """The served model's name for the threshold-file name check: ``topth_model_name`` of
-    an export (``topth-ops export-hf``), else the last component of the model path."""
-    name = getattr(hf_config, "topth_model_name", None)
-    if name:
-        return str(name)
-    if model_path:
-        return os.path.basename(str(model_path).rstrip("/\\")) or None
-    return None
-
-
-def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Optional[str],
-                   tp_size: int) -> Optional[ThresholdSet]:
-    """Load the threshold file and check it against the served model and TP size.
-
-    Parameters
-    ----------
-    settings : VllmTopthSettings
-    hf_config : transformers config
-        The served model's config (vLLM's ``model_config.hf_config``).
-    model_name : str, optional
-        For messages and the same-shape name warning.
-    tp_size : int
-        Tensor-parallel size.
-
-    Returns
-    -------
-    ThresholdSet or None
-        None in dense mode.
-
-    Raises
-    ------
-    TopthConfigError
-        TP size that does not divide the query heads.
-    ThresholdFileError
-        Missing, unreadable or corrupt file, a file for another model (layers, heads,
-        head_dim differ; both are named), or an sdc mode the file cannot serve.
-    """
-    cfg = attention_config_of(hf_config)
-    if tp_size < 1 or cfg["num_q_heads"] % tp_size:
-        raise TopthConfigError(
-            f"topth vLLM backend: tensor-parallel size {tp_size} does not divide the model's "
-            f"{cfg['num_q_heads']} query heads, so the threshold rows cannot be split per rank")
-    if settings.op_backend:
-        _check_op_backend(settings.op_backend)
-    if settings.mode == "dense":
-        return None
-    path = settings.thresholds
-    if not os.path.isfile(path):
-        what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
-        raise ThresholdFileError(f"topth vLLM backend: threshold file {path!r} {what} "
-                                 f"({ENV['thresholds']} / additional_config['topth']['thresholds'])")
-    try:
-        ts = load_thresholds(path, settings.threshold_set)
-    except ThresholdFileError as e:
-        raise ThresholdFileError(f"{e} (serving picks one set: {ENV['threshold_set']} / "
-                                 "additional_config['topth']['threshold_set'] / `topth-ops serve --threshold-set`)") from None
-    ts.check_model(hf_config, model_name, compare_name=model_name is not None)
-    hkv = cfg["num_kv_heads"]
-    if ts.selection == "group" and hkv % tp_size and tp_size % hkv:
-        raise TopthConfigError(
-            f"topth vLLM backend: {ts.name()} has group-selection thresholds (one per KV head); tensor-parallel "
-            f"size {tp_size} must divide the model's {hkv} KV heads or be a multiple of them")
-    if settings.sdc != "none" and ts.placement != "pre_softmax":
-        raise ThresholdFileError(f"{ts.name()} holds {ts.placement} thresholds; sdc={settings.sdc!r} needs "
-                                 "pre_softmax thresholds (set TOPTH_VLLM_SDC=none)")
-    if settings.sdc == "offline" and ts.sdc_table is None:
-        raise ThresholdFileError(f"sdc='offline' needs an sdc_table; {ts.name()} has none")
-    return ts
-
-
-def _check_op_backend(name: str) -> None:
-    from ..registry import get_backend
-
-    try:
-        be = get_backend(name)
-    except ValueError as e:
-        raise TopthConfigError(f"topth vLLM backend: {ENV['op_backend']} / additional_config['topth']['op_backend'] "
-                               f"= {name!r} is not a registered backend of the op: {e}") from None
-    reasons = be.unavailable_reasons()
-    if reasons:
-        raise TopthConfigError(f"topth vLLM backend: {ENV['op_backend']} = {name!r} is unavailable here: "
-                               + "; ".join(reasons))

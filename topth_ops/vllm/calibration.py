@@ -1,0 +1,398 @@
+"""Threshold calibration inside the vLLM engine (mode ``calibrate``; paper section 3.1).
+
+The engine serves every row through the platform's own attention, so answers are those of
+dense serving, while this module records the rows the engine computes in the bounded-memory
+kept-count accumulator of offline calibration
+(:class:`topth_ops.calibration.CountAccumulator`), for every requested k, placement and
+selection at once:
+
+- decode rows (row id n = the request's length after the step) and, with
+  ``calibrate_prefill``, prompt rows of prefill and chunked prefill (row id = position + 1),
+  which give every row id of a prompt;
+- rows are thinned exactly as offline (:meth:`CountAccumulator.row_stride`: every row up
+  to 128 row ids, then 128 per octave and sequence), so the same token sequences give the
+  same rows as ``topth-ops calibrate``; only the recorded rows' scores are computed:
+  ``q . K^T * scale`` in float32 from the request's K rows in the paged cache.
+
+The threshold file (today's format, one file per placement and selection as ``topth-ops
+calibrate --out``) is written when ``calibrate_requests`` requests have finished, on
+SIGUSR1 (a snapshot; recording goes on), or when the engine shuts down; it records its
+source (served traffic: requests, tokens, rows, row ids covered), and the length model
+continues the table beyond the longest row seen. Pre-softmax files carry no offline SDC
+table (that needs a second pass at the final thresholds).
+
+Tensor parallelism: each rank records its own query (and KV) heads; each rank writes its
+part next to the output, and rank 0 merges the parts (heads in rank order) into whole
+files that load at any TP size. Group selection needs whole GQA groups on a rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from .. import packed
+from ..calibration import CountAccumulator
+from ..cli import check_output_file
+from ..contract import PLACEMENTS
+from ..prefill import MAX_CHUNK_ELEMS
+from ..thresholds import DENSE, MAX_ROW_IDS, ThresholdSet, attention_config_of, parse_layer_k
+from ..thresholds.save import save_threshold_sets, sets_file_path
+from . import requests as requests_mod
+from .settings import TopthConfigError, VllmTopthSettings
+
+logger = logging.getLogger("vllm.topth_ops")
+
+#: Score rows computed at once are capped at this many float32 values (bounded memory).
+CHUNK_VALUES = 1 << 24
+#: Seconds rank 0 waits for the other ranks' parts.
+MERGE_WAIT_S = 120.0
+#: Seconds without a forward after which every request of the last batch counts as finished.
+IDLE_S = 1.0
+
+
+def paged_keys(key_cache: torch.Tensor, kv_layout: str, block_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` K rows of one sequence, ``[num_kv_heads, n, head_dim]`` float32.
+
+    Parameters
+    ----------
+    key_cache : torch.Tensor
+        ``[num_blocks, num_kv_heads, block_size, head_dim]`` (``HND``, any strides, or
+        ``VLLM_AMX``) or ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``NHD``).
+    kv_layout : {"NHD", "HND", "VLLM_AMX"}
+    block_ids : torch.Tensor
+        The sequence's block table row (at least ``ceil(n / block_size)`` entries).
+    n : int
+    """
+    bs = key_cache.shape[1] if kv_layout == "NHD" else key_cache.shape[2]
+    blocks = key_cache[block_ids[:-(-n // bs)].long()]
+    if kv_layout == "NHD":
+        blocks = blocks.permute(0, 2, 1, 3)
+    elif kv_layout == "VLLM_AMX":
+        blocks = packed.unpack(blocks, "key")
+    H, D = blocks.shape[1], blocks.shape[3]
+    return blocks.transpose(0, 1).reshape(H, -1, D)[:, :n].float()
+
+
+def row_scores(q: torch.Tensor, keys: torch.Tensor, row_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Logits ``[num_q_heads, R, n]`` of query rows ``q`` ``[R, num_q_heads, head_dim]``
+    over ``keys`` ``[num_kv_heads, n, head_dim]`` (GQA: query head h reads KV head
+    h // group), -inf at keys j >= the row's row id."""
+    R, Hq, D = q.shape
+    Hkv, n, _ = keys.shape
+    G = Hq // Hkv
+    qg = q.float().view(R, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, R * G, D)
+    a = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale)  # [Hkv, R * G, n]
+    a = a.view(Hkv, R, G, n).permute(0, 2, 1, 3).reshape(Hq, R, n)
+    invalid = torch.arange(n)[None, :] >= row_ids[:, None]
+    return a.masked_fill_(invalid[None], float("-inf"))
+
+
+def output_paths(template: str, ks: list, placements: list, selections: list) -> dict:
+    """``{(k or None, placement, selection): path}`` of the files a calibration writes
+    (``{k}`` in ``template``: one file per k)."""
+    out = {}
+    for k in (ks if "{k}" in template else [None]):
+        for p in placements:
+            for s in selections:
+                out[(k, p, s)] = sets_file_path(template, k, p, len(placements) > 1, s, len(selections) > 1,
+                                                flag="calibrate_out")
+    return out
+
+
+def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int) -> tuple:
+    """The calibration a mode-``calibrate`` engine runs, checked against the model (engine
+    start, and ``topth-ops serve --calibrate`` before the engine loads).
+
+    Returns
+    -------
+    (ks, targets, placements, selections)
+        The k list, a layer-k map per k, and the placements / selections to write.
+
+    Raises
+    ------
+    TopthConfigError
+        A layer-k map for another model, group selection with a TP size above the KV
+        heads, a bad output template, or an output path that cannot be written.
+    """
+    cfg = attention_config_of(hf_config)
+    ks = settings.calibrate_ks()
+    try:
+        targets = [list(parse_layer_k(settings.calibrate_layer_k, k, cfg["num_layers"])) for k in ks]
+    except ValueError as e:
+        raise TopthConfigError(f"topth vLLM backend: calibrate_layer_k: {e}") from None
+    p, s = settings.calibrate_placement, settings.calibrate_selection
+    placements = list(PLACEMENTS) if p == "both" else [p]
+    selections = ["head", "group"] if s == "both" else [s]
+    if "group" in selections and tp_size > cfg["num_kv_heads"]:
+        raise TopthConfigError(f"topth vLLM backend: group-selection calibration needs whole GQA groups on a rank; "
+                               f"tensor-parallel size {tp_size} exceeds the model's {cfg['num_kv_heads']} KV heads")
+    try:
+        for path in output_paths(settings.calibrate_out, ks, placements, selections).values():
+            check_output_file(path, "calibrate_out")
+    except ValueError as e:
+        raise TopthConfigError(f"topth vLLM backend: {e}") from None
+    return ks, targets, placements, selections
+
+
+class EngineCalibration:
+    """Records served rows and writes threshold files (module docstring).
+
+    Parameters
+    ----------
+    settings : VllmTopthSettings
+        Mode ``calibrate``.
+    hf_config : transformers config
+        The served model's config.
+    model_name : str or None
+        Recorded in the files.
+    tp_rank, tp_size : int
+    max_model_len : int
+        The engine's longest row (sizes the accumulator).
+
+    Raises
+    ------
+    TopthConfigError
+        An output path that cannot be written, a template without ``{placement}`` /
+        ``{selection}`` where both are written, a layer-k map for another model, or group
+        selection with a TP size above the KV heads.
+    """
+
+    def __init__(self, settings: VllmTopthSettings, hf_config, model_name: Optional[str], tp_rank: int,
+                 tp_size: int, max_model_len: int):
+        cfg = attention_config_of(hf_config)
+        self.cfg, self.model_name, self.rank, self.tp = cfg, model_name, tp_rank, tp_size
+        L, Hq, Hkv = cfg["num_layers"], cfg["num_q_heads"], cfg["num_kv_heads"]
+        self.template = settings.calibrate_out
+        self.ks, self.targets, self.placements, self.selections = check_calibration(settings, hf_config, tp_size)
+        self.context = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        self.prefill = settings.calibrate_prefill
+        self.requests_target = settings.calibrate_requests
+        ks = sorted({k for t in self.targets for k in t if k != DENSE})
+        self.acc = CountAccumulator(L, Hq // tp_size, max(1, Hkv // tp_size), int(max_model_len), ks,
+                                    self.placements, self.selections)
+        self.lock = threading.RLock()
+        self.platform_layers: dict = {}
+        self.tokens = self.steps = self.prompts = self.prefill_rows = self.decode_rows = self.max_row = 0
+        self.seconds = {"prefill": 0.0, "decode": 0.0}  # spent recording, by kind of row
+        self._first_layer: Optional[int] = None
+        self.generation = 0
+        self.done = self._stopping = False
+        self._last_forward = time.monotonic()
+        self._signal = threading.Event()
+        nbytes = sum(h.numel() * 8 for h in self.acc.hist.values()) + self.acc.rows_per_id.numel() * 8
+        logger.info("topth: calibrating from served traffic (every row served by vLLM's own attention): k=%s, %s, "
+                    "%s selection, layer-k %r, prefill rows %s; writing %s %s; accumulators %.1f MB (rank %d of %d); "
+                    "`kill -USR1 %d` writes a snapshot", self.ks, "/".join(self.placements), "/".join(self.selections),
+                    settings.calibrate_layer_k, "on" if self.prefill else "off", ", ".join(self.paths().values()),
+                    f"after {self.requests_target} requests" if self.requests_target else "at shutdown",
+                    nbytes / 1e6, tp_rank, tp_size, os.getpid())
+
+    # ------------------------------------------------------------------ recording
+
+    def paths(self) -> dict:
+        """``{(k or None, placement, selection): path}`` of the files to write."""
+        return output_paths(self.template, self.ks, self.placements, self.selections)
+
+    def platform_layer(self, layer: int, reason: str) -> None:
+        """Layer ``layer`` is served by the platform in every row (sliding window, ...): it is
+        not recorded and stays dense in the files."""
+        if layer not in self.platform_layers:
+            self.platform_layers[layer] = reason
+            for t in self.targets:
+                t[layer] = DENSE
+            logger.info("topth: calibration keeps layer %d dense (served by vLLM's own attention: %s)", layer, reason)
+
+    def observe(self, layer: int, query: torch.Tensor, key_cache: torch.Tensor, kv_layout: str,
+                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                num_decodes: int, scale: float) -> None:
+        """Record the rows of one layer's forward.
+
+        Parameters
+        ----------
+        layer : int
+        query : torch.Tensor
+            ``[num_tokens, num_q_heads (this rank), head_dim]``.
+        key_cache : torch.Tensor
+            The layer's paged K cache in ``kv_layout`` (the step's tokens written).
+        query_start_loc : torch.Tensor
+            ``[num_reqs + 1]`` token offsets of the requests.
+        seq_lens : torch.Tensor
+            ``[num_reqs]`` lengths after the step.
+        block_table : torch.Tensor
+            ``[num_reqs, width]``.
+        num_decodes : int
+            Requests ``[0, num_decodes)`` are decode rows; the others prompt rows.
+        """
+        if self.done:
+            return
+        qsl = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        with self.lock:
+            self._last_forward = time.monotonic()
+            first = self._first_layer is None or layer <= self._first_layer
+            if first:
+                self._first_layer = layer
+                self.steps += 1
+                self.tokens += qsl[len(lens)] - qsl[0]
+                self.prompts += sum(1 for i, n in enumerate(lens[num_decodes:], num_decodes)
+                                    if n > 1 and n == qsl[i + 1] - qsl[i])  # a prompt's first chunk
+            for i, n in enumerate(lens):
+                T = qsl[i + 1] - qsl[i]
+                decode = i < num_decodes
+                if T <= 0 or n <= 0 or not (decode or self.prefill):
+                    continue
+                rows = torch.arange(n - T + 1, n + 1)
+                keep = (rows > self.acc.min_k) & (rows % self.acc.row_stride(rows) == 0)
+                if not bool(keep.any()):
+                    continue
+                t0 = time.perf_counter()
+                ids = rows[keep]
+                q = query[qsl[i]:qsl[i + 1]][keep]
+                keys = paged_keys(key_cache, kv_layout, block_table[i], n)
+                # the row chunks of the offline pass over a sequence of n tokens (a layer's
+                # histogram range comes from its first chunk: the same rows give the same range)
+                chunk = (ids - 1) // max(1, MAX_CHUNK_ELEMS // (self.cfg["num_q_heads"] * n))
+                step = max(1, CHUNK_VALUES // (q.shape[1] * n))
+                for c0 in range(0, ids.numel(), step):
+                    c1 = min(ids.numel(), c0 + step)
+                    while c0 < c1:
+                        e = c0 + int((chunk[c0:c1] == chunk[c0]).sum())
+                        self.acc.record(layer, row_scores(q[c0:e], keys, ids[c0:e], scale)[None], ids[None, c0:e])
+                        c0 = e
+                self.seconds["decode" if decode else "prefill"] += time.perf_counter() - t0
+                if first:
+                    self.max_row = max(self.max_row, n)
+                    if decode:
+                        self.decode_rows += int(ids.numel())
+                    else:
+                        self.prefill_rows += int(ids.numel())
+
+    # ------------------------------------------------------------------ triggers
+
+    def start_triggers(self) -> None:
+        """The write triggers: shutdown (atexit), SIGUSR1 (where this thread may install a
+        handler) and the request count (a daemon thread that also serves the signal)."""
+        atexit.register(self.at_exit)
+        try:
+            signal.signal(signal.SIGUSR1, lambda *_: self._signal.set())
+        except ValueError:  # not the main thread
+            logger.warning("topth: calibration cannot install its SIGUSR1 handler here (not the main thread); the "
+                           "file is written at shutdown%s", " or after the request count" if self.requests_target else "")
+        threading.Thread(target=self._loop, name="topth-calibrate", daemon=True).start()
+
+    def finished_requests(self) -> int:
+        """Requests that left the batch, plus the last batch's when the engine is idle."""
+        removed, size = requests_mod.batch_counts()
+        idle = self._stopping or time.monotonic() - self._last_forward >= IDLE_S
+        return removed + (size if idle else 0)
+
+    def at_exit(self) -> None:
+        """The shutdown trigger: the last write (every request has finished)."""
+        self._stopping = True
+        self.write("engine shutdown", final=True)
+
+    def _loop(self) -> None:
+        while not self.done:
+            if self._signal.wait(IDLE_S):
+                self._signal.clear()
+                self.write("SIGUSR1")
+            elif self.requests_target and self.finished_requests() >= self.requests_target:
+                self.write(f"{self.requests_target} requests finished", final=True)
+
+    def report(self) -> dict:
+        """The calibration's counters (the JSON report's ``calibration`` section)."""
+        return {"prompts": self.prompts, "requests_finished": self.finished_requests(), "tokens": self.tokens,
+                "steps": self.steps, "prompt_rows_per_layer": self.prefill_rows,
+                "decode_rows_per_layer": self.decode_rows, "longest_row": self.max_row,
+                "record_seconds": dict(self.seconds), "files_written": self.generation, "done": self.done}
+
+    # ------------------------------------------------------------------ writing
+
+    def source(self) -> str:
+        return (f"served traffic: {self.prompts} prompts ({self.finished_requests()} requests finished), "
+                f"{self.tokens} tokens in {self.steps} steps; "
+                f"rows recorded per layer: {self.prefill_rows} prompt, {self.decode_rows} decode; row ids 1-{self.max_row}")
+
+    def write(self, reason: str, final: bool = False) -> list:
+        """Write the files now (``final``: and stop recording). Returns the paths written
+        (none on ranks > 0, and none without recorded rows, which is logged)."""
+        with self.lock:
+            if self.done:
+                return []
+            self.done = final
+            self.generation += 1
+            if not (self.prefill_rows or self.decode_rows):
+                logger.warning("topth: calibration (%s): no rows were recorded (no request longer than k=%d), so no "
+                               "threshold file was written", reason, self.acc.min_k)
+                return []
+            acc, max_row = self.acc, self.max_row
+            if self.tp > 1:
+                acc, max_row = self._merge_parts()
+                if acc is None:
+                    return []
+            extend_to = max(max_row, min(8 * max_row, self.context or MAX_ROW_IDS, MAX_ROW_IDS))
+            try:
+                results = acc.results(self.targets, extend_to, calibrated_rows=max_row)
+            except ValueError as e:
+                logger.error("topth: calibration (%s): no threshold file written: %s", reason, e)
+                return []
+            written = []
+            for (k, p, s), path in self.paths().items():
+                sets = [self._threshold_set(results[(i, p, s)]) for i, kk in enumerate(self.ks) if k in (None, kk)]
+                save_threshold_sets(path, sets)
+                written.append(path)
+                logger.info("topth: calibration (%s) wrote %s: %s", reason, path, "; ".join(t.summary() for t in sets))
+            return written
+
+    def _threshold_set(self, r) -> ThresholdSet:
+        return ThresholdSet(thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=r.placement,
+                            model_name=self.model_name, attention_config=dict(self.cfg), alpha=None, sdc_table=None,
+                            calibration_text=self.source(), calibration_samples=max(1, self.prompts),
+                            calibration_tokens=self.tokens, selection=r.selection, estimator="count",
+                            length_model=r.length_model)
+
+    def _part_path(self, rank: int) -> str:
+        return f"{next(iter(self.paths().values()))}.rank{rank}.part"
+
+    def _merge_parts(self):
+        """Write this rank's part; on rank 0 wait for every part of this generation and
+        merge the heads (rank order). Returns (accumulator, longest row) or (None, 0)."""
+        a = self.acc
+        part = {"generation": self.generation, "max_row": self.max_row, "hist": a.hist, "range": a.range,
+                "rows": a.rows, "log_n": a.log_n, "rows_per_id": a.rows_per_id}
+        tmp = self._part_path(self.rank) + ".tmp"
+        torch.save(part, tmp)
+        os.replace(tmp, self._part_path(self.rank))
+        if self.rank:
+            return None, 0
+        parts, deadline = {}, time.monotonic() + MERGE_WAIT_S
+        while len(parts) < self.tp and time.monotonic() < deadline:
+            for r in range(self.tp):
+                if r not in parts and os.path.exists(self._part_path(r)):
+                    p = torch.load(self._part_path(r), weights_only=True)
+                    if p["generation"] == self.generation:
+                        parts[r] = p
+            time.sleep(0.2)
+        if len(parts) < self.tp:
+            logger.error("topth: calibration: parts of ranks %s did not arrive within %.0f s; no file written",
+                         sorted(set(range(self.tp)) - set(parts)), MERGE_WAIT_S)
+            return None, 0
+        cfg = self.cfg
+        whole = CountAccumulator(cfg["num_layers"], cfg["num_q_heads"], cfg["num_kv_heads"], a.max_row_id,
+                                 sorted({k for t in self.targets for k in t if k != DENSE}), self.placements,
+                                 self.selections)
+        for key in whole.hist:
+            whole.hist[key] = torch.cat([parts[r]["hist"][key] for r in range(self.tp)], dim=1)
+            whole.range[key] = torch.cat([parts[r]["range"][key] for r in range(self.tp)], dim=1)
+        whole.rows, whole.log_n, whole.rows_per_id = a.rows, a.log_n, a.rows_per_id
+        for r in range(self.tp):
+            os.unlink(self._part_path(r))
+        return whole, max(p["max_row"] for p in parts.values())

@@ -1,0 +1,97 @@
+"""The served model against the settings: the model's name for the file check, loading the
+threshold file and checking it against the model's attention shape and the tensor-parallel
+layout (engine start and ``topth-ops serve``, before the engine loads). Nothing here
+imports vLLM."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from ..thresholds import ThresholdFileError, ThresholdSet, attention_config_of, load_thresholds
+from .settings import ENV, TopthConfigError, VllmTopthSettings
+
+
+def model_name_of(hf_config: Any, model_path: Optional[str]) -> Optional[str]:
+    """The served model's name for the threshold-file name check: ``topth_model_name`` of
+    an export (``topth-ops export-hf``), else the last component of the model path."""
+    name = getattr(hf_config, "topth_model_name", None)
+    if name:
+        return str(name)
+    if model_path:
+        return os.path.basename(str(model_path).rstrip("/\\")) or None
+    return None
+
+
+def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Optional[str],
+                   tp_size: int) -> Optional[ThresholdSet]:
+    """Load the threshold file and check it against the served model and TP size.
+
+    Parameters
+    ----------
+    settings : VllmTopthSettings
+    hf_config : transformers config
+        The served model's config (vLLM's ``model_config.hf_config``).
+    model_name : str, optional
+        For messages and the same-shape name warning.
+    tp_size : int
+        Tensor-parallel size.
+
+    Returns
+    -------
+    ThresholdSet or None
+        None in modes dense and calibrate.
+
+    Raises
+    ------
+    TopthConfigError
+        TP size that does not divide the query heads.
+    ThresholdFileError
+        Missing, unreadable or corrupt file, a file for another model (layers, heads,
+        head_dim differ; both are named), or an sdc mode the file cannot serve.
+    """
+    cfg = attention_config_of(hf_config)
+    if tp_size < 1 or cfg["num_q_heads"] % tp_size:
+        raise TopthConfigError(
+            f"topth vLLM backend: tensor-parallel size {tp_size} does not divide the model's "
+            f"{cfg['num_q_heads']} query heads, so the threshold rows cannot be split per rank")
+    if settings.op_backend:
+        _check_op_backend(settings.op_backend)
+    if settings.mode != "topth":  # dense, calibrate: no file to serve
+        return None
+    path = settings.thresholds
+    if not os.path.isfile(path):
+        what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+        raise ThresholdFileError(f"topth vLLM backend: threshold file {path!r} {what} "
+                                 f"({ENV['thresholds']} / additional_config['topth']['thresholds'])")
+    try:
+        ts = load_thresholds(path, settings.threshold_set)
+    except ThresholdFileError as e:
+        raise ThresholdFileError(f"{e} (serving picks one set: {ENV['threshold_set']} / "
+                                 "additional_config['topth']['threshold_set'] / `topth-ops serve --threshold-set`)") from None
+    ts.check_model(hf_config, model_name, compare_name=model_name is not None)
+    hkv = cfg["num_kv_heads"]
+    if ts.selection == "group" and hkv % tp_size and tp_size % hkv:
+        raise TopthConfigError(
+            f"topth vLLM backend: {ts.name()} has group-selection thresholds (one per KV head); tensor-parallel "
+            f"size {tp_size} must divide the model's {hkv} KV heads or be a multiple of them")
+    if settings.sdc != "none" and ts.placement != "pre_softmax":
+        raise ThresholdFileError(f"{ts.name()} holds {ts.placement} thresholds; sdc={settings.sdc!r} needs "
+                                 "pre_softmax thresholds (set TOPTH_VLLM_SDC=none)")
+    if settings.sdc == "offline" and ts.sdc_table is None:
+        raise ThresholdFileError(f"sdc='offline' needs an sdc_table; {ts.name()} has none")
+    return ts
+
+
+def _check_op_backend(name: str) -> None:
+    from ..registry import get_backend
+
+    try:
+        be = get_backend(name)
+    except ValueError as e:
+        raise TopthConfigError(f"topth vLLM backend: {ENV['op_backend']} / additional_config['topth']['op_backend'] "
+                               f"= {name!r} is not a registered backend of the op: {e}") from None
+    reasons = be.unavailable_reasons()
+    if reasons:
+        raise TopthConfigError(f"topth vLLM backend: {ENV['op_backend']} = {name!r} is unavailable here: "
+                               + "; ".join(reasons))
