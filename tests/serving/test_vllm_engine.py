@@ -237,3 +237,76 @@ def test_serving_bench_small_version_of_workload_a(smol, tmp_path):
     assert _near_tie_only(s["topth"]["greedy_vs_vllm"], tol=0.13), s["topth"]["greedy_vs_vllm"]
     assert s["topth"]["v_rows_fraction"] == 1.0
     assert res["machine"]["model"] and res["read_probe_gbps_1thread"] > 0
+
+
+def test_engine_calibration_equals_offline_calibration_on_the_same_tokens(smol, tmp_path):
+    """Mode calibrate (prompt rows only, max_tokens=1) and `calibrate()` through transformers
+    on the same token ids: the same rows per row id, thresholds equal up to float32 rounding
+    of the logits (vLLM's and transformers' kernels differ)."""
+    tiny4 = vc.write_tiny_llama(str(tmp_path / "tiny4"), smol, layers=4)
+    out = tmp_path / "cal.json"
+    r = _run(["-m", "topth_ops.bench.vllm_calibrate", "--model", tiny4, "--prompts", "2", "--min-tokens", "300",
+              "--max-tokens", "420", "--new-tokens", "8", "--k", "16", "--skip", "vllm", "calibrate_decode",
+              "--out", str(tmp_path / "e_{placement}_{selection}.safetensors"), "--compare", "2", "--json", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    w = res["calibrate"]["worker"]
+    assert (w["prompts"], w["requests_finished"], w["files_written"], w["done"]) == (2, 2, 1, True), w
+    assert w["prompt_rows_per_layer"] > 300 and w["decode_rows_per_layer"] > 0, w
+    from topth_ops.thresholds import load_threshold_sets
+
+    ts, = load_threshold_sets(str(tmp_path / "e_post_softmax_group.safetensors"))
+    assert ts.calibration_text.startswith("served traffic: 2 prompts (2 requests finished)")
+    cmp = res["engine_vs_offline"]
+    assert len(cmp) == 4 and all(c["counts_equal"] and c["same_dense_entries"] for c in cmp.values()), cmp
+    for key, c in cmp.items():
+        assert c["max_abs_diff"] <= (1e-4 if key.startswith("post") else 1e-3 * c["value_span"]), (key, c)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vLLM's CPU engine needs 2 cores")
+def test_engine_calibration_tp2_and_request_count(tiny, tmp_path):
+    """TP 2 gives the TP 1 file (heads merged by rank 0); the request count writes the file
+    while the engine still runs."""
+    script = tmp_path / "cal.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "from topth_ops.bench import vllm_common as vc\n"
+        "if __name__ == '__main__':\n"
+        f"    ids = [p * 6 for p in vc.tokenize({tiny!r}, vc.humaneval_prompts(3))]\n"
+        "    seen = {}\n"
+        "    for tp in (1, 2):\n"
+        "        cpus = sorted(os.sched_getaffinity(0))\n"
+        "        os.environ['VLLM_CPU_OMP_THREADS_BIND'] = f'{cpus[0]}|{cpus[1]}' if tp == 2 else 'auto'\n"
+        f"        out = {str(tmp_path)!r} + f'/tp{{tp}}.safetensors'\n"
+        "        from vllm import LLM, SamplingParams\n"
+        "        from vllm.inputs import TokensPrompt\n"
+        f"        kw = vc.engine_kwargs({tiny!r}, tensor_parallel_size=tp, additional_config={{'topth': {{\n"
+        "            'mode': 'calibrate', 'calibrate_out': out, 'calibrate_k': '8', 'calibrate_layer_k': '',\n"
+        "            'calibrate_requests': 3, 'calibrate_selection': 'both' if tp == 1 else 'head',\n"
+        "            'calibrate_out': out.replace('.safetensors', '_{selection}.safetensors')}}})\n"
+        "        llm = LLM(**kw)\n"
+        "        llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids],\n"
+        "                     SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)\n"
+        "        path = out.replace('.safetensors', '_head.safetensors')\n"
+        "        deadline = time.time() + 60\n"
+        "        while not os.path.exists(path) and time.time() < deadline:\n"
+        "            time.sleep(0.5)\n"
+        "        seen[tp] = os.path.exists(path)\n"
+        "        llm.llm_engine.engine_core.shutdown()\n"
+        "        del llm\n"
+        f"    json.dump(seen, open({str(tmp_path / 'seen.json')!r}, 'w'))\n")
+    r = _run([str(script)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"1": True, "2": True}
+    from topth_ops.thresholds import load_threshold_sets
+
+    one, = load_threshold_sets(str(tmp_path / "tp1_head.safetensors"))
+    two, = load_threshold_sets(str(tmp_path / "tp2_head.safetensors"))
+    import torch
+
+    assert torch.equal(one.counts, two.counts) and one.thresholds.shape == two.thresholds.shape
+    assert "(3 requests finished)" in one.calibration_text and "(3 requests finished)" in two.calibration_text
+    fin = torch.isfinite(one.thresholds)
+    assert torch.equal(fin, torch.isfinite(two.thresholds))
+    assert float((one.thresholds[fin] - two.thresholds[fin]).abs().max()) < 1e-3
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".part")]
