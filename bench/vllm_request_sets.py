@@ -139,7 +139,7 @@ def guard_run(args, wd: str, name: str, spec: str, band: str) -> dict:
     lo, hi = (int(x) for x in spec.split(","))
     work = prompts(args.model, args.guard_requests, lo, hi, args.max_tokens, seed=2)
     log = os.path.join(wd, f"server_guard_{name}_{band}.log")
-    proc = serve(args.model, args.guard_thresholds, None, log, args.port, band)
+    proc = serve(args.model, args.guard_thresholds, args.guard_set, log, args.port, band)
     try:
         asyncio.run(wait_ready(args.port, proc, 900))
 
@@ -181,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", default="300,1000", help="LOW,HIGH prompt lengths (within the file's rows)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--guard-thresholds", help="a file to use far past its calibrated row ids")
+    ap.add_argument("--guard-set", type=int, default=None, help="set of --guard-thresholds to serve (several sets)")
     ap.add_argument("--guard-prompt-tokens", default="2000,2600", help="past the guard file's calibrated rows")
     ap.add_argument("--guard-in-range-tokens", default="300,500", help="within them ('' to skip)")
     ap.add_argument("--guard-bands", default="0.8,1.25",

@@ -301,3 +301,20 @@ def test_serving_control_settings_parse_and_refuse_bad_values():
                               ("TOPTH_VLLM_METRICS", "maybe", "1/0")]:
         with pytest.raises(TopthConfigError, match=match):
             from_sources({"TOPTH_VLLM_MODE": "dense", var: value})
+
+
+def test_serve_mode_vllm_refuses_backend_flags_and_dry_run_names_the_metrics_folder(tmp_path, capsys, monkeypatch):
+    from transformers import LlamaConfig
+
+    from topth_ops.cli import main
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    assert main(["serve", str(model), "--mode", "vllm", "--vmc", "--stats", "s.json", "--dry-run"]) == 2
+    assert "--vmc, --stats have no effect there" in capsys.readouterr().err
+    assert main(["serve", str(model), "--mode", "dense", "--dry-run"]) == 0
+    assert "would create PROMETHEUS_MULTIPROC_DIR" in capsys.readouterr().err
+    assert main(["serve", str(model), "--mode", "dense", "--no-metrics", "--dry-run"]) == 0
+    assert "PROMETHEUS_MULTIPROC_DIR" not in capsys.readouterr().err

@@ -46,6 +46,7 @@ FAMILIES: dict[str, dict] = {
     "topth-post-vmc-group": dict(mode="topth", placement="post_softmax", sdc="none", vmc=True, selection="group"),
     "topth-pre-offline-vmc-group": dict(mode="topth", placement="pre_softmax", sdc="offline", vmc=True,
                                         selection="group"),
+    "topth-pre-vmc-group": dict(mode="topth", placement="pre_softmax", sdc="none", vmc=True, selection="group"),
     "topk": dict(mode="topk", placement="pre_softmax", sdc="none", vmc=False),
     "topk-post-vmc": dict(mode="topk", placement="post_softmax", sdc="none", vmc=True),
 }

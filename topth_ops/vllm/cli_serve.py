@@ -69,6 +69,13 @@ def add_arguments(p) -> None:
 
 
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
+#: (flag, argparse dest) of the options that configure this backend (refused with --mode vllm)
+TOPTH_FLAGS = [("--thresholds", "thresholds"), ("--threshold-set", "threshold_set"), ("--vmc", "vmc"),
+               ("--sdc", "sdc"), ("--sdc-gamma", "sdc_gamma"), ("--op-backend", "op_backend"), ("--stats", "stats"),
+               ("--log-interval", "log_interval"), ("--no-metrics", "no_metrics"), ("--guard-band", "guard_band"),
+               ("--guard-window", "guard_window"), ("--dense-beyond", "dense_beyond"), ("--calibrate", "calibrate"),
+               ("--k", "k"), ("--layer-k", "layer_k"), ("--placement", "placement"), ("--selection", "selection"),
+               ("--calibrate-requests", "calibrate_requests"), ("--no-calibrate-prefill", "no_calibrate_prefill")]
 
 
 def tp_size_of(vllm_args: list) -> int:
@@ -122,7 +129,12 @@ def build(args) -> tuple[list[str], dict[str, str]]:
                        "write one with `topth-ops export-hf DIR`")
     vllm_args = list(getattr(args, "passthrough", []) or [])
     env: dict[str, str] = {}
-    if args.mode != "vllm":
+    if args.mode == "vllm":
+        ignored = [flag for flag, dest in TOPTH_FLAGS if getattr(args, dest, None) not in (None, False, "none")]
+        if ignored:
+            raise CliError(f"--mode vllm runs vLLM's own attention without this backend; {', '.join(ignored)} "
+                           f"{'has' if len(ignored) == 1 else 'have'} no effect there (drop {'it' if len(ignored) == 1 else 'them'})")
+    else:
         values = {"mode": args.mode, "thresholds": os.path.abspath(args.thresholds) if args.thresholds else None,
                   "threshold_set": None if args.threshold_set is None else str(args.threshold_set),
                   "vmc": "1" if args.vmc else "0", "sdc": args.sdc,
@@ -186,6 +198,10 @@ def run(args) -> int:
     if dropped:
         print("topth-ops serve: ignoring " + ", ".join(dropped) + " from the environment (serve sets the "
               "TOPTH_VLLM_* variables from its own options; see topth-ops serve --help)", file=sys.stderr, flush=True)
+    metrics_dir = args.mode != "vllm" and not args.no_metrics and "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    if args.dry_run and metrics_dir:
+        print("topth-ops serve: would create PROMETHEUS_MULTIPROC_DIR=/tmp/topth-prometheus-* (the worker's "
+              "topth_* metrics on /metrics; --no-metrics: none)", file=sys.stderr, flush=True)
     print("topth-ops serve: " + " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + " ".join(cmd),
           file=sys.stderr, flush=True)
     if args.dry_run:
@@ -195,7 +211,7 @@ def run(args) -> int:
         del full[var]
     full.update(env)
     full.setdefault("HF_HUB_OFFLINE", "1")
-    if args.mode != "vllm" and not args.no_metrics and "PROMETHEUS_MULTIPROC_DIR" not in full:
+    if metrics_dir:
         # the worker's topth_* metrics reach /metrics through prometheus_client's multi-process mode
         import tempfile
 
