@@ -99,5 +99,7 @@ def test_processor_follows_the_persistent_batch():
     assert R.row_choices(3) == [R.Choice(set=2), R.Choice(k=32), R.Choice(set=1)]
     p.update_state(None)
     assert R.row_choices(3)[0] == R.Choice(set=2)
+    # the last update added a request into a reused slot without listing a removal
+    assert R.batch_counts() == (5, 3)
     with pytest.raises(ValueError, match="exactly one of"):
         R.TopthRequests.validate_params(sp({"set": 1, "dense": True}))

@@ -289,10 +289,11 @@ class EngineCalibration:
         threading.Thread(target=self._loop, name="topth-calibrate", daemon=True).start()
 
     def finished_requests(self) -> int:
-        """Requests that left the batch, plus the last batch's when the engine is idle."""
-        removed, size = requests_mod.batch_counts()
+        """Requests that entered the batch and left it (all of them once the engine is idle
+        or stopping: the last batch's requests have finished then)."""
+        added, size = requests_mod.batch_counts()
         idle = self._stopping or time.monotonic() - self._last_forward >= IDLE_S
-        return removed + (size if idle else 0)
+        return added if idle else added - size
 
     def at_exit(self) -> None:
         """The shutdown trigger: the last write (every request has finished)."""

@@ -249,8 +249,8 @@ class TopthRequests(LogitsProcessor):  # type: ignore[misc,valid-type]
     def __init__(self, vllm_config=None, device=None, is_pin_memory: bool = False) -> None:
         global _CURRENT
         self.rows: dict[int, Choice] = {}
-        self.removed = 0  # requests that left the batch (finished or preempted), ever
-        self.size = 0     # requests in the batch now
+        self.added = 0  # requests that entered the batch, ever (a preempted request again when resumed)
+        self.size = 0   # requests in the batch now
         _CURRENT = self
 
     def is_argmax_invariant(self) -> bool:
@@ -263,7 +263,7 @@ class TopthRequests(LogitsProcessor):  # type: ignore[misc,valid-type]
         if batch_update is None:
             return
         rows = self.rows
-        self.removed += len(batch_update.removed)
+        self.added += len(batch_update.added)  # removals are not all listed: vLLM reuses their slots
         self.size = int(batch_update.batch_size)
         for i in batch_update.removed:
             rows.pop(i, None)
@@ -295,7 +295,7 @@ def row_choices(num_rows: int) -> list:
 
 
 def batch_counts() -> tuple:
-    """``(requests that left the batch so far, requests in the batch now)`` in this process,
-    from the :class:`TopthRequests` processor ((0, 0) when none runs here)."""
+    """``(requests that entered the batch so far, requests in the batch now)`` in this
+    process, from the :class:`TopthRequests` processor ((0, 0) when none runs here)."""
     cur = _CURRENT
-    return (0, 0) if cur is None else (cur.removed, cur.size)
+    return (0, 0) if cur is None else (cur.added, cur.size)
