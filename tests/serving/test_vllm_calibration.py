@@ -87,9 +87,11 @@ def test_engine_records_the_served_rows(monkeypatch, tmp_path, isa, dtype, prefi
     assert len(paths) == 4 and all(os.path.isfile(p) for p in paths)
     targets = [[0, 0, K, 0]]
     want_th = ref.results(targets, 8 * 72, calibrated_rows=72)
-    for (p, sel), path in zip([(p, sel) for p in ("pre_softmax", "post_softmax") for sel in ("head", "group")], paths):
+    assert [os.path.basename(p).split("_")[1] for p in paths] == ["post", "post", "pre", "pre"]  # recommended first
+    for path in paths:
         ts, = load_threshold_sets(path)
-        assert (ts.placement, ts.selection, ts.layer_k) == (p, sel, [0, 0, K, 0])
+        p, sel = ts.placement, ts.selection
+        assert path.endswith(f"th_{p}_{sel}.safetensors") and ts.layer_k == [0, 0, K, 0]
         assert ts.calibration_text.startswith("served traffic: ") and ts.counts.shape[-1] == 72
         got, exp = ts.thresholds[LAYER], want_th[(0, p, sel)].thresholds[LAYER]
         fin = torch.isfinite(exp)
@@ -229,3 +231,35 @@ def test_enable_calibrate(tmp_path, monkeypatch):
     assert os.environ["TOPTH_VLLM_CALIBRATE_K"] == "16,32"
     with pytest.raises(TopthConfigError, match="unknown calibrate key 'kk'"):
         enable(calibrate={"out": "x", "kk": 1})
+
+
+def test_layers_without_long_rows_are_written_dense_and_the_backend_turns_on(tmp_path, make_cfg, caplog):
+    from topth_ops.vllm.settings import is_active
+
+    assert is_active({"TOPTH_VLLM_CALIBRATE_OUT": str(tmp_path / "x.safetensors")})  # serve --calibrate, enable()
+    s = _settings(tmp_path, calibrate_layer_k="0:dense,1:dense,3:64", calibrate_placement="post_softmax",
+                  calibrate_selection="head")
+    c = EngineCalibration(s, make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D), "tiny", 0, 1, 256)
+    g = torch.Generator().manual_seed(2)
+    kc, table, lens = _hnd_cache({"a": 40}, g)  # rows up to 40: layer 2 (k=8) is calibrated, layer 3 (k=64) not
+    for layer in (2, 3):
+        c.observe(layer, torch.randn(40, Hq, D, generator=g), kc, "HND", torch.tensor([0, 40]), lens, table, 0, 0.125)
+    with caplog.at_level("WARNING", logger="vllm.topth_ops"):
+        path, = c.write("test", final=True)
+    assert "layer 3 saw no row longer than its k=64" in caplog.text and c.done
+    ts, = load_threshold_sets(path)
+    assert ts.layer_k == [0, 0, K, 0]
+
+
+def test_idle_needs_a_quiet_engine_longer_than_a_step(tmp_path, make_cfg, monkeypatch):
+    from topth_ops.vllm import calibration as cal
+
+    c = EngineCalibration(_settings(tmp_path), make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D), "tiny", 0, 1,
+                          256)
+    monkeypatch.setattr(cal.requests_mod, "batch_counts", lambda: (5, 2))
+    c._last_forward = time.monotonic() - 2 * cal.IDLE_S
+    assert c.idle() and c.finished_requests() == 5  # idle: the last batch has finished
+    c._in_forward = True  # a long layer forward in progress
+    assert not c.idle() and c.finished_requests() == 3
+    c._in_forward, c._step_s = False, 3 * cal.IDLE_S  # slow steps: gaps between layers are long
+    assert not c.idle()

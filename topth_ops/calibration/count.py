@@ -270,25 +270,24 @@ class CountAccumulator:
         usable = (self.edges[:-1] >= k) & (rows > 0)
         H = hist.shape[0]
         vals = np.full((H, self.NB), np.nan)
-        # above[h, b, i] = values >= edge i (edge i = lo + i * width), i = 0..bins
-        above = np.concatenate([np.cumsum(hist[..., ::-1], axis=-1)[..., ::-1],
-                                np.zeros(hist.shape[:-1] + (1,), dtype=hist.dtype)], axis=-1)
-        for b in np.flatnonzero(usable):
-            target = k * rows[b]
-            for h in range(H):
-                a = above[h, b]
-                # largest edge index i with above[i] >= target (above is non-increasing)
-                i = int(np.searchsorted(-a, -target, side="right")) - 1
-                lo, w = rng[h, 0], rng[h, 1]
-                if i < 0:  # fewer than k values per row even at the lowest edge
-                    vals[h, b] = lo
-                    continue
-                if i >= self.bins:
-                    vals[h, b] = lo + self.bins * w
-                    continue
-                inside = hist[h, b, i]
-                frac = (target - a[i + 1]) / inside if inside > 0 else 0.0
-                vals[h, b] = lo + (i + 1 - frac) * w
+        ub = np.flatnonzero(usable)
+        if not ub.size:
+            return centres, vals, rows, usable
+        h_u = hist[:, ub]  # [H, U, bins]
+        # above[h, u, i] = values >= edge i (edge i = lo + i * width), i = 0..bins
+        above = np.concatenate([np.cumsum(h_u[..., ::-1], axis=-1)[..., ::-1],
+                                np.zeros(h_u.shape[:-1] + (1,), dtype=h_u.dtype)], axis=-1)
+        target = (k * rows[ub]).astype(np.float64)[None, :]  # [1, U]
+        # largest edge index i with above[i] >= target (above is non-increasing along i)
+        i = (above >= target[..., None]).sum(-1) - 1  # [H, U]
+        ic = np.clip(i, 0, self.bins - 1)
+        inside = np.take_along_axis(h_u, ic[..., None], -1)[..., 0].astype(np.float64)
+        nxt = np.take_along_axis(above, (ic + 1)[..., None], -1)[..., 0]
+        frac = np.divide(target - nxt, inside, out=np.zeros_like(inside), where=inside > 0)
+        lo, w = rng[:, :1], rng[:, 1:]
+        v = lo + (i + 1 - frac) * w
+        v = np.where(i < 0, lo, v)  # fewer than k values per row even at the lowest edge
+        vals[:, ub] = np.where(i >= self.bins, lo + self.bins * w, v)
         return centres, vals, rows, usable
 
     def result(self, placement: str, selection: str, layer_k: LayerK, extend_to: Optional[int] = None,

@@ -85,7 +85,7 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
         left unchanged then.
     """
     values = {"mode": mode, "thresholds": os.path.abspath(os.fspath(thresholds)) if thresholds is not None else None,
-              "vmc": "1" if vmc else "0", "sdc": sdc,
+              "vmc": "1" if vmc else None, "sdc": None if sdc == "none" else sdc,
               "stats_file": os.path.abspath(stats_file) if stats_file else None,
               "log_interval": None if log_interval is None else str(log_interval), "op_backend": op_backend,
               "threshold_set": None if threshold_set is None else str(threshold_set),
@@ -99,7 +99,10 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
                                    f"{sorted(k[len('calibrate_'):] for k in ENV if k.startswith('calibrate_'))}")
         if key == "out":
             v = os.path.abspath(os.fspath(v))
-        values[f"calibrate_{key}"] = str(int(v) if isinstance(v, bool) else v)
+        values[f"calibrate_{key}"] = str(int(v) if isinstance(v, bool) else
+                                         ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
+    if calibrate and mode is None:
+        values["mode"] = "calibrate"
     new = {ENV[k]: str(v) for k, v in values.items() if v is not None}
     env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
     env.update(new)

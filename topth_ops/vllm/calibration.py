@@ -54,8 +54,9 @@ logger = logging.getLogger("vllm.topth_ops")
 CHUNK_VALUES = 1 << 24
 #: Seconds rank 0 waits for the other ranks' parts.
 MERGE_WAIT_S = 120.0
-#: Seconds without a forward after which every request of the last batch counts as finished.
-IDLE_S = 1.0
+#: Seconds without a forward (at least; and twice the last step) after which the engine is idle:
+#: every request of the last batch has finished, and writes happen from the trigger thread.
+IDLE_S = 5.0
 
 
 def paged_keys(key_cache: torch.Tensor, kv_layout: str, block_ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -184,9 +185,20 @@ class EngineCalibration:
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # spent recording, by kind of row
         self._first_layer: Optional[int] = None
         self.generation = 0
-        self.done = self._stopping = False
+        self.done = self._stopping = self._in_forward = False
+        self._pending: Optional[tuple] = None  # (reason, final) of a write due at the next step boundary
+        self._plock = threading.Lock()
+        self._step_start: Optional[float] = None
+        self._step_s = 0.0
+        self._warned_dense: set = set()
         self._last_forward = time.monotonic()
         self._signal = threading.Event()
+        if tp_size > 1 and os.path.exists(self._part_path(tp_rank)):
+            os.unlink(self._part_path(tp_rank))  # a part left by an earlier run that was killed
+        never = sorted({k for t in self.targets for k in t if k != DENSE and k >= max_model_len})
+        if never:
+            logger.warning("topth: calibration: k=%s reach the engine's max_model_len %d; no row is longer, so layers "
+                           "at those k will be dense in the file", never, max_model_len)
         nbytes = sum(h.numel() * 8 for h in self.acc.hist.values()) + self.acc.rows_per_id.numel() * 8
         logger.info("topth: calibrating from served traffic (every row served by vLLM's own attention): k=%s, %s, "
                     "%s selection, layer-k %r, prefill rows %s; writing %s %s; accumulators %.1f MB (rank %d of %d); "
@@ -235,8 +247,20 @@ class EngineCalibration:
             return
         qsl = query_start_loc.tolist()
         lens = seq_lens.tolist()
+        first = self._first_layer is None or layer <= self._first_layer
+        if first:  # a step boundary: the place for writes (every rank is at the same step)
+            now = time.monotonic()
+            if self._step_start is not None:
+                self._step_s = now - self._step_start
+            self._step_start = now
+            self._check_count()
+            due = self._take_pending()
+            if due is not None:
+                self.write(*due)
+                if self.done:
+                    return
         with self.lock:
-            self._last_forward = time.monotonic()
+            self._in_forward = True
             first = self._first_layer is None or layer <= self._first_layer
             if first:
                 self._first_layer = layer
@@ -274,12 +298,15 @@ class EngineCalibration:
                         self.decode_rows += int(ids.numel())
                     else:
                         self.prefill_rows += int(ids.numel())
+            self._in_forward = False
+            self._last_forward = time.monotonic()
 
     # ------------------------------------------------------------------ triggers
 
     def start_triggers(self) -> None:
         """The write triggers: shutdown (atexit), SIGUSR1 (where this thread may install a
-        handler) and the request count (a daemon thread that also serves the signal)."""
+        handler) and the request count. Writes happen at a step boundary (the first layer's
+        forward) while the engine steps, and from a daemon thread once it is idle."""
         atexit.register(self.at_exit)
         try:
             signal.signal(signal.SIGUSR1, lambda *_: self._signal.set())
@@ -288,12 +315,32 @@ class EngineCalibration:
                            "file is written at shutdown%s", " or after the request count" if self.requests_target else "")
         threading.Thread(target=self._loop, name="topth-calibrate", daemon=True).start()
 
+    def idle(self) -> bool:
+        """No forward for a while: longer than IDLE_S and than twice the last step (a long
+        prefill step leaves gaps of seconds between layers)."""
+        quiet = time.monotonic() - self._last_forward
+        return not self._in_forward and quiet >= max(IDLE_S, 2.0 * self._step_s)
+
     def finished_requests(self) -> int:
         """Requests that entered the batch and left it (all of them once the engine is idle
         or stopping: the last batch's requests have finished then)."""
         added, size = requests_mod.batch_counts()
-        idle = self._stopping or time.monotonic() - self._last_forward >= IDLE_S
-        return added if idle else added - size
+        return added if (self._stopping or self.idle()) else added - size
+
+    def _check_count(self) -> None:
+        if (self.requests_target and self._pending is None and not self.done
+                and self.finished_requests() >= self.requests_target):
+            self._due((f"{self.requests_target} requests finished", True))
+
+    def _due(self, write: tuple) -> None:
+        with self._plock:
+            if self._pending is None or write[1]:
+                self._pending = write
+
+    def _take_pending(self) -> Optional[tuple]:
+        with self._plock:
+            due, self._pending = self._pending, None
+            return due
 
     def at_exit(self) -> None:
         """The shutdown trigger: the last write (every request has finished)."""
@@ -302,11 +349,17 @@ class EngineCalibration:
 
     def _loop(self) -> None:
         while not self.done:
-            if self._signal.wait(IDLE_S):
+            if self._signal.wait(1.0):
                 self._signal.clear()
-                self.write("SIGUSR1")
-            elif self.requests_target and self.finished_requests() >= self.requests_target:
-                self.write(f"{self.requests_target} requests finished", final=True)
+                if self.done:
+                    logger.warning("topth: calibration already wrote its final file; SIGUSR1 ignored")
+                else:
+                    self._due(("SIGUSR1", False))
+            if self.idle():  # no step boundary coming: write from here
+                self._check_count()
+                due = self._take_pending()
+                if due is not None:
+                    self.write(*due)
 
     def report(self) -> dict:
         """The calibration's counters (the JSON report's ``calibration`` section)."""
@@ -323,16 +376,17 @@ class EngineCalibration:
                 f"rows recorded per layer: {self.prefill_rows} prompt, {self.decode_rows} decode; row ids 1-{self.max_row}")
 
     def write(self, reason: str, final: bool = False) -> list:
-        """Write the files now (``final``: and stop recording). Returns the paths written
-        (none on ranks > 0, and none without recorded rows, which is logged)."""
+        """Write the files now (``final``: and stop recording once written). Returns the
+        paths written (none on ranks > 0, and none without recorded rows, which is logged).
+        Layers without a recorded row longer than their k are written dense, with a warning."""
         with self.lock:
             if self.done:
                 return []
-            self.done = final
             self.generation += 1
             if not (self.prefill_rows or self.decode_rows):
                 logger.warning("topth: calibration (%s): no rows were recorded (no request longer than k=%d), so no "
                                "threshold file was written", reason, self.acc.min_k)
+                self.done = final
                 return []
             acc, max_row = self.acc, self.max_row
             if self.tp > 1:
@@ -340,18 +394,37 @@ class EngineCalibration:
                 if acc is None:
                     return []
             extend_to = max(max_row, min(8 * max_row, self.context or MAX_ROW_IDS, MAX_ROW_IDS))
-            try:
-                results = acc.results(self.targets, extend_to, calibrated_rows=max_row)
-            except ValueError as e:
-                logger.error("topth: calibration (%s): no threshold file written: %s", reason, e)
+            targets = [self._covered(acc, t) for t in self.targets]
+            if all(all(k == DENSE for k in t) for t in targets):
+                logger.warning("topth: calibration (%s): no layer has a recorded row longer than its k (%s); no "
+                               "threshold file was written yet", reason, self.ks)
                 return []
+            results = acc.results(targets, extend_to, calibrated_rows=max_row)
             written = []
-            for (k, p, s), path in self.paths().items():
+            # the recommended placement first (a shutdown write may be cut short by the engine)
+            for (k, p, s), path in sorted(self.paths().items(), key=lambda e: e[0][1] != "post_softmax"):
                 sets = [self._threshold_set(results[(i, p, s)]) for i, kk in enumerate(self.ks) if k in (None, kk)]
                 save_threshold_sets(path, sets)
                 written.append(path)
                 logger.info("topth: calibration (%s) wrote %s: %s", reason, path, "; ".join(t.summary() for t in sets))
+            self.done = final
             return written
+
+    def _covered(self, acc: CountAccumulator, layer_k: list) -> list:
+        """``layer_k`` with the layers that saw no recorded row longer than their k made
+        dense (warned about once per layer and k)."""
+        out = list(layer_k)
+        for layer, k in enumerate(layer_k):
+            if k == DENSE:
+                continue
+            rows = acc.rows[layer].numpy()
+            if not (rows[acc.edges[:-1] >= k] > 0).any():
+                out[layer] = DENSE
+                if (layer, k) not in self._warned_dense:
+                    self._warned_dense.add((layer, k))
+                    logger.warning("topth: calibration: layer %d saw no row longer than its k=%d; it is dense in the "
+                                   "file (longer requests, or a smaller --layer-k for it, calibrate it)", layer, k)
+        return out
 
     def _threshold_set(self, r) -> ThresholdSet:
         return ThresholdSet(thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=r.placement,
@@ -364,10 +437,11 @@ class EngineCalibration:
         return f"{next(iter(self.paths().values()))}.rank{rank}.part"
 
     def _merge_parts(self):
-        """Write this rank's part; on rank 0 wait for every part of this generation and
-        merge the heads (rank order). Returns (accumulator, longest row) or (None, 0)."""
+        """Write this rank's part; on rank 0 wait for every rank's part of the same steps
+        (tokens recorded) and merge the heads (rank order). Returns (accumulator, longest
+        row) or (None, 0)."""
         a = self.acc
-        part = {"generation": self.generation, "max_row": self.max_row, "hist": a.hist, "range": a.range,
+        part = {"tokens": self.tokens, "max_row": self.max_row, "hist": a.hist, "range": a.range,
                 "rows": a.rows, "log_n": a.log_n, "rows_per_id": a.rows_per_id}
         tmp = self._part_path(self.rank) + ".tmp"
         torch.save(part, tmp)
@@ -379,11 +453,12 @@ class EngineCalibration:
             for r in range(self.tp):
                 if r not in parts and os.path.exists(self._part_path(r)):
                     p = torch.load(self._part_path(r), weights_only=True)
-                    if p["generation"] == self.generation:
+                    if p["tokens"] == self.tokens:  # the same steps recorded
                         parts[r] = p
             time.sleep(0.2)
         if len(parts) < self.tp:
-            logger.error("topth: calibration: parts of ranks %s did not arrive within %.0f s; no file written",
+            logger.error("topth: calibration: parts of ranks %s for the same steps did not arrive within %.0f s; no "
+                         "file written (SIGUSR1 must reach every worker process, e.g. pkill -USR1 -f VllmWorker)",
                          sorted(set(range(self.tp)) - set(parts)), MERGE_WAIT_S)
             return None, 0
         cfg = self.cfg

@@ -135,9 +135,9 @@ def build(args) -> tuple[list[str], dict[str, str]]:
             raise CliError(f"--mode vllm runs vLLM's own attention without this backend; {', '.join(ignored)} "
                            f"{'has' if len(ignored) == 1 else 'have'} no effect there (drop {'it' if len(ignored) == 1 else 'them'})")
     else:
-        values = {"mode": args.mode, "thresholds": os.path.abspath(args.thresholds) if args.thresholds else None,
+        values = {"mode": args.mode or ("calibrate" if args.calibrate else None), "thresholds": os.path.abspath(args.thresholds) if args.thresholds else None,
                   "threshold_set": None if args.threshold_set is None else str(args.threshold_set),
-                  "vmc": "1" if args.vmc else "0", "sdc": args.sdc,
+                  "vmc": "1" if args.vmc else None, "sdc": None if args.sdc == "none" else args.sdc,
                   "stats_file": os.path.abspath(args.stats) if args.stats else None,
                   "log_interval": None if args.log_interval is None else str(args.log_interval),
                   "sdc_gamma": None if args.sdc_gamma is None else str(args.sdc_gamma),

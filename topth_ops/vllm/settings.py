@@ -174,6 +174,10 @@ class VllmTopthSettings:
                                        f"{1 if key == 'guard_window' else 0}, got {v!r} ({ENV[key]})")
         if self.mode == "calibrate":
             self._check_calibrate()
+        elif self.calibrate_out:
+            raise TopthConfigError(f"topth vLLM backend: calibrate_out is set but mode is {self.mode!r}: calibration "
+                                   "runs in mode 'calibrate' only (it serves every row dense; drop the threshold file "
+                                   "or the mode to calibrate, or calibrate_out to serve)")
         if not (0 < self.sdc_gamma < float("inf")):
             raise TopthConfigError(f"topth vLLM backend: sdc_gamma must be finite and > 0, got {self.sdc_gamma!r} "
                                    f"({ENV['sdc_gamma']} or additional_config['topth']['sdc_gamma'])")
@@ -187,6 +191,12 @@ class VllmTopthSettings:
         if self.thresholds:
             raise TopthConfigError("topth vLLM backend: mode 'calibrate' serves every row dense and writes a threshold "
                                    f"file; it takes no thresholds file (got {self.thresholds!r})")
+        decode_only = [k for k, dflt in (("threshold_set", None), ("vmc", False), ("sdc", "none"),
+                                         ("dense_beyond", 0)) if getattr(self, k) != dflt]
+        if decode_only:
+            raise TopthConfigError(f"topth vLLM backend: {', '.join(decode_only)} "
+                                   f"{'applies' if len(decode_only) == 1 else 'apply'} to Top-Theta decode; mode "
+                                   "'calibrate' serves every row dense (drop it)")
         self.calibrate_ks()
         for key, choices in CALIBRATE_CHOICES.items():
             v = getattr(self, f"calibrate_{key}")
@@ -252,6 +262,8 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         if raw is None or (isinstance(raw, str) and raw.strip() == ""):
             return None
         return _parse_int(raw, where, "an integer index")
+    if key == "calibrate_k" and isinstance(raw, (int, list, tuple)) and not isinstance(raw, bool):
+        return ",".join(str(x) for x in (raw if isinstance(raw, (list, tuple)) else [raw]))
     if key in ("sdc_gamma", "log_interval"):
         try:
             return float(raw)
@@ -275,15 +287,16 @@ def _unknown_message(unknown: list) -> str:
 
 
 def is_active(environ: Optional[Mapping[str, str]] = None, additional_config: Optional[Mapping] = None) -> bool:
-    """Whether the backend should replace vLLM's attention: TOPTH_VLLM_MODE or
-    TOPTH_VLLM_THRESHOLDS set (non-empty), or ``additional_config["topth"]`` present.
+    """Whether the backend should replace vLLM's attention: TOPTH_VLLM_MODE,
+    TOPTH_VLLM_THRESHOLDS or TOPTH_VLLM_CALIBRATE_OUT set (non-empty), or
+    ``additional_config["topth"]`` present.
     Unknown ``TOPTH_VLLM_*`` variables give a UserWarning (a misspelt name would
     otherwise leave vLLM's own attention running without notice)."""
     env = os.environ if environ is None else environ
     unknown = unknown_variables(env)
     if unknown:
         warnings.warn(f"topth vLLM backend: {_unknown_message(unknown)}", UserWarning, stacklevel=2)
-    if env.get(ENV["mode"], "").strip() or env.get(ENV["thresholds"], "").strip():
+    if any(env.get(ENV[k], "").strip() for k in ("mode", "thresholds", "calibrate_out")):
         return True
     return bool(additional_config) and CONFIG_KEY in additional_config
 
@@ -331,7 +344,7 @@ def from_sources(environ: Optional[Mapping[str, str]] = None,
         for key, raw in extra.items():
             values[key] = _parse(key, raw, f"additional_config['topth'][{key!r}]")
     if "mode" not in values or values["mode"] is None:
-        values["mode"] = "topth" if values.get("thresholds") else "calibrate" if values.get("calibrate_out") else "dense"
+        values["mode"] = "calibrate" if values.get("calibrate_out") else "topth" if values.get("thresholds") else "dense"
     values["mode"] = str(values["mode"]).lower()
     if values.get("sdc") is None:
         values.pop("sdc", None)
