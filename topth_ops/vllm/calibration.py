@@ -253,7 +253,7 @@ class EngineCalibration:
             if self._step_start is not None:
                 self._step_s = now - self._step_start
             self._step_start = now
-            self._check_count()
+            self._check_count(stepping=True)
             due = self._take_pending()
             if due is not None:
                 self.write(*due)
@@ -321,15 +321,16 @@ class EngineCalibration:
         quiet = time.monotonic() - self._last_forward
         return not self._in_forward and quiet >= max(IDLE_S, 2.0 * self._step_s)
 
-    def finished_requests(self) -> int:
+    def finished_requests(self, stepping: bool = False) -> int:
         """Requests that entered the batch and left it (all of them once the engine is idle
-        or stopping: the last batch's requests have finished then)."""
+        or stopping: the last batch's requests have finished then; ``stepping``: called at a
+        step boundary, so the engine is not idle)."""
         added, size = requests_mod.batch_counts()
-        return added if (self._stopping or self.idle()) else added - size
+        return added if (self._stopping or (not stepping and self.idle())) else added - size
 
-    def _check_count(self) -> None:
+    def _check_count(self, stepping: bool = False) -> None:
         if (self.requests_target and self._pending is None and not self.done
-                and self.finished_requests() >= self.requests_target):
+                and self.finished_requests(stepping) >= self.requests_target):
             self._due((f"{self.requests_target} requests finished", True))
 
     def _due(self, write: tuple) -> None:
@@ -392,6 +393,7 @@ class EngineCalibration:
             if self.tp > 1:
                 acc, max_row = self._merge_parts()
                 if acc is None:
+                    self.done = final and self.rank > 0  # rank 0 merges; the other ranks are done with their part
                     return []
             extend_to = max(max_row, min(8 * max_row, self.context or MAX_ROW_IDS, MAX_ROW_IDS))
             targets = [self._covered(acc, t) for t in self.targets]
