@@ -172,7 +172,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
                 warnings.simplefilter("default")
                 load_for_model(settings, cfg, model_name_of(cfg, args.model), tp)
             if settings.mode == "calibrate":
-                from .calibration import check_calibration
+                from .calib_plan import check_calibration
 
                 check_calibration(settings, cfg, tp)
         except (TopthConfigError, ThresholdFileError, ValueError) as e:
