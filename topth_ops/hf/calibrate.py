@@ -20,7 +20,7 @@ import torch
 
 from ..calibration import CalibrationResult, CountAccumulator, SdcAccumulator, ThresholdAccumulator
 from ..contract import SELECTIONS
-from ..thresholds import DENSE, MAX_ROW_IDS, ThresholdSet, attention_config_of, base_k
+from ..thresholds import DENSE, MAX_ROW_IDS, ThresholdSet, attention_config_of, base_k, default_extend_to
 from .attention import TopthSettings, disable, enable, model_display_name
 
 
@@ -225,7 +225,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         raise ValueError(f"alpha must be finite, got {alpha!r}")
     context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     if extend_to is None:
-        extend_to = max(max_len, min(8 * max_len, context or MAX_ROW_IDS, MAX_ROW_IDS))
+        extend_to = default_extend_to(max_len, context)
     elif isinstance(extend_to, bool) or not isinstance(extend_to, numbers.Integral) or \
             not max_len <= extend_to <= MAX_ROW_IDS:
         raise ValueError(f"extend_to must be an integer from the longest calibration sample ({max_len} tokens) "

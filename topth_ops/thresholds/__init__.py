@@ -18,6 +18,7 @@ from .format import (
                      MAX_ROW_IDS,
                      ThresholdFileError,
                      attention_config_of,
+                     default_extend_to,
                      describe_config,
                      fingerprint,
 )
@@ -40,6 +41,7 @@ from .validate import extend_sdc, extend_table, validate_set
 
 __all__ = ["DENSE", "DOMAINS", "ESTIMATORS", "FEATURES", "FORMAT", "FORMAT_VERSION", "MAX_ROW_IDS", "THRESHOLD_FEATURE",
            "LayerK", "LengthModel", "ThresholdFileError", "ThresholdSet", "as_index", "attention_config_of", "base_k",
+           "default_extend_to",
            "constant_table_model", "dense_rows", "describe_config", "extend_sdc", "extend_table", "feature_of",
            "fill_unsampled", "fingerprint", "fit_length_model", "format_layer_k", "import_reference_text",
            "layer_k_overrides", "load_threshold_sets", "load_thresholds", "parse_layer_k", "pick_set",

@@ -13,6 +13,27 @@ ESTIMATORS = ("mean", "count")
 #: Most row ids a threshold table may be extended to (``extend_to``): 2**20 covers every
 #: context length of today's models; a table is num_layers x heads x this many float32.
 MAX_ROW_IDS = 1 << 20
+
+
+def default_extend_to(longest: int, context=None) -> int:
+    """How far a calibrated table is extended by default: 8x the longest calibrated row
+    id, capped at the model's context and at :data:`MAX_ROW_IDS`, never below the longest.
+
+    Parameters
+    ----------
+    longest : int
+        The longest calibrated row id (tokens of the longest sample or served row).
+    context : int, optional
+        The model's context length (``max_position_embeddings``); None: no cap but MAX_ROW_IDS.
+
+    Returns
+    -------
+    int
+        The table's row ids ``[1, extend_to]``.
+    """
+    return max(longest, min(8 * longest, context or MAX_ROW_IDS, MAX_ROW_IDS))
+
+
 _CONFIG_KEYS = ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim")
 
 

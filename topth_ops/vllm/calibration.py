@@ -40,7 +40,7 @@ import torch
 
 from ..calibration import CountAccumulator
 from ..prefill import MAX_CHUNK_ELEMS
-from ..thresholds import DENSE, MAX_ROW_IDS, ThresholdSet, attention_config_of
+from ..thresholds import DENSE, ThresholdSet, attention_config_of, default_extend_to
 from ..thresholds.save import save_threshold_sets
 from . import requests as requests_mod
 from .calib_plan import check_calibration, output_paths, paged_keys, row_scores
@@ -162,20 +162,10 @@ class EngineCalibration:
         qsl = query_start_loc.tolist()
         lens = seq_lens.tolist()
         first = self._first_layer is None or layer <= self._first_layer
-        if first:  # a step boundary: the place for writes (every rank is at the same step)
-            now = time.monotonic()
-            if self._step_start is not None:
-                self._step_s = now - self._step_start
-            self._step_start = now
-            self._check_count(stepping=True)
-            due = self._take_pending()
-            if due is not None:
-                self.write(*due)
-                if self.done:
-                    return
+        if first and self._step_boundary():
+            return
         with self.lock:
             self._in_forward = True
-            first = self._first_layer is None or layer <= self._first_layer
             if first:
                 self._first_layer = layer
                 self.steps += 1
@@ -214,6 +204,19 @@ class EngineCalibration:
                         self.prefill_rows += int(ids.numel())
             self._in_forward = False
             self._last_forward = time.monotonic()
+
+    def _step_boundary(self) -> bool:
+        """The first layer of a step: time the last step, count finished requests and make
+        a write that is due (every rank is at the same step here). True once done."""
+        now = time.monotonic()
+        if self._step_start is not None:
+            self._step_s = now - self._step_start
+        self._step_start = now
+        self._check_count(stepping=True)
+        due = self._take_pending()
+        if due is not None:
+            self.write(*due)
+        return self.done
 
     # ------------------------------------------------------------------ triggers
 
@@ -309,7 +312,7 @@ class EngineCalibration:
                 if acc is None:
                     self.done = final and self.rank > 0  # rank 0 merges; the other ranks are done with their part
                     return []
-            extend_to = max(max_row, min(8 * max_row, self.context or MAX_ROW_IDS, MAX_ROW_IDS))
+            extend_to = default_extend_to(max_row, self.context)
             targets = [self._covered(acc, t) for t in self.targets]
             if all(all(k == DENSE for k in t) for t in targets):
                 logger.warning("topth: calibration (%s): no layer has a recorded row longer than its k (%s); no "
