@@ -81,8 +81,8 @@ def run_llm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, topth:
     kw = engine_kwargs(model_dir, **engine)
     if topth is not None:
         kw["additional_config"] = {"topth": topth}
-        if torch.cuda.is_available():  # CUDA: the plugin registers vLLM's CUSTOM backend (untested)
-            kw.setdefault("attention_backend", "CUSTOM")
+        if torch.cuda.is_available():  # CUDA: the split of vLLM's FlashAttention (never run on a GPU)
+            kw.setdefault("attention_backend", os.environ.get("TOPTH_BENCH_ATTN_BACKEND", "FLASH_ATTN"))
     llm = LLM(**kw)
     t1 = time.perf_counter()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)

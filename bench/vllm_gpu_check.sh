@@ -2,8 +2,10 @@
 # vLLM backend on one CUDA GPU (UNTESTED: no GPU has been available to this project).
 # Needs vLLM's CUDA build next to topth-ops:
 #   pip install vllm==0.32.0 && pip install -e ".[hf,triton]"
-# The plugin registers the backend as vLLM's CUSTOM attention backend; the scripts below
-# pass --attention-backend CUSTOM (bench/vllm_common.py, topth-ops serve) on CUDA.
+# The plugin overrides vLLM's FLASH_ATTN and TRITON_ATTN backends with subclasses that send
+# only thresholded decode rows to the op (topth_ops/vllm/gpu_backend.py); the scripts below
+# pass --attention-backend FLASH_ATTN (bench/vllm_common.py, topth-ops serve) on CUDA.
+# TOPTH_BENCH_ATTN_BACKEND=TRITON_ATTN (or CUSTOM, the generic backend) runs vllm_check with another.
 # Runs: export-hf, calibrate k=16 post-softmax, -inf vs vLLM's own attention and the file
 # vs transformers (bench/vllm_check.py), then 32 concurrent requests through the server.
 set -euo pipefail

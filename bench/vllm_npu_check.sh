@@ -3,11 +3,12 @@
 # Needs CANN, torch_npu and vLLM-Ascend for vLLM 0.32 next to topth-ops:
 #   pip install vllm==0.32.0 vllm-ascend  (versions as vLLM-Ascend documents for 0.32)
 #   pip install -e ".[hf]"
-# The plugin wraps vLLM-Ascend's NPUPlatform.get_attn_backend_cls so that it returns the
-# Top-Theta backend while TOPTH_VLLM_* / additional_config['topth'] are set. The decode op
-# runs the `ascendc` backend when its kernel is built (docs/ascendc.md), else `torch`.
-# Known risk: vLLM-Ascend may allocate its KV cache in its own shape instead of asking the
-# backend for the LBNHC layout; the backend then refuses the cache shape at the first step.
+# The plugin wraps vLLM-Ascend's NPUPlatform.get_attn_backend_cls so that it returns a
+# subclass of vLLM-Ascend's AscendAttentionBackend (topth_ops/vllm/ascend_backend.py) while
+# TOPTH_VLLM_* / additional_config['topth'] are set: vLLM-Ascend's cache, writes and kernels,
+# decode rows of decode-only steps through the op. The op runs the `ascendc` backend when
+# its kernel is built (docs/ascendc.md), else `torch`. Written against vLLM-Ascend's sources
+# (2026-08 main); its interfaces may differ in the release that pairs with vLLM 0.32.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/vllm_npu}

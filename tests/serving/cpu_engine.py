@@ -11,11 +11,11 @@ import torch
 from topth_ops.vllm.runtime import Runtime
 from topth_ops.vllm.stats import ServingStats
 
-from .slots import PagedSlots
+from .slots import PagedBatches
 
 ops = pytest.importorskip("vllm._custom_ops")
 CB = pytest.importorskip("topth_ops.vllm.cpu_backend")
-from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+SP = pytest.importorskip("topth_ops.vllm.split")
 from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: E402
 
@@ -26,7 +26,7 @@ ISAS = [pytest.param("amx", torch.bfloat16, marks=pytest.mark.skipif(
         ("vec", torch.float32), ("vec", torch.bfloat16)]
 
 
-class Engine(PagedSlots):
+class Engine(PagedBatches):
     """Allocates blocks and slot mappings for sequences the way vLLM does, writes through
     the backend, builds vLLM's metadata and runs the forward."""
 
@@ -35,8 +35,7 @@ class Engine(PagedSlots):
         self.impl, self.isa, self.dtype, self.Hq, self.bs, self.H, self.D = impl, isa, dtype, Hq, bs, H, D
         self.window = window
         self.kv_cache = (torch.randn(nb, H, bs, 2 * D, generator=self.g) * 50).to(dtype)  # stale garbage
-        PagedSlots.__init__(self, torch.randperm(nb, generator=self.g).tolist(), bs)
-        self.rows: dict[str, tuple] = {}
+        PagedBatches.__init__(self, torch.randperm(nb, generator=self.g).tolist(), bs, self.g, Hq, H, D, dtype)
         self.layer = types.SimpleNamespace(layer_name=f"model.layers.{LAYER}.self_attn.attn", isa=isa,
                                            _k_scale_float=1.0, _v_scale_float=1.0)
 
@@ -52,27 +51,12 @@ class Engine(PagedSlots):
 
     def step(self, plan):
         """plan: list of (seq, new tokens), decodes first."""
-        slots, qsl = [], [0]
-        for seq, T in plan:
-            slots += self.slots(seq, T)
-            qsl.append(qsl[-1] + T)
+        q, k, v, sm, qsl = self.tokens(plan)
         N = qsl[-1]
-        k = torch.randn(N, self.H, self.D, generator=self.g).to(self.dtype)
-        v = torch.randn(N, self.H, self.D, generator=self.g).to(self.dtype)
-        for (seq, _), lo, hi in zip(plan, qsl[:-1], qsl[1:]):
-            ok, ov = self.rows.get(seq, (k[:0], v[:0]))
-            self.rows[seq] = (torch.cat([ok, k[lo:hi]]), torch.cat([ov, v[lo:hi]]))
-        q = torch.randn(N, self.Hq, self.D, generator=self.g).to(self.dtype)
-        sm = torch.tensor(slots)
         self.impl.do_kv_cache_update(self.layer, k, v, self.kv_cache, sm)
-        width = max(len(self.table[s]) for s, _ in plan) + 2
-        bt = torch.tensor([self.table[s] + [0] * (width - len(self.table[s])) for s, _ in plan], dtype=torch.int32)
-        lens = torch.tensor([self.lens[s] for s, _ in plan], dtype=torch.int32)
-        qt = torch.tensor(qsl, dtype=torch.int32)
-        cm = CommonAttentionMetadata(query_start_loc=qt, query_start_loc_cpu=qt, seq_lens=lens, num_reqs=len(plan),
-                                     num_actual_tokens=N, max_query_len=max(T for _, T in plan),
-                                     max_seq_len=int(lens.max()), block_table_tensor=bt, slot_mapping=sm)
-        md = CB.split_metadata(self._build, cm, self.bs)
+        cm = self.common_metadata(plan, qsl, sm)
+        bt, lens = cm.block_table_tensor, cm.seq_lens
+        md = SP.split_metadata(self._build, cm, self.bs)
         out = torch.full((N, self.Hq * self.D), float("nan"), dtype=self.dtype)
         self.impl.forward(self.layer, q, k, v, self.kv_cache, md, out)
         kept_lens = lens.clone()
@@ -84,7 +68,7 @@ def make_impl(monkeypatch, ts, settings, Hq, Hkv, D, sets=(), calib=None, **kw):
     """The layer and its statistics, under a runtime of ``settings`` (threshold set ``ts``)."""
     stats = ServingStats(settings.mode, None, 0.0)
     rt = Runtime(settings, ts, 0, 1, stats, "tiny", list(sets), [True] * len(sets), calib=calib)
-    monkeypatch.setattr(CB, "runtime", lambda: rt)
+    monkeypatch.setattr(SP, "runtime", lambda: rt)
     # vLLM's impl reads the model dtype from the engine config (to pick zentorch on AMD)
     cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: cfg)

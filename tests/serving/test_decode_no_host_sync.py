@@ -1,6 +1,7 @@
 """The decode attention of the vLLM backends must not synchronise with the host (no
 ``.item()``, ``.tolist()``, ``.cpu()``, ``bool(tensor)`` or data-dependent shapes), so that
-accelerators can capture it in CUDA graphs. Checked on the CPU: the forward of a decode-only
+accelerators can capture it in CUDA graphs. Checked on the CPU for the generic backend, the
+CPU split and the CUDA split (FlashAttention / Triton attention): the forward of a decode-only
 step (VMC off) runs on fake tensors, which have no values: any of those calls raises there.
 Only the kernel launch itself is replaced (it needs real memory); everything up to it runs:
 the backend's bookkeeping, the op's validation and backend selection. Not covered (they
@@ -73,27 +74,52 @@ def test_generic_backend_decode_step_on_fake_tensors(monkeypatch, no_kernel, sel
     assert mode is not None and no_kernel == ["cpu"] and impl.rule.thresholded
 
 
+def _split_decode_step(impl, layer, block_size: int) -> None:
+    """A decode-only step of a platform split (topth_ops.vllm.split) on fake tensors, after
+    the layer's first step bound it on real ones."""
+    from topth_ops.vllm import split as SP
+
+    impl._bind(layer, torch.empty(NB, Hkv, block_size, 2 * D, dtype=torch.bfloat16))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        kv_cache = torch.empty(NB, Hkv, block_size, 2 * D, dtype=torch.bfloat16)
+        q = torch.empty(B, Hq, D, dtype=torch.bfloat16)
+        md = SP.SplitMetadata(full=None, prefill=None, num_decodes=B, num_prefill_tokens=0,
+                              seq_lens=torch.empty(B, dtype=torch.int32),
+                              block_table=torch.empty(B, 4, dtype=torch.int32))
+        out = torch.empty(B, Hq * D, dtype=torch.bfloat16)
+        impl.forward(layer, q, q[:, :Hkv], q[:, :Hkv], kv_cache, md, out)
+
+
 @pytest.mark.parametrize("isa", ["amx", "vec"])
 def test_cpu_backend_decode_step_on_fake_tensors(monkeypatch, no_kernel, isa, make_cfg, make_threshold_set):
     CB = pytest.importorskip("topth_ops.vllm.cpu_backend")
+    SP = pytest.importorskip("topth_ops.vllm.split")
     from vllm.v1.attention.backends import cpu_attn
 
     rt = _runtime(make_cfg, make_threshold_set, "group")
-    monkeypatch.setattr(CB, "runtime", lambda: rt)
+    monkeypatch.setattr(SP, "runtime", lambda: rt)
     cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16))
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: cfg)
     impl = CB.TopthCpuImpl(Hq, D, 1 / math.sqrt(D), Hkv, kv_cache_dtype="auto")
     layer = types.SimpleNamespace(layer_name=f"model.layers.{LAYER}.self_attn.attn", isa=isa)
-    impl._bind(layer, torch.empty(NB, Hkv, 32, 2 * D, dtype=torch.bfloat16))  # the first step binds (real tensors)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        kv_cache = torch.empty(NB, Hkv, 32, 2 * D, dtype=torch.bfloat16)
-        q = torch.empty(B, Hq, D, dtype=torch.bfloat16)
-        md = CB.TopthCpuMetadata(full=None, prefill=None, num_decodes=B, num_prefill_tokens=0,
-                                 seq_lens=torch.empty(B, dtype=torch.int32),
-                                 block_table=torch.empty(B, 4, dtype=torch.int32))
-        out = torch.empty(B, Hq * D, dtype=torch.bfloat16)
-        impl.forward(layer, q, q[:, :Hkv], q[:, :Hkv], kv_cache, md, out)
+    _split_decode_step(impl, layer, 32)
     assert no_kernel == ["cpu"]
+
+
+@pytest.mark.parametrize("name", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_gpu_split_decode_step_on_fake_tensors(monkeypatch, no_kernel, name, make_cfg, make_threshold_set):
+    """The CUDA split (FlashAttention / Triton attention subclasses): a decode-only step of a
+    thresholded layer is the op alone, with no host sync."""
+    pytest.importorskip("vllm.model_executor.layers.attention")
+    GPU = pytest.importorskip("topth_ops.vllm.gpu_backend")
+    SP = pytest.importorskip("topth_ops.vllm.split")
+
+    rt = _runtime(make_cfg, make_threshold_set, "group")
+    monkeypatch.setattr(SP, "runtime", lambda: rt)
+    impl = GPU.split_backend(name).get_impl_cls()(Hq, D, 1 / math.sqrt(D), Hkv, None, None, "auto")
+    layer = types.SimpleNamespace(layer_name=f"model.layers.{LAYER}.self_attn.attn")
+    _split_decode_step(impl, layer, 16)
+    assert no_kernel == ["cpu"] and impl.rule.thresholded
 
 
 def test_a_host_sync_is_caught(monkeypatch, no_kernel, make_cfg, make_threshold_set):

@@ -13,7 +13,7 @@ import torch
 from topth_ops.conformance.oracle import oracle_decode
 from topth_ops.vllm.settings import VllmTopthSettings
 
-from .cpu_engine import CB, ISAS, LAYER, Engine, make_impl, ops
+from .cpu_engine import CB, SP, ISAS, LAYER, Engine, make_impl, ops
 
 pytestmark = pytest.mark.vllm
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
@@ -164,7 +164,7 @@ def test_prefill_part_rebases_tokens_and_requests():
     cm = CommonAttentionMetadata(query_start_loc=qt, query_start_loc_cpu=qt, seq_lens=lens, num_reqs=4,
                                  num_actual_tokens=15, max_query_len=10, max_seq_len=40, block_table_tensor=bt,
                                  slot_mapping=torch.arange(15))
-    p = CB.prefill_part(cm, 2, 2)
+    p = SP.prefill_part(cm, 2, 2)
     assert p.query_start_loc.tolist() == [0, 10, 13] and p.num_reqs == 2 and p.num_actual_tokens == 13
     assert p.seq_lens.tolist() == [10, 20] and p.max_query_len == 10
     assert torch.equal(p.block_table_tensor, bt[2:]) and p.slot_mapping.tolist() == list(range(2, 15))
@@ -186,8 +186,8 @@ def test_one_token_prompt_tails_stay_with_vllm():
 
     built = []
     build = lambda c: built.append(c) or c  # noqa: E731 - records what vLLM's builder would get
-    m = CB.split_metadata(build, cm(torch.tensor([False, False, True, True])), 32)
+    m = SP.split_metadata(build, cm(torch.tensor([False, False, True, True])), 32)
     assert m.num_decodes == 2 and m.prefill.num_reqs == 2 and m.prefill.seq_lens.tolist() == [50, 20]
-    assert CB.split_metadata(build, cm(None), 32).num_decodes == 3
-    whole = CB.split_metadata(build, cm(None), 32, split=False)
+    assert SP.split_metadata(build, cm(None), 32).num_decodes == 3
+    whole = SP.split_metadata(build, cm(None), 32, split=False)
     assert whole.num_decodes == 0 and whole.prefill is None and whole.full.num_reqs == 4

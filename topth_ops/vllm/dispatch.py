@@ -2,12 +2,13 @@
 
 vLLM loads general plugins before the engine's configuration exists, so the plugin
 cannot tell yet whether Top-Theta is wanted (``additional_config`` arrives later). It
-registers ``topth_ops.vllm.dispatch.CPU_ATTN`` in place of vLLM's CPU attention; vLLM
-resolves that name with ``getattr`` while it builds the model, with the configuration
-current, and this module's ``__getattr__`` then answers: the Top-Theta backend when the
-settings make it active (:func:`topth_ops.vllm.settings.is_active`; the CPU backend of
-:mod:`topth_ops.vllm.cpu_backend`, vLLM's own attention with thresholded decode rows), else
-vLLM's own ``CPUAttentionBackend``, unchanged.
+registers ``topth_ops.vllm.dispatch.CPU_ATTN`` in place of vLLM's CPU attention (and, on
+CUDA, ``.FLASH_ATTN`` / ``.TRITON_ATTN`` in place of those); vLLM resolves the name with
+``getattr`` while it builds the model, with the configuration current, and this module's
+``__getattr__`` then answers: the Top-Theta subclass when the settings make it active
+(:func:`topth_ops.vllm.settings.is_active`; :mod:`topth_ops.vllm.cpu_backend`,
+:mod:`topth_ops.vllm.gpu_backend`: the platform's attention with thresholded decode rows),
+else vLLM's own class, unchanged.
 """
 
 from __future__ import annotations
@@ -31,4 +32,20 @@ def __getattr__(name: str):
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         return CPUAttentionBackend
+    if name == "ASCEND_ATTN":  # returned by vLLM-Ascend's wrapped platform while the settings are active
+        from .ascend_backend import split_backend
+
+        return split_backend()
+    from .gpu_backend import PLATFORM_BACKENDS
+
+    if name in PLATFORM_BACKENDS:
+        from .settings import is_active
+
+        if is_active(additional_config=_additional_config()):
+            from .gpu_backend import split_backend
+
+            return split_backend(name)
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        return resolve_obj_by_qualname(PLATFORM_BACKENDS[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,9 +3,9 @@
 layer's rule (threshold rows, placement, compensation) and the one decode call of
 :func:`topth_ops.decode_attention` on a paged cache.
 
-Used by the CPU backend (:mod:`topth_ops.vllm.cpu_backend`, on vLLM's own CPU attention)
-and the generic backend (:mod:`topth_ops.vllm.backend`, CUDA / Ascend); neither module
-imports the other.
+Used by the platform splits (:mod:`topth_ops.vllm.split` and the CPU, CUDA and Ascend
+modules on it) and the generic backend (:mod:`topth_ops.vllm.backend`); none of those
+imports the generic backend or the other way round.
 """
 
 from __future__ import annotations
