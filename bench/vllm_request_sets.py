@@ -34,6 +34,14 @@ from .vllm_common import save_json
 from .vllm_serve_load import long_text, stop, wait_ready
 
 PORT = 8779
+#: The guardrail's WARNING line (its "back inside" INFO line starts "topth guardrail: k~/k back").
+WARNING_MARK = "topth guardrail: k~/k over"
+
+
+def guardrail_warnings(log: str) -> list:
+    """The guardrail WARNING lines of a server log."""
+    with open(log) as f:
+        return [ln.rstrip() for ln in f if WARNING_MARK in ln]
 
 
 def prompts(model: str, n: int, lo: int, hi: int, max_tokens: int, seed: int = 1) -> list:
@@ -49,9 +57,10 @@ def prompts(model: str, n: int, lo: int, hi: int, max_tokens: int, seed: int = 1
     return out
 
 
-def serve(model: str, thresholds: str, default_set, log: str, port: int, band: str) -> subprocess.Popen:
+def serve(model: str, thresholds: str, default_set, log: str, port: int, band: str,
+          vmc: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "topth_ops", "serve", model, "--thresholds", thresholds, "--port", str(port),
-           "--log-interval", "5", "--guard-band", band]
+           "--log-interval", "5", "--guard-band", band] + (["--vmc"] if vmc else [])
     if default_set is not None:
         cmd += ["--threshold-set", str(default_set)]
     cmd += ["--", "--max-num-seqs", "32", "--max-model-len", "4096"]
@@ -139,7 +148,7 @@ def guard_run(args, wd: str, name: str, spec: str, band: str) -> dict:
     lo, hi = (int(x) for x in spec.split(","))
     work = prompts(args.model, args.guard_requests, lo, hi, args.max_tokens, seed=2)
     log = os.path.join(wd, f"server_guard_{name}_{band}.log")
-    proc = serve(args.model, args.guard_thresholds, args.guard_set, log, args.port, band)
+    proc = serve(args.model, args.guard_thresholds, args.guard_set, log, args.port, band, args.vmc)
     try:
         asyncio.run(wait_ready(args.port, proc, 900))
 
@@ -155,8 +164,9 @@ def guard_run(args, wd: str, name: str, spec: str, band: str) -> dict:
     finally:
         stop(proc)
     samples = topth_samples(text)
+    warnings = guardrail_warnings(log)
     return {"prompt_lengths": [len(p) for p, _ in work], "status": [r[0] for r in res],
-            "warnings": [ln.rstrip() for ln in open(log) if "topth guardrail" in ln][:5],
+            "warning_count": len(warnings), "warnings": warnings[:5],
             "out_of_band_series": sum(1 for (n, _), v in samples.items() if n == "topth_guardrail_out_of_band" and v == 1),
             "kept_over_k_series": sum(1 for (n, _), v in samples.items() if n == "topth_kept_over_k"),
             "kept_over_k_range": [round(f(v for (n, _), v in samples.items() if n == "topth_kept_over_k"), 3)
@@ -191,6 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--settle", type=float, default=12.0)
     ap.add_argument("--port", type=int, default=PORT)
     ap.add_argument("--guard-only", action="store_true", help="skip step 1")
+    ap.add_argument("--vmc", action="store_true", help="serve with V-mean compensation (serve --vmc)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from topth_ops.thresholds import load_threshold_sets
@@ -204,13 +215,14 @@ def main(argv=None) -> int:
     from .cpu_cold import machine
 
     out: dict = {"requests": args.requests, "choices": choices, "prompt_lengths": [len(p) for p, _ in work],
-                 "machine": vars(machine()), "thresholds": args.thresholds, "guard_thresholds": args.guard_thresholds}
+                 "machine": vars(machine()), "thresholds": args.thresholds, "guard_thresholds": args.guard_thresholds,
+                 "vmc": args.vmc}
     wd = tempfile.mkdtemp(prefix="topth_sets_")
     log = os.path.join(wd, "server.log")
     bands = [b.strip() for b in args.guard_bands.split(";") if b.strip()]
     out["guard_band_step1"] = bands[0]
     if not args.guard_only:
-        proc = serve(args.model, args.thresholds, args.default_set, log, args.port, bands[0])
+        proc = serve(args.model, args.thresholds, args.default_set, log, args.port, bands[0], args.vmc)
         try:
             out["ready_s"] = asyncio.run(wait_ready(args.port, proc, 900))
             r = asyncio.run(mixed_run(args, args.port, work, choices))
@@ -228,7 +240,7 @@ def main(argv=None) -> int:
             "v_rows_fraction_per_set": per_set_fraction(final),
             "kept_over_k_range_per_set": kept_range(final),
             "series_nonzero": sorted({n for (n, _), v in final.items() if v}),
-            "guardrail_lines_in_range": [ln for ln in open(log) if "topth guardrail" in ln],
+            "guardrail_lines_in_range": guardrail_warnings(log),
             "server_log_topth": [ln.rstrip() for ln in open(log) if "topth" in ln][:20],
         })
         print(f"{args.requests} requests over {menu}: same tokens as alone {sum(same)}/{len(same)}; "
@@ -243,7 +255,7 @@ def main(argv=None) -> int:
                     continue
                 g = guard_run(args, wd, name, spec, band)
                 out["guard"][f"{name} band {band}"] = g
-                print(f"guardrail band [{band}], {name} ({spec} prompt tokens): {len(g['warnings'])} warning "
+                print(f"guardrail band [{band}], {name} ({spec} prompt tokens): {g['warning_count']} warning "
                       f"line(s); {g['out_of_band_series']} cells out of band on /metrics; k~/k of the cells on "
                       f"/metrics {g['kept_over_k_range']}", flush=True)
     if args.json:
