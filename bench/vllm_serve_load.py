@@ -56,11 +56,11 @@ def make_prompts(model: str, n: int, seed: int = 0) -> list[tuple[list[int], int
 
 
 def start_server(model: str, mode: str, thresholds, vmc: bool, stats: str, log: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "topth_ops", "serve", model, "--port", str(port), "--log-interval", "5"]
+    cmd = [sys.executable, "-m", "topth_ops", "serve", model, "--port", str(port)]
     if mode == "topth":
-        cmd += ["--thresholds", thresholds, "--stats", stats] + (["--vmc"] if vmc else [])
+        cmd += ["--thresholds", thresholds, "--stats", stats, "--log-interval", "5"] + (["--vmc"] if vmc else [])
     elif mode == "dense":
-        cmd += ["--mode", "dense", "--stats", stats]
+        cmd += ["--mode", "dense", "--stats", stats, "--log-interval", "5"]
     else:
         cmd += ["--mode", "vllm"]
     cmd += ["--", "--max-num-seqs", "32"]

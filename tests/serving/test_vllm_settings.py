@@ -318,3 +318,29 @@ def test_serve_mode_vllm_refuses_backend_flags_and_dry_run_names_the_metrics_fol
     assert "would create PROMETHEUS_MULTIPROC_DIR" in capsys.readouterr().err
     assert main(["serve", str(model), "--mode", "dense", "--no-metrics", "--dry-run"]) == 0
     assert "PROMETHEUS_MULTIPROC_DIR" not in capsys.readouterr().err
+
+
+def test_benchmark_server_commands_are_accepted_by_serve(tmp_path, monkeypatch, make_threshold_set, make_cfg):
+    """The servers the vLLM benchmarks start (every configuration) pass serve's checks: a flag
+    that serve refuses in a mode (``--log-interval`` with ``--mode vllm``) fails here, not
+    after a benchmark has loaded its prompts."""
+    from transformers import LlamaConfig
+
+    from topth_ops.bench import vllm_request_sets, vllm_serve_load
+    from topth_ops.cli import main
+
+    model = tmp_path / "m"
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                head_dim=16).save_pretrained(model)
+    th = make_threshold_set(make_cfg(layers=4, heads=4, kv_heads=2, head_dim=16), name="m").save(
+        tmp_path / "th.safetensors")
+    cmds = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: cmds.append(cmd))
+    for mode in ("vllm", "dense", "topth"):
+        vllm_serve_load.start_server(str(model), mode, str(th), True, str(tmp_path / "s.json"),
+                                     str(tmp_path / "log"), 8765)
+    vllm_request_sets.serve(str(model), str(th), 0, str(tmp_path / "log"), 8779, "0.8,1.25", vmc=True)
+    assert len(cmds) == 4
+    for cmd in cmds:
+        i, j = cmd.index("serve"), cmd.index("--")
+        assert main(cmd[i:j] + ["--dry-run"] + cmd[j:]) == 0, cmd
