@@ -25,6 +25,7 @@ pytestmark = pytest.mark.vllm
 SP = pytest.importorskip("topth_ops.vllm.split")
 from topth_ops.vllm import ascend_backend as AB  # noqa: E402
 from topth_ops.vllm import platforms  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 
 LAYER = 1
 
@@ -76,7 +77,19 @@ class AscendAttentionBackendImpl:
         return self.forward_impl(query, key, value, kv_cache, md, output)
 
 
+class AscendAttentionMetadataBuilder:
+    _cudagraph_support = AttentionCGSupport.ALWAYS  # as vLLM-Ascend declares (full ACL graphs)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        return cls._cudagraph_support
+
+
 class AscendAttentionBackend:
+    @staticmethod
+    def get_builder_cls():
+        return AscendAttentionMetadataBuilder
+
     @staticmethod
     def get_name():
         return "CUSTOM"
@@ -183,3 +196,11 @@ def test_context_parallel_impl_is_refused(monkeypatch, ascend):
     monkeypatch.setattr(AB, "_CLASS", None)
     with pytest.raises(NotImplementedError, match="Other"):
         AB.split_backend()
+
+
+def test_builder_declares_no_full_graph(ascend):
+    """vLLM-Ascend's builder declares full (ACL) graphs; the split's decode rows read host-side
+    threshold sets and statistics per step, so its builder must refuse them."""
+    B = ascend.get_builder_cls()
+    assert issubclass(B, AscendAttentionMetadataBuilder) and B is not AscendAttentionMetadataBuilder
+    assert B.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER

@@ -47,6 +47,7 @@ def _impl_cls(base_impl: type, decode_only) -> type:
                      **kwargs):
             super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                              kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, **kwargs)
+            self.logits_soft_cap = logits_soft_cap  # vLLM-Ascend does not keep it; platform_reason reads it
             self._split_init(kv_cache_dtype, kv_sharing_target_layer_name is not None)
             if self.rt.calib is not None:
                 raise NotImplementedError("topth vLLM backend: mode 'calibrate' runs on vLLM's CPU attention; on "
@@ -111,6 +112,19 @@ def _impl_cls(base_impl: type, decode_only) -> type:
     return TopthAscendImpl
 
 
+def _builder_cls(base_builder: type) -> type:
+    """vLLM-Ascend's metadata builder, declaring no full-graph support: the decode rows read
+    the step's threshold sets and statistics from the host, which a captured (ACL) graph would
+    replay stale, so vLLM-Ascend runs attention eagerly between piecewise graphs."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    never = AttentionCGSupport.NEVER
+    return type(f"Topth{base_builder.__name__}", (base_builder,), {
+        "_cudagraph_support": never,
+        "get_cudagraph_support": classmethod(lambda cls, vllm_config, kv_cache_spec: never),
+    })
+
+
 def split_backend() -> type:
     """The Top-Theta subclass of vLLM-Ascend's ``AscendAttentionBackend`` (imports
     vLLM-Ascend).
@@ -134,9 +148,11 @@ def split_backend() -> type:
                                   "(context parallelism); Top-Theta needs its AscendAttentionBackendImpl")
     decode_only_state = mod.AscendAttentionState.DecodeOnly
     impl = _impl_cls(base_impl, lambda m: m.attn_state == decode_only_state)
+    builder = _builder_cls(base.get_builder_cls())
     _CLASS = type("TopthAscendAttentionBackend", (base,), {
         "__doc__": "vLLM-Ascend's attention with Top-Theta decode rows (topth_ops.vllm.ascend_backend).",
         "get_impl_cls": staticmethod(lambda: impl),
+        "get_builder_cls": staticmethod(lambda: builder),
     })
     return _CLASS
 

@@ -2,7 +2,7 @@
 (``TRITON_ATTN``) with only the thresholded decode rows replaced by
 :func:`topth_ops.decode_attention` (vLLM 0.32 interfaces). Written against vLLM's
 sources and tested on the CPU (classes, split, cache views, no host sync on the decode
-path); not yet run on a GPU (docs/vllm.md, "Platforms").
+path); not yet run on a GPU (docs/vllm.md, "On CUDA").
 
 Each is a subclass of the backend vLLM picks on CUDA, so the engine keeps everything of
 it: the KV-cache shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K in
@@ -12,9 +12,10 @@ thresholded decode row (prefill, chunked prefill, prefix-cache tails, layers the
 dense, sliding-window / soft-capped / sink layers): :class:`topth_ops.vllm.split.SplitImpl`.
 
 The decode rows of thresholded layers are one op call (the ``triton`` backend of the op
-on CUDA) reading the cache in place through ``HND`` views with strides. That path does
-not synchronise with the host (no ``.item()``, ``.tolist()`` or data-dependent shapes;
-tests/serving/test_decode_no_host_sync.py). The builders declare no CUDA-graph support
+on CUDA) reading the cache in place through ``HND`` views with strides. The split around
+that call does not synchronise with the host (no ``.item()``, ``.tolist()`` or
+data-dependent shapes; tests/serving/test_decode_no_host_sync.py traces it on fake tensors
+with the op's CPU backends; the Triton launch itself is not traced there). The builders declare no CUDA-graph support
 (``AttentionCGSupport.NEVER``: vLLM then captures the rest of the model piecewise and runs
 attention eagerly) until full-graph capture of the split has been run on a GPU: the
 per-request threshold sets and the statistics are per-step host inputs that a captured
@@ -80,6 +81,10 @@ def _window(sliding_window) -> Optional[int]:
 class _GpuSplitImpl(SplitImpl):
     """The decode-row split on a CUDA implementation (FlashAttentionImpl, TritonAttentionImpl)."""
 
+    # the op reads the whole (unsharded) cache of a decode row: no decode / prefill context parallelism
+    supports_dcp = False
+    supports_pcp = False
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes=None,
                  sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: Optional[str] = None, sinks=None,
@@ -87,6 +92,8 @@ class _GpuSplitImpl(SplitImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks, **kwargs)
         self._split_init(kv_cache_dtype, kv_sharing_target_layer_name is not None)
+        if getattr(self, "chunk_lookback", -1) > -1:  # Triton's chunked attention with lookback
+            self._platform = ", ".join(filter(None, [self._platform, f"chunk lookback {self.chunk_lookback}"]))
         if self.rt.calib is not None:
             raise NotImplementedError("topth vLLM backend: mode 'calibrate' runs on vLLM's CPU attention; on CUDA "
                                       "calibrate offline (`topth-ops calibrate`)")
@@ -103,6 +110,9 @@ def _builder_cls(base: type) -> type:
         """The platform's metadata builder, asking for decodes first and adding the split."""
 
         _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+        # vLLM's V1 runner would reuse one group's SplitMetadata for the next group of equal
+        # spec through FlashAttention's update_block_table, leaving .full / .prefill stale
+        supports_update_block_table = False
 
         @classmethod
         def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -112,14 +122,19 @@ def _builder_cls(base: type) -> type:
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
             self._init_reorder_batch_threshold(1)
             self._split = not isinstance(kv_cache_spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec))
+            if vllm_config.model_config.rswa_window is not None:
+                raise NotImplementedError("topth vLLM backend: R-SWA (rswa_window) is not supported by the split")
 
         def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
                   fast_build: bool = False) -> SplitMetadata:
             sup = super().build
             # the prefill part: no cascade prefix and no ahead-of-time schedule (FlashAttention
             # keeps that schedule in one persistent buffer, which the whole batch's metadata holds)
+            # multimodal prefix-LM ranges are not re-based for a prefill part (and FlashAttention
+            # stages them in one persistent buffer): such steps are the platform's, whole
+            mm = common_attn_metadata.mm_req_doc_ranges
             return split_metadata(lambda cm: sup(common_prefix_len, cm, fast_build), common_attn_metadata,
-                                  self.kv_cache_spec.block_size, split=self._split,
+                                  self.kv_cache_spec.block_size, split=self._split and not (mm and any(mm.values())),
                                   build_prefill=lambda cm: sup(0, cm, True))
 
     Builder.__name__ = Builder.__qualname__ = f"Topth{base.__name__}"

@@ -14,6 +14,7 @@ CUDA      ``FLASH_ATTN`` and ``TRITON_ATTN`` are overridden the same   on the CP
           through the op) when the settings are active. ``CUSTOM``     never on a GPU
           is the generic ``backend`` (its own NHD cache, dense
           prefill in PyTorch) for other platforms and for comparison
+          (not registered on Ascend, whose ``CUSTOM`` is its own)
 Ascend    vLLM-Ascend's platform picks its attention class itself;    never run (no NPU);
           its ``get_attn_backend_cls`` is wrapped: when the settings   wiring on the CPU
           are active and it picks ``AscendAttentionBackend``, the      with a stand-in
@@ -45,7 +46,8 @@ def register_for_platform() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
+    if getattr(current_platform, "device_type", "") != "npu":  # vLLM-Ascend registers its own CUSTOM
+        register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, f"{DISPATCH}.CPU_ATTN")
     elif current_platform.is_cuda():
