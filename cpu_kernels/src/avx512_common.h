@@ -22,6 +22,8 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered);
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
           float* sum, float* tile);
+void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
+               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count);
 void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,
                int64_t ldw, int32_t G, float* acc, int32_t scattered);
 

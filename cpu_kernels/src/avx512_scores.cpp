@@ -117,7 +117,7 @@ float sum_exp(const float* S, int64_t len, float mref) {
 const SimdOps* ops_avx512() {
     static const SimdOps ops = {"avx512", avx512_level::scores, avx512_level::max_bad, avx512_level::sum_exp,
                                 avx512_level::select, avx512_level::pv, avx512_level::vsum,
-                                nullptr, avx512_level::pv_packed};
+                                nullptr, avx512_level::pv_packed, avx512_level::scores_kt};
     return &ops;
 }
 

@@ -81,6 +81,30 @@ void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b,
     }
 }
 
+// Scores of positions lo .. lo + count - 1 of (b, g) from a cache whose K is stored transposed
+// per block (slots contiguous, head_dim strided: vLLM's vector-ISA CPU cache), one call of the
+// stage per block segment, each told where the next segment starts (it prefetches that one).
+void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64_t g, int64_t lo, int64_t count,
+                           const float* q, int32_t G, int32_t dpad, float* S, int64_t ldS) {
+    const int64_t es = elem_size(P.dtype), bs = P.block_size, dstride = P.k_s[3] * es;
+    const uint8_t* p0 = static_cast<const uint8_t*>(P.key);
+    const auto at = [&](int64_t bi, int64_t slot) {
+        return p0 + (block_of(P, b, bi) * P.k_s[0] + g * P.k_s[1] + slot) * es;
+    };
+    int64_t bi = lo / bs, slot = lo % bs;
+    const uint8_t* cur = at(bi, slot);
+    for (int64_t t = 0; t < count;) {
+        const int64_t run = std::min(count - t, bs - slot);
+        const int64_t next_count = std::min(count - t - run, bs);
+        const uint8_t* next = next_count > 0 ? at(bi + 1, 0) : nullptr;
+        ops.scores_kt(cur, run, dstride, P.dtype, int32_t(P.head_dim), dpad, q, G, S + t, ldS, next, next_count);
+        t += run;
+        cur = next;
+        slot = 0;
+        ++bi;
+    }
+}
+
 float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
 
 }  // namespace
@@ -127,6 +151,8 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
                 packed_key_rows(P, b, g, it.lo + c, cnt, sc.unpacked.data(), rows);
                 ops.scores(rows, cnt, P.dtype, 1, D, dpad, q, G, S + c, len, sc.tile.data(), qraw, P.scale);
             }
+        } else if (P.k_s[2] == 1 && P.k_s[3] != 1 && ops.scores_kt) {  // K transposed per block
+            transposed_key_scores(P, ops, b, g, it.lo, len, q, G, dpad, S, len);
         } else {
             // the whole range in one call (Scratch::rows holds len pointers): the stage prefetches
             // ahead across blocks and pages

@@ -264,3 +264,22 @@ def paged_case(case: Case, block_size: int, kv_layout: str, *, seed: int = 0,
     table[unused] = fills[torch.arange(int(unused.sum())) % len(fills)]
     kw.update(key_cache=k, value_cache=v, block_table=table, kv_layout=kv_layout)
     return Case(f"{case.name}[paged {kv_layout} bs{block_size}]", kw)
+
+
+def vllm_vec_case(case: Case) -> Case:
+    """An ``"HND"`` paged case re-laid as vLLM's CPU cache for its vector ISAs: per block and
+    KV head one region of ``2 * block_size * head_dim`` elements, K transposed first
+    (``[head_dim, block_size]``: slot stride 1, dim stride ``block_size``), then V as rows.
+    The caches passed are ``"HND"`` views into that one buffer (docs/semantics.md)."""
+    kw = dict(case.kwargs)
+    if kw.get("kv_layout") != "HND":
+        raise ValueError(f"vllm_vec_case: expected an HND paged case, got kv_layout={kw.get('kv_layout')!r}")
+    k, v = kw["key_cache"], kw["value_cache"]
+    nb, hkv, bs, d = k.shape
+    buf = torch.full((nb, hkv, 2, d * bs), float("nan"), dtype=k.dtype)
+    kt = buf[:, :, 0].view(nb, hkv, d, bs)
+    kt.copy_(k.transpose(2, 3))
+    vv = buf[:, :, 1].view(nb, hkv, bs, d)
+    vv.copy_(v)
+    kw.update(key_cache=kt.transpose(2, 3), value_cache=vv)
+    return Case(case.name.replace("paged HND", "vLLM vec cache"), kw)

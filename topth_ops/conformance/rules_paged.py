@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..paged import PagedValueSum, write_kv
-from .cases import SHAPE_SETS, UNUSED_TABLE_FILL, Case, Shape, paged_case, random_case
+from .cases import SHAPE_SETS, UNUSED_TABLE_FILL, Case, Shape, paged_case, random_case, vllm_vec_case
 from .compare import exact_report, mismatch_report, to_numpy
 from .harness import Harness, expect_errors, rule
 
@@ -35,7 +35,7 @@ def _compare_paths(h: Harness, name: str, paged, contiguous) -> None:
             h.fail(name, p)
 
 
-@rule("paged_equivalence", "paged NHD/HND caches (block sizes 16-128, shuffled blocks, partial last blocks) equal the oracle and the contiguous path")
+@rule("paged_equivalence", "paged NHD/HND caches (block sizes 16-128, shuffled blocks, partial last blocks; HND with K transposed per block as in vLLM's vector-ISA CPU cache) equal the oracle and the contiguous path")
 def _paged_equivalence(h: Harness) -> None:
     for i, shape in enumerate(h.shapes):
         placement = "pre_softmax" if i % 2 else "post_softmax"
@@ -46,9 +46,11 @@ def _paged_equivalence(h: Harness) -> None:
         for j, layout in enumerate(("NHD", "HND")):
             bs = BLOCK_SIZES[(i + 2 * j) % len(BLOCK_SIZES)]
             case = paged_case(base, bs, layout, seed=h.seed("paged", shape.id, layout))
-            res = h.check(case)
-            if res is not None and contiguous is not None:
-                _compare_paths(h, case.name, res, contiguous)
+            cases = [case] + ([vllm_vec_case(case)] if layout == "HND" else [])
+            for c in cases:
+                res = h.check(c)
+                if res is not None and contiguous is not None:
+                    _compare_paths(h, c.name, res, contiguous)
 
 
 @rule("paged_unused_blocks", "paged: NaN in unallocated blocks and past n, -1 / huge ids in unused table slots, prefix blocks shared by sequences: never read")

@@ -112,6 +112,13 @@ struct SimdOps {
     // even or odd half of a 64-byte line); acc and wk as in pv.
     void (*pv_packed)(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride,
                       const float* wk, int64_t ldw, int32_t G, float* acc, int32_t scattered) = nullptr;
+    // Scores of K stored transposed (vLLM's vector-ISA CPU cache: element i of slot t at byte
+    // k + i * dstride + t * elem_size): count consecutive slots, S[h * ldS + t] = <q_h, k_t>, q
+    // as in scores. next (may be null): the next segment's first slot, next_count slots,
+    // prefetched while this one is read. Null on levels without it (rows read element-wise).
+    void (*scores_kt)(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
+                      const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next,
+                      int64_t next_count) = nullptr;
 };
 
 const SimdOps* ops_generic();
