@@ -58,12 +58,19 @@ inline void load_row(const uint8_t* p, int32_t dtype, int64_t sdim, int32_t d, i
     for (int32_t i = d; i < dpad; ++i) dst[i] = 0.0f;
 }
 
+// Software prefetches the compiler cannot drop. GCC's dead-code elimination deletes
+// __builtin_prefetch (what _mm_prefetch expands to) from loops that do nothing else: with GCC
+// 12 at -O2 / -O3 every prefetch of prefetch_ahead was missing from the binary, so the scores
+// stages ran without them (docs/cpu.md, "Software prefetch"). A volatile asm is always emitted.
+inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+
 inline void prefetch_row(const uint8_t* p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+    for (int64_t off = 0; off < bytes; off += 64) prefetch_l1(p + off);
 }
 
 inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
+    for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(p + off);
 }
 
 // Software prefetch distances of the stages that walk a list of row pointers: kAhead rows

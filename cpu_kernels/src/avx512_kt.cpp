@@ -31,7 +31,7 @@ inline void chunk(const uint8_t* k, int64_t dstride, int32_t dtype, int64_t es, 
         const uint8_t* p = k + i * dstride;
         if (pf)
             for (int l = 0; l < pf_lines; ++l)
-                _mm_prefetch(reinterpret_cast<const char*>(pf + i * dstride + 64 * l), _MM_HINT_T1);
+                prefetch_l2(pf + i * dstride + 64 * l);
         __m512 kv[W];
 #pragma GCC unroll 4
         for (int w = 0; w < W; ++w) kv[w] = load16(p + 16 * w * es, dtype, m[w]);

@@ -183,7 +183,10 @@ template <int DT>
 inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, int32_t d, bool l2) {
     if constexpr (DT == kPacked) {
         for (int32_t c = 0; c < d; c += 16, p += cstride)
-            _mm_prefetch(reinterpret_cast<const char*>(p), l2 ? _MM_HINT_T1 : _MM_HINT_T0);
+            if (l2)
+                prefetch_l2(p);
+            else
+                prefetch_l1(p);
     } else if (l2) {
         prefetch_row_l2(p, row_bytes);
     } else {
