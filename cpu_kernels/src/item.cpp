@@ -39,20 +39,30 @@ constexpr int64_t kSlack = 16;   // elements past the end of each kept list / we
 
 int64_t elem_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
 
-// Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive) of (b, g).
-void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
-                      int64_t count, const uint8_t** out) {
-    const int64_t es = elem_size(P.dtype), bs = P.block_size, step = s[2] * es;
-    const uint8_t* p0 = static_cast<const uint8_t*>(base);
+// Positions lo .. lo + count - 1 of a sequence, one block segment at a time: seg(bi, slot, t,
+// run) for table entry bi, its first slot, the segment's offset t in the range and its rows.
+template <typename Seg>
+void for_each_segment(const Params& P, int64_t lo, int64_t count, Seg seg) {
+    const int64_t bs = P.block_size;
     int64_t bi = lo / bs, slot = lo % bs;
     for (int64_t t = 0; t < count;) {
-        const uint8_t* row = p0 + (block_of(P, b, bi) * s[0] + g * s[1] + slot * s[2]) * es;
         const int64_t run = std::min(count - t, bs - slot);  // rows left in this block
-        for (int64_t r = 0; r < run; ++r, row += step) out[t + r] = row;
+        seg(bi, slot, t, run);
         t += run;
         slot = 0;
         ++bi;
     }
+}
+
+// Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive) of (b, g).
+void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
+                      int64_t count, const uint8_t** out) {
+    const int64_t es = elem_size(P.dtype), step = s[2] * es;
+    const uint8_t* p0 = static_cast<const uint8_t*>(base);
+    for_each_segment(P, lo, count, [&](int64_t bi, int64_t slot, int64_t t, int64_t run) {
+        const uint8_t* row = p0 + (block_of(P, b, bi) * s[0] + g * s[1] + slot * s[2]) * es;
+        for (int64_t r = 0; r < run; ++r, row += step) out[t + r] = row;
+    });
 }
 
 // Byte pointers of the rows of positions lo + idx[t] of (b, g).
@@ -86,23 +96,17 @@ void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b,
 // stage per block segment, each told where the next segment starts (it prefetches that one).
 void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64_t g, int64_t lo, int64_t count,
                            const float* q, int32_t G, int32_t dpad, float* S, int64_t ldS) {
-    const int64_t es = elem_size(P.dtype), bs = P.block_size, dstride = P.k_s[3] * es;
+    const int64_t es = elem_size(P.dtype), dstride = P.k_s[3] * es;
     const uint8_t* p0 = static_cast<const uint8_t*>(P.key);
     const auto at = [&](int64_t bi, int64_t slot) {
         return p0 + (block_of(P, b, bi) * P.k_s[0] + g * P.k_s[1] + slot) * es;
     };
-    int64_t bi = lo / bs, slot = lo % bs;
-    const uint8_t* cur = at(bi, slot);
-    for (int64_t t = 0; t < count;) {
-        const int64_t run = std::min(count - t, bs - slot);
-        const int64_t next_count = std::min(count - t - run, bs);
+    for_each_segment(P, lo, count, [&](int64_t bi, int64_t slot, int64_t t, int64_t run) {
+        const int64_t next_count = std::min(count - t - run, P.block_size);
         const uint8_t* next = next_count > 0 ? at(bi + 1, 0) : nullptr;
-        ops.scores_kt(cur, run, dstride, P.dtype, int32_t(P.head_dim), dpad, q, G, S + t, ldS, next, next_count);
-        t += run;
-        cur = next;
-        slot = 0;
-        ++bi;
-    }
+        ops.scores_kt(at(bi, slot), run, dstride, P.dtype, int32_t(P.head_dim), dpad, q, G, S + t, ldS, next,
+                      next_count);
+    });
 }
 
 float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
