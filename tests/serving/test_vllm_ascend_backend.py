@@ -144,7 +144,7 @@ def test_decode_only_steps_use_the_op_and_others_the_platform(monkeypatch, ascen
                                                              make_threshold_set):
     Hq, Hkv, D = 4, 2, 32
     ts = make_threshold_set(make_cfg(layers=3, heads=Hq, kv_heads=Hkv, head_dim=D), rows=128, k=4, seed=3)
-    impl, stats = _impl(monkeypatch, ascend, ts, VllmTopthSettings(mode="topth", thresholds="unused", vmc=vmc),
+    impl, stats = _impl(monkeypatch, ascend, ts, VllmTopthSettings(metrics_every=1, mode="topth", thresholds="unused", vmc=vmc),
                         Hq, Hkv, D)
     eng = Engine(impl, Hq, Hkv, D)
     eng.step([("A", 40), ("B", 9)], AscendAttentionState.PrefillNoCache)

@@ -79,7 +79,7 @@ def test_mixed_batch_matches_oracle(monkeypatch, tp_rank, tp_size, vmc, dense_la
     if dense_layer:
         ts.layer_k[LAYER] = 0
         ts.thresholds[LAYER] = float("-inf")
-    settings = VllmTopthSettings(mode="topth", thresholds="unused", vmc=vmc)
+    settings = VllmTopthSettings(metrics_every=1, mode="topth", thresholds="unused", vmc=vmc)
     impl, stats = _impl(monkeypatch, ts, settings, tp_rank, tp_size, Hq, Hkv, D)
     Hl, Hkl = Hq // tp_size, Hkv // tp_size
     eng = Engine(impl, H=Hkl, D=D)
@@ -116,7 +116,7 @@ def test_mixed_batch_matches_oracle(monkeypatch, tp_rank, tp_size, vmc, dense_la
 
 def test_dense_mode_keeps_every_row(monkeypatch, causal_reference):
     Hq, Hkv, D = 4, 2, 16
-    settings = VllmTopthSettings(mode="dense")
+    settings = VllmTopthSettings(metrics_every=1, mode="dense")
     impl, stats = _impl(monkeypatch, None, settings, 0, 1, Hq, Hkv, D)
     eng = Engine(impl, H=Hkv, D=D)
     eng.step([("A", 20)], Hq)
@@ -131,7 +131,7 @@ def test_dense_mode_keeps_every_row(monkeypatch, causal_reference):
 
 
 def test_unsupported_features_fail_at_construction(monkeypatch):
-    _impl(monkeypatch, None, VllmTopthSettings(mode="dense"), 0, 1, 4, 2, 16)
+    _impl(monkeypatch, None, VllmTopthSettings(metrics_every=1, mode="dense"), 0, 1, 4, 2, 16)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         B.TopthAttentionImpl(4, 16, 0.25, 2, sliding_window=128)
     with pytest.raises(NotImplementedError, match="KV cache dtype fp8"):
@@ -156,7 +156,7 @@ def test_group_selection_file_matches_oracle(monkeypatch, tp_rank, tp_size, Hkv,
     Hq, D = 8, 16
     cfg = make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
     ts = _group_set(make_threshold_set, cfg)
-    settings = VllmTopthSettings(mode="topth", thresholds="unused", vmc=True)
+    settings = VllmTopthSettings(metrics_every=1, mode="topth", thresholds="unused", vmc=True)
     Hl, Hkl = Hq // tp_size, max(1, Hkv // tp_size)
     stats = ServingStats(settings.mode, None, 0.0)
     monkeypatch.setattr(B, "runtime", lambda: Runtime(settings, ts, tp_rank, tp_size, stats, "tiny"))

@@ -52,7 +52,7 @@ def test_mixed_batch_on_vllms_cache(monkeypatch, isa, dtype, vmc, dense_layer, m
     ts = make_threshold_set(cfg, rows=128, k=4, seed=1)
     if dense_layer:
         ts.layer_k[LAYER] = 0
-    impl, stats = make_impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused", vmc=vmc), Hq, Hkv, D)
+    impl, stats = make_impl(monkeypatch, ts, VllmTopthSettings(metrics_every=1, mode="topth", thresholds="unused", vmc=vmc), Hq, Hkv, D)
     eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D)
     q, out, bt, lens, qsl = _run_three_steps(eng)
     assert not torch.isnan(out.float()).any()
@@ -94,7 +94,7 @@ def test_requests_at_different_sets_share_one_op_call(monkeypatch, isa, dtype, b
     cfg = make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D)
     sets = [make_threshold_set(cfg, rows=128, k=k, seed=k) for k in (4, 8, 16)]
     sets[2].thresholds[LAYER] = 0.02  # a set that drops more
-    settings = VllmTopthSettings(mode="topth", thresholds="unused", dense_beyond=beyond)
+    settings = VllmTopthSettings(metrics_every=1, mode="topth", thresholds="unused", dense_beyond=beyond)
     impl, stats = make_impl(monkeypatch, sets[0], settings, Hq, Hkv, D, sets=sets)
     eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D)
     eng.step([("A", 70), ("B", 12), ("E", 30)])
@@ -124,7 +124,7 @@ def test_requests_at_different_sets_share_one_op_call(monkeypatch, isa, dtype, b
 def test_sliding_window_layer_is_served_by_vllm(monkeypatch, isa, dtype, make_cfg, make_threshold_set):
     Hq, Hkv, D = 4, 2, 64
     ts = make_threshold_set(make_cfg(layers=4, heads=Hq, kv_heads=Hkv, head_dim=D), rows=128, k=4)
-    impl, stats = make_impl(monkeypatch, ts, VllmTopthSettings(mode="topth", thresholds="unused"), Hq, Hkv, D,
+    impl, stats = make_impl(monkeypatch, ts, VllmTopthSettings(metrics_every=1, mode="topth", thresholds="unused"), Hq, Hkv, D,
                         sliding_window=16)
     eng = Engine(impl, isa, dtype, Hq, H=Hkv, D=D, window=16)
     q, out, bt, lens, qsl = _run_three_steps(eng)

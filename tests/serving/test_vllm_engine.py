@@ -86,7 +86,7 @@ def test_tensor_parallel_2_matches_tp_1(tiny, tmp_path):
         "        cpus = sorted(os.sched_getaffinity(0))\n"
         "        os.environ['VLLM_CPU_OMP_THREADS_BIND'] = f'{cpus[0]}|{cpus[1]}' if tp == 2 else 'auto'\n"
         f"        r = vc.run_llm({tiny!r}, ids, 12, topth={{'thresholds': {th!r}, 'vmc': True, "
-        f"'stats_file': {str(tmp_path)!r} + f'/tp{{tp}}.json', 'log_interval': 1}}, tensor_parallel_size=tp)\n"
+        f"'stats_file': {str(tmp_path)!r} + f'/tp{{tp}}.json', 'log_interval': 1, 'metrics_every': 1}}, tensor_parallel_size=tp)\n"
         "        res[tp] = r\n"
         f"    json.dump(vc.compare_tokens(res[1]['tokens'], res[2]['tokens'], res[1]['top'], res[2]['top']), "
         f"open({str(tmp_path / 'cmp.json')!r}, 'w'))\n")

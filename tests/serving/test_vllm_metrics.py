@@ -45,6 +45,28 @@ def test_sums_per_layer_set_and_bucket():
     assert d["decode_rows"] == 3 and d["layers"][0]["kept_over_k"] == {}  # no target k: no ratio
 
 
+def test_sums_over_steps_of_different_batch_sizes_across_flushes():
+    """The layers' statistics are kept until a flush and summed in one batch: steps whose
+    batch size changes, more than one flush, and a snapshot in the middle of a step."""
+    fid = F.Fidelity(2, ["0", "dense"], "cpu")
+    read = dense = rows0 = rows_dense = 0
+    for s in range(F.FLUSH_STEPS + 9):
+        B = 1 + s % 3
+        kept = [5 + (s + i) % 7 for i in range(B)]
+        sets = [i % 2 for i in range(B)]
+        lens = [100 + 37 * s + i for i in range(B)]
+        _step(fid, [10, 20], kept, sets, lens)
+        read += 2 * 2 * sum(k for k, x in zip(kept, sets) if x == 0)  # 2 layers x 2 KV heads
+        dense += 2 * 2 * sum(n for n, x in zip(lens, sets) if x == 0)
+        rows0 += sets.count(0)
+        rows_dense += sets.count(1)
+        if s == 20:
+            assert fid.snapshot()[..., F.CHANNELS.index("rows")].sum() == 2 * (rows0 + rows_dense)
+    s0 = fid.report()["sets"]["0"]
+    assert (s0["v_rows_read"], s0["v_rows_dense"], s0["decode_rows"]) == (read, dense, rows0)
+    assert fid.report()["sets"]["dense"]["decode_rows"] == rows_dense
+
+
 def test_guardrail_warns_once_outside_the_band_and_not_inside(caplog):
     fid = F.Fidelity(1, ["0", "dense"], "cpu", band=(0.8, 1.25), window=64)
     with caplog.at_level(logging.WARNING, logger="vllm.topth_ops"):

@@ -35,3 +35,34 @@ def test_steps_layers_and_report(tmp_path):
 def test_rank_path():
     assert rank_path("/a/stats.json", 0) == "/a/stats.json"
     assert rank_path("/a/stats.json", 3) == "/a/stats.rank3.json"
+
+
+def test_batched_reduction_matches_per_step_sums():
+    """Steps are reduced REDUCE_STEPS at a time: totals and per-step records over several
+    batches, with batch sizes and KV-head counts that change, and a report taken in the
+    middle of a step, equal plain per-step sums."""
+    from topth_ops.vllm.stats import REDUCE_STEPS
+
+    g = torch.Generator().manual_seed(3)
+    st = ServingStats("topth", None, log_interval=0)
+    want, mid = [], None
+    steps = 2 * REDUCE_STEPS + 7
+    for s in range(steps):
+        B = 1 + s % 4
+        read = dense = 0
+        for layer in range(3):
+            hkv = 2 if layer < 2 else 1  # e.g. a layer served with fewer KV heads
+            v = torch.randint(0, 50, (B, hkv), generator=g, dtype=torch.int32)
+            n = torch.randint(50, 99, (B,), generator=g, dtype=torch.int32)
+            st.add(layer, v, n)
+            read += int(v.sum())
+            dense += int(n.sum()) * hkv
+            if s == REDUCE_STEPS + 3 and layer == 0:
+                mid = st.report()  # the step in progress is merged when its later layers come
+        want.append({"step": s + 1, "decode_seqs": B, "v_rows_read": read, "v_rows_dense": dense})
+    rep = st.report()
+    assert mid["decode_steps"] == REDUCE_STEPS + 4
+    assert rep["decode_steps"] == steps and rep["decode_tokens"] == sum(w["decode_seqs"] for w in want)
+    assert rep["v_rows_read"] == sum(w["v_rows_read"] for w in want)
+    assert rep["v_rows_dense"] == sum(w["v_rows_dense"] for w in want)
+    assert rep["last_steps"] == want

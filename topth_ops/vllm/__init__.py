@@ -35,7 +35,7 @@ def register() -> None:
 def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc: bool = False,
            sdc: str = "none", stats_file: Optional[str] = None, log_interval: Optional[float] = None,
            op_backend: Optional[str] = None, threshold_set: Optional[int] = None, metrics: Optional[bool] = None,
-           guard_band: Optional[tuple] = None, guard_window: Optional[int] = None,
+           metrics_every: Optional[int] = None, guard_band: Optional[tuple] = None, guard_window: Optional[int] = None,
            dense_beyond: Optional[int] = None, calibrate: Optional[dict] = None) -> VllmTopthSettings:
     """Switch Top-Theta on for vLLM engines this process starts from now on, by setting
     the ``TOPTH_VLLM_*`` environment variables (inherited by vLLM's engine and worker
@@ -62,6 +62,8 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
         default: requests may choose another (``extra_args={"topth": ...}``).
     metrics : bool, optional
         Fidelity statistics and ``topth_*`` Prometheus metrics (default on).
+    metrics_every : int, optional
+        Statistics of one decode step in this many (default 4; 1: every step).
     guard_band : (float, float), optional
         k~/k band of the drift guardrail (default (0.8, 1.25)).
     guard_window : int, optional
@@ -90,6 +92,7 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
               "log_interval": None if log_interval is None else str(log_interval), "op_backend": op_backend,
               "threshold_set": None if threshold_set is None else str(threshold_set),
               "metrics": None if metrics is None else ("1" if metrics else "0"),
+              "metrics_every": None if metrics_every is None else str(metrics_every),
               "guard_band": None if guard_band is None else ",".join(str(float(x)) for x in guard_band),
               "guard_window": None if guard_window is None else str(guard_window),
               "dense_beyond": None if dense_beyond is None else str(dense_beyond)}

@@ -36,6 +36,9 @@ def add_arguments(p) -> None:
     p.add_argument("--log-interval", type=float, default=None, help="seconds between statistics log lines")
     p.add_argument("--no-metrics", action="store_true",
                    help="no fidelity statistics and no topth_* metrics on /metrics (docs/vllm.md, \"Metrics\")")
+    p.add_argument("--metrics-every", type=int, default=None, metavar="N",
+                   help="statistics of one decode step in N (default 4; 1: every step; step and token counts "
+                        "stay exact)")
     p.add_argument("--guard-band", default=None, metavar="LOW,HIGH",
                    help="k~/k band of the drift guardrail (default 0.8,1.25)")
     p.add_argument("--guard-window", type=int, default=None, metavar="STEPS",
@@ -72,7 +75,8 @@ TP_FLAGS = ("--tensor-parallel-size", "-tp")
 #: (flag, argparse dest) of the options that configure this backend (refused with --mode vllm)
 TOPTH_FLAGS = [("--thresholds", "thresholds"), ("--threshold-set", "threshold_set"), ("--vmc", "vmc"),
                ("--sdc", "sdc"), ("--sdc-gamma", "sdc_gamma"), ("--op-backend", "op_backend"), ("--stats", "stats"),
-               ("--log-interval", "log_interval"), ("--no-metrics", "no_metrics"), ("--guard-band", "guard_band"),
+               ("--log-interval", "log_interval"), ("--no-metrics", "no_metrics"),
+               ("--metrics-every", "metrics_every"), ("--guard-band", "guard_band"),
                ("--guard-window", "guard_window"), ("--dense-beyond", "dense_beyond"), ("--calibrate", "calibrate"),
                ("--k", "k"), ("--layer-k", "layer_k"), ("--placement", "placement"), ("--selection", "selection"),
                ("--calibrate-requests", "calibrate_requests"), ("--no-calibrate-prefill", "no_calibrate_prefill")]
@@ -143,6 +147,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
                   "sdc_gamma": None if args.sdc_gamma is None else str(args.sdc_gamma),
                   "op_backend": args.op_backend, "metrics": "0" if args.no_metrics else None,
                   "guard_band": args.guard_band,
+                  "metrics_every": None if args.metrics_every is None else str(args.metrics_every),
                   "guard_window": None if args.guard_window is None else str(args.guard_window),
                   "dense_beyond": None if args.dense_beyond is None else str(args.dense_beyond),
                   "calibrate_out": os.path.abspath(args.calibrate) if args.calibrate else None,

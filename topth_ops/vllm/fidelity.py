@@ -10,6 +10,9 @@ a host sync per step, six channels over its decode rows:
 - ``v_read`` / ``v_dense``: V rows read and the rows dense attention reads (per KV head);
 - ``rows``: decode rows.
 
+With statistics sampling (settings ``metrics_every``) the sums cover the measured steps;
+:meth:`Fidelity.skip_step` counts the other steps and their rows per set on the host.
+
 Every :data:`FLUSH_STEPS` decode steps (or on :meth:`Fidelity.snapshot`) the sums are
 copied to the host once; :class:`Guardrail` keeps the deltas of the last ``window``
 decode steps and logs one warning per flush naming the cells whose k~/k left the band
@@ -138,10 +141,14 @@ class Fidelity:
         self._acc = torch.zeros(self._shape, dtype=torch.float64, device=self.device)
         self._flat = self._acc.view(-1, len(CHANNELS))
         self.totals = np.zeros(self._shape)  # host copy at the last flush
-        self.decode_steps = 0
+        self.decode_steps = 0  # measured steps (their rows are in the sums)
         self._steps_at_flush = 0
+        # steps not sampled (settings metrics_every): counted on the host, rows by the request's set
+        self.unmeasured_steps = 0
+        self.unmeasured_rows = np.zeros(len(self.set_labels), dtype=np.int64)
+        self.unmeasured_at_flush = (0, self.unmeasured_rows.copy())  # their values at the last flush
         self._last_layer: Optional[int] = None
-        self._entries: list = []  # the current step's layers (tensors; summed when the step ends)
+        self._entries: list = []  # the layers since the last flush (tensors; summed at the flush)
         self._last_add = time.monotonic()
         self._lock = threading.Lock()
         self.guardrail = Guardrail(band, window, self.describe)
@@ -171,8 +178,9 @@ class Fidelity:
         set_k : torch.Tensor, optional
             ``[num_sets]`` float: the layer's target k per set-table row (0: dense).
 
-        The tensors are summed when the step ends: they must not change until then (a
-        buffer the engine rewrites for the next step must be passed as a copy).
+        The tensors are summed at the next flush (at most :data:`FLUSH_STEPS` decode steps
+        later): they must not change until then (a buffer the engine rewrites for the next
+        step must be passed as a copy).
         """
         with self._lock:
             if self._last_layer is None or layer <= self._last_layer:
@@ -180,12 +188,27 @@ class Fidelity:
             self._last_layer = layer
             self._last_add = time.monotonic()
             if set_idx.shape[0]:
-                # kept until the step ends: one batch of small ops per step, not per layer
+                # kept until the flush: one batch of small ops per flush, not per layer or step
                 self._entries.append((layer, set_idx, bucket, seq_lens, num_kv_heads, v_rows, kept, dropped_mass,
                                       set_k if kept is not None else None))
 
+    def skip_step(self, set_idx: Sequence[int]) -> None:
+        """A decode step that is not measured: its rows counted per set-table row (host
+        list ``set_idx``, one entry per decode row: the request's choice)."""
+        with self._lock:
+            self.unmeasured_steps += 1
+            self._last_add = time.monotonic()
+            for i in set_idx:
+                self.unmeasured_rows[i] += 1
+
+    @property
+    def all_steps(self) -> int:
+        """Decode steps at the last flush, measured or not."""
+        return self._steps_at_flush + self.unmeasured_at_flush[0]
+
     def _sum_step(self) -> None:
-        """Add the finished step's layers to the device sums (a few batched ops, no sync)."""
+        """Add the layers recorded since the last call (up to :data:`FLUSH_STEPS` steps) to
+        the device sums: a few batched ops per flush rather than per step, no sync."""
         entries, self._entries = self._entries, []
         groups: dict = {}
         for e in entries:  # layers with op statistics / without, and batch shape
@@ -215,17 +238,18 @@ class Fidelity:
 
     def _new_step(self) -> None:
         if self._last_layer is not None:
-            self._sum_step()
             self.decode_steps += 1
         if self.decode_steps - self._steps_at_flush >= FLUSH_STEPS:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
+        self._sum_step()  # the steps since the last flush (their tensors are kept until now)
         now = self._acc.cpu().numpy().copy()  # the one host sync per flush
         delta = now - self.totals
         steps = self.decode_steps - self._steps_at_flush
         self.totals = now
         self._steps_at_flush = self.decode_steps
+        self.unmeasured_at_flush = (self.unmeasured_steps, self.unmeasured_rows.copy())
         if steps > 0:
             self.guardrail.update(steps, delta[..., 0], delta[..., 1])
         self.flushes += 1
@@ -244,8 +268,7 @@ class Fidelity:
     def snapshot(self) -> np.ndarray:
         """Flush now and return the host totals ``[L, S, NB, len(CHANNELS)]``."""
         with self._lock, torch.inference_mode():  # the sums are inference tensors (made in the forward)
-            self._sum_step()  # the step in progress too (its later layers add to the sums when they come)
-            self._flush_locked()
+            self._flush_locked()  # the step in progress too (its later layers add to the sums when they come)
             return self.totals.copy()
 
     def report(self, fresh: bool = True) -> dict:
@@ -257,6 +280,7 @@ class Fidelity:
         else:
             with self._lock:
                 t = self.totals.copy()
+        extra_rows = self.unmeasured_at_flush[1]
         labels = bucket_labels()
         out = {}
         for s, name in enumerate(self.set_labels):
@@ -278,7 +302,7 @@ class Fidelity:
                 tot = t[:, s]
                 out[name] = {"v_rows_read": int(tot[..., 3].sum()), "v_rows_dense": int(tot[..., 4].sum()),
                              "v_rows_fraction": float(tot[..., 3].sum() / tot[..., 4].sum()),
-                             "decode_rows": int(t[min(x["layer"] for x in layers), s, :, 5].sum()),
+                             "decode_rows": int(t[min(x["layer"] for x in layers), s, :, 5].sum() + extra_rows[s]),
                              "layers": layers}
         g = self.guardrail
         out_cells = [] if g.out is None else [self.describe(*c) for c in np.argwhere(g.out).tolist()]

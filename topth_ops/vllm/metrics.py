@@ -87,6 +87,7 @@ class PrometheusExporter:
         self.rank = str(rank)
         self._last: Optional[np.ndarray] = None
         self._steps = 0
+        self._extra: Optional[np.ndarray] = None  # unmeasured rows per set at the last update
         self._trips: dict = {}
         self._shown: dict = {}  # (layer, set, bucket) -> (k~/k, out, trips) last exported
         for s in sets:
@@ -101,9 +102,13 @@ class PrometheusExporter:
         d = t - last
         self._last = t.copy()
         m, r = self.m, self.rank
-        if fid.decode_steps > self._steps:
-            m["steps"].labels(rank=r).inc(fid.decode_steps - self._steps)
-            self._steps = fid.decode_steps
+        steps = fid.all_steps  # measured or not (statistics sampling)
+        if steps > self._steps:
+            m["steps"].labels(rank=r).inc(steps - self._steps)
+            self._steps = steps
+        extra = fid.unmeasured_at_flush[1]  # rows of unmeasured steps, per set
+        extra_d = extra - (self._extra if self._extra is not None else 0)
+        self._extra = extra.copy()
         labels = bucket_labels()
         g = fid.guardrail
         rows = t[..., 5].sum(2)  # [L, S]
@@ -134,7 +139,7 @@ class PrometheusExporter:
                 if state[2] > seen:
                     m["trips"].labels(layer=ll, set=sl, bucket=bl, rank=r).inc(state[2] - seen)
                     self._trips[key] = state[2]
-        for s, layer in first.items():
-            n = float(d[layer, s, :, 5].sum())
+        for s in range(len(fid.set_labels)):
+            n = float(extra_d[s]) + (float(d[first[s], s, :, 5].sum()) if s in first else 0.0)
             if n > 0:
                 m["rows"].labels(set=fid.set_labels[s], rank=r).inc(n)

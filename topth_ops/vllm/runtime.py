@@ -54,6 +54,7 @@ class Runtime:
     default_set: int = 0
     fidelity: Optional[Fidelity] = None
     calib: Optional[object] = None  # EngineCalibration (mode "calibrate")
+    decode_steps: int = 0  # steps with decode rows seen by decode_sets (statistics sampling)
     _resolved: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -210,27 +211,44 @@ class DecodeSets:
     present : frozenset of int
         Set-table rows that may occur this step (host side: decides per layer whether the
         op runs at all).
+    measured : bool
+        The step's statistics are recorded (one step in ``metrics_every``); False: the op
+        runs without statistics and :func:`record` only counts prefill tokens.
     """
 
     threshold_set: torch.Tensor
     set_idx: Optional[torch.Tensor]
     bucket: Optional[torch.Tensor]
     present: frozenset
+    measured: bool = True
 
 
 def decode_sets(rt: Runtime, num_decodes: int, seq_lens: torch.Tensor) -> DecodeSets:
     """Each decode row's set-table row: the request's choice, then ``dense_beyond``
     (rows longer than it read every position). ``seq_lens`` ``[num_decodes]`` on the
-    device; no host sync."""
+    device; no host sync. Called once per step (the step's first layer that needs it,
+    shared through the metadata): it also decides whether the step is measured (one in
+    ``metrics_every``) and counts an unmeasured step's rows on the host."""
     idx = [rt.resolve(c) for c in requests_mod.row_choices(num_decodes)]
     present = set(idx)
     ts = torch.tensor(idx, dtype=torch.int32).to(seq_lens.device, non_blocking=True)
     if rt.settings.dense_beyond:
         ts = torch.where(seq_lens > rt.settings.dense_beyond, torch.full_like(ts, rt.dense_index), ts)
         present.add(rt.dense_index)
-    metrics = rt.settings.metrics
+    s = rt.settings
+    measured = True
+    if rt.stats is not None or s.metrics:
+        measured = rt.decode_steps % s.metrics_every == 0
+        rt.decode_steps += 1
+        if not measured:
+            if rt.stats is not None:
+                rt.stats.skip_step(num_decodes)
+            fid = fidelity(rt, seq_lens.device)
+            if fid is not None:
+                fid.skip_step(idx)
+    metrics = s.metrics and measured
     return DecodeSets(ts, ts.to(torch.int64) if metrics else None, buckets(seq_lens) if metrics else None,
-                      frozenset(present))
+                      frozenset(present), measured)
 
 
 @dataclass
@@ -347,7 +365,7 @@ def decode_rows(rt: Runtime, rule: LayerRule, query: torch.Tensor, key_cache: to
         The op's statistics, when statistics or metrics are collected.
     """
     s = rt.settings
-    want_stats = rt.stats is not None or s.metrics
+    want_stats = (rt.stats is not None or s.metrics) and sets.measured
     res = decode_attention(
         query, key_cache, value_cache, seq_lens, rule.thresholds, scale=scale,
         placement=rule.placement, sdc=rule.sdc,
@@ -364,12 +382,16 @@ def record(rt: Runtime, layer: int, rule: LayerRule, sets: Optional[DecodeSets],
     """Statistics of one layer's forward: V rows (the JSON report) and the fidelity sums.
     ``seq_lens`` ``[num_decodes]`` are the rows dense attention reads (clamped to a
     sliding window); ``op_stats`` the op's statistics when it ran (else dense)."""
+    st = rt.stats
+    if sets is not None and not sets.measured:  # counted by decode_sets; prefill tokens only
+        if st is not None and prefill_tokens:
+            st.add(layer, None, None, prefill_tokens)
+        return
     B = seq_lens.shape[0]
     v_rows = op_stats.v_rows if op_stats is not None else None
-    st = rt.stats
     if st is not None:
-        dense_rows = seq_lens[:, None].expand(B, num_kv_heads) if B else None
-        st.add(layer, v_rows if v_rows is not None else dense_rows, seq_lens, prefill_tokens)
+        rows = v_rows if v_rows is not None or not B else seq_lens[:, None].expand(B, num_kv_heads)
+        st.add(layer, rows, seq_lens, prefill_tokens)
     fid = fidelity(rt, seq_lens.device) if sets is not None and sets.set_idx is not None else None
     if fid is not None:
         if op_stats is None:

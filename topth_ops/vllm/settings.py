@@ -21,6 +21,8 @@ TOPTH_VLLM_STATS          [stats_file]        JSON report of V rows read, rewrit
 TOPTH_VLLM_LOG_INTERVAL   [log_interval]      seconds between statistics log lines (0: off)
 TOPTH_VLLM_METRICS        [metrics]           1/0: fidelity statistics and Prometheus metrics
                                               (default 1; docs/vllm.md, "Metrics")
+TOPTH_VLLM_METRICS_EVERY  [metrics_every]     statistics of one decode step in N (default 4;
+                                              1: every step); step and token counts stay exact
 TOPTH_VLLM_GUARD_BAND     [guard_band]        k~/k band of the drift guardrail (``0.8,1.25``)
 TOPTH_VLLM_GUARD_WINDOW   [guard_window]      decode steps of the guardrail's window (256)
 TOPTH_VLLM_DENSE_BEYOND   [dense_beyond]      rows longer than this row id are served dense
@@ -61,6 +63,7 @@ ENV = {
     "stats_file": "TOPTH_VLLM_STATS",
     "log_interval": "TOPTH_VLLM_LOG_INTERVAL",
     "metrics": "TOPTH_VLLM_METRICS",
+    "metrics_every": "TOPTH_VLLM_METRICS_EVERY",
     "guard_band": "TOPTH_VLLM_GUARD_BAND",
     "guard_window": "TOPTH_VLLM_GUARD_WINDOW",
     "dense_beyond": "TOPTH_VLLM_DENSE_BEYOND",
@@ -103,6 +106,10 @@ class VllmTopthSettings:
     metrics : bool
         Per-layer, per-set fidelity statistics (k~/k, dropped mass, V rows) and their
         Prometheus metrics; the drift guardrail needs them.
+    metrics_every : int
+        The op's statistics, the fidelity sums and the JSON report's V rows cover one
+        decode step in this many (>= 1); decode steps, tokens and rows per set are counted
+        on every step.
     guard_band : tuple of float
         ``(low, high)``: the guardrail warns when a layer's windowed k~/k leaves it.
     guard_window : int
@@ -128,6 +135,7 @@ class VllmTopthSettings:
     stats_file: Optional[str] = None
     log_interval: float = 10.0
     metrics: bool = True
+    metrics_every: int = 4
     guard_band: tuple = (0.8, 1.25)
     guard_window: int = 256
     dense_beyond: int = 0
@@ -167,11 +175,11 @@ class VllmTopthSettings:
         if not (0 <= lo < hi < float("inf")):
             raise TopthConfigError(f"topth vLLM backend: guard_band must be two numbers 0 <= low < high, got "
                                    f"{self.guard_band!r} ({ENV['guard_band']} or additional_config['topth']['guard_band'])")
-        for key in ("guard_window", "dense_beyond"):
-            v = getattr(self, key)
-            if v < (1 if key == "guard_window" else 0):
-                raise TopthConfigError(f"topth vLLM backend: {key} must be an integer >= "
-                                       f"{1 if key == 'guard_window' else 0}, got {v!r} ({ENV[key]})")
+        for key in ("guard_window", "dense_beyond", "metrics_every"):
+            v, least = getattr(self, key), 0 if key == "dense_beyond" else 1
+            if v < least:
+                raise TopthConfigError(f"topth vLLM backend: {key} must be an integer >= {least}, got {v!r} "
+                                       f"({ENV[key]})")
         if self.mode == "calibrate":
             self._check_calibrate()
         elif self.calibrate_out:
@@ -256,7 +264,7 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         if len(band) != 2:
             raise TopthConfigError(f"topth vLLM backend: {where} must be two numbers 'low,high', got {raw!r}")
         return band
-    if key in ("guard_window", "dense_beyond", "calibrate_requests"):
+    if key in ("guard_window", "dense_beyond", "calibrate_requests", "metrics_every"):
         return _parse_int(raw, where, "an integer")
     if key == "threshold_set":
         if raw is None or (isinstance(raw, str) and raw.strip() == ""):

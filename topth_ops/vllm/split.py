@@ -227,7 +227,8 @@ class SplitImpl:
         m = attn_metadata
         B = m.num_decodes
         rt = self.rt
-        if B and m.sets is None and (self.rule.thresholded or rt.settings.metrics):
+        if B and m.sets is None and (self.rule.thresholded or rt.settings.metrics or rt.stats is not None):
+            # once per step, shared by every layer (statistics sampling decides per step)
             m.sets = decode_sets(rt, B, m.seq_lens)
         if not (B and self.rule.thresholded and self.rule.serves(m.sets.present)):
             super().forward(layer, query, key, value, kv_cache, m.full, output, output_scale, output_block_scale)

@@ -4,7 +4,9 @@ One :class:`ServingStats` per worker process (one per tensor-parallel rank) sums
 every decode step (one model forward that had decode tokens), the V rows the op read
 (``DecodeStats.v_rows``: per sequence and KV head, the union of the rows kept by the
 group's query heads) and the rows dense attention reads (``seq_len`` per sequence and KV
-head), over all layers. Prefill tokens are dense and counted apart.
+head), over all layers. Prefill tokens are dense and counted apart. With statistics
+sampling (settings ``metrics_every``) the V rows cover the measured steps; the others are
+counted as steps and tokens only (:meth:`ServingStats.skip_step`).
 
 The counts stay on the device between log lines (no sync per layer). Every
 ``log_interval`` seconds one INFO line goes to the ``topth_ops.vllm`` logger, and the
@@ -30,6 +32,8 @@ logger = logging.getLogger("vllm.topth_ops")
 
 REPORT_FORMAT = "topth-vllm-stats"
 STEP_HISTORY = 4096
+#: Closed steps whose per-step sums are reduced together (bounds the tensors kept).
+REDUCE_STEPS = 32
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -65,13 +69,15 @@ class ServingStats:
         self.sections: dict = {}  # report key -> callable giving its value (e.g. "per_set")
         self.idle_hooks: list = []  # called by the statistics thread every period (e.g. a flush when idle)
         self._lock = threading.Lock()
-        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (step, seqs, read, dense)
+        self._raw: list = []  # (step, seqs, rows) of closed steps not yet reduced
+        self._pending: list = []  # ([step], [seqs], read [n], dense [n]) reduced, not yet on the host
         self._step_rows: list = []  # (v_rows, seq_lens, num_kv_heads) of the step in progress
         self._step = 0
         self._last_layer = None
         self._step_has_decode = False
         self._step_has_prefill = False
-        self.decode_steps = 0
+        self.decode_steps = 0  # measured steps (their V rows are summed)
+        self.unmeasured_steps = 0  # decode steps whose statistics were not sampled (metrics_every)
         self.decode_tokens = 0
         self.prefill_tokens = 0
         self.v_rows_read = 0
@@ -131,34 +137,61 @@ class ServingStats:
                 if not self._step_has_decode:
                     self._step_has_decode = True
                     self.decode_tokens += B
-                # summed once per step (_close_step): a few ops per step, not per layer
+                # summed every REDUCE_STEPS steps (_reduce): a few ops per batch of steps, not per layer
                 self._step_rows.append((v_rows, seq_lens, Hkv))
             self._dirty = True
         if self._thread is None and (self.stats_file or self.log_interval > 0):
             self._start_flusher()
         self.maybe_flush()
 
+    def skip_step(self, num_decodes: int) -> None:
+        """A decode step whose V rows are not recorded (statistics sampling): counted only."""
+        with self._lock:
+            self.unmeasured_steps += 1
+            self.decode_tokens += int(num_decodes)
+
     # ------------------------------------------------------------------ reading
 
     def _close_step(self) -> None:
         rows, self._step_rows = self._step_rows, []
-        if not rows:
+        if rows:
+            self._raw.append((self._step, rows[0][0].shape[0], rows))
+            if len(self._raw) >= REDUCE_STEPS:
+                self._reduce()
+
+    def _reduce(self) -> None:
+        """Per-step V rows read and dense of the closed steps not yet reduced: a few batched
+        ops for up to :data:`REDUCE_STEPS` steps (no sync)."""
+        raw, self._raw = self._raw, []
+        if not raw:
             return
-        B = rows[0][0].shape[0]
-        read = torch.cat([v.reshape(-1) for v, _, _ in rows]).sum(dtype=torch.int64)
-        dense = sum(n.to(torch.int64).sum() * h for _, n, h in rows) if len({h for *_, h in rows}) > 1 else \
-            torch.stack([n for _, n, _ in rows]).sum(dtype=torch.int64) * rows[0][2]
-        self._pending.append((self._step, B, read, dense))
+        dev = raw[0][2][0][0].device
+        i64 = torch.int64
+        groups: dict = {}  # (v_rows shape, KV heads) -> (v_rows, seq_lens, step slot) per layer
+        for j, (_, _, rows) in enumerate(raw):
+            for v, n, h in rows:
+                g = groups.setdefault((v.shape, h), ([], [], []))
+                g[0].append(v)
+                g[1].append(n)
+                g[2].append(j)
+        read = torch.zeros(len(raw), dtype=i64, device=dev)
+        dn = torch.zeros(len(raw), dtype=i64, device=dev)
+        for (_, h), (vs, ns, js) in groups.items():
+            slot = torch.tensor(js, device=dev)
+            read.index_add_(0, slot, torch.stack(vs).sum((1, 2), dtype=i64))
+            dn.index_add_(0, slot, torch.stack(ns).sum(1, dtype=i64) * h)  # seq_len per KV head
+        self._pending.append(([r[0] for r in raw], [r[1] for r in raw], read, dn))
 
     def _collect(self) -> None:
         self._close_step()  # the step in progress too (_collect merges records of one step)
+        self._reduce()
         pending, self._pending = self._pending, []
         if not pending:
             return
-        reads = torch.stack([p[2] for p in pending]).cpu().tolist()
-        denses = torch.stack([p[3] for p in pending]).cpu().tolist()
+        reads = torch.cat([p[2] for p in pending]).cpu().tolist()
+        denses = torch.cat([p[3] for p in pending]).cpu().tolist()
         by_step: dict[int, list] = {}
-        for (step, seqs, _, _), r, d in zip(pending, reads, denses):
+        for (step, seqs), r, d in zip([x for p in pending for x in zip(p[0], p[1])], reads, denses):
             e = by_step.setdefault(step, [seqs, 0, 0])
             e[1] += r
             e[2] += d
@@ -184,7 +217,8 @@ class ServingStats:
                 "mode": self.mode,
                 **self.meta,
                 "layers": len(self.layers_seen),
-                "decode_steps": self.decode_steps,
+                "decode_steps": self.decode_steps + self.unmeasured_steps,
+                "decode_steps_measured": self.decode_steps,
                 "decode_tokens": self.decode_tokens,
                 "prefill_tokens_dense": self.prefill_tokens,
                 "v_rows_read": self.v_rows_read,
