@@ -149,6 +149,20 @@ def run_config(args, mode: str, prompts, wd: str) -> dict:
     return res
 
 
+def summarize(rounds: list, configs: list) -> dict:
+    """Per configuration: median tokens/s over the rounds and its ratio to vLLM's."""
+    import statistics
+
+    out = {}
+    for c in configs:
+        tps = [r[c]["tokens_per_s"] for r in rounds if c in r]
+        out[c] = {"rounds": len(tps), "tokens_per_s": tps, "tokens_per_s_median": statistics.median(tps)}
+    if "vllm" in out:
+        for c in configs:
+            out[c]["vs_vllm"] = out[c]["tokens_per_s_median"] / out["vllm"]["tokens_per_s_median"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -160,28 +174,46 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--request-timeout", type=float, default=3600)
     ap.add_argument("--settle", type=float, default=7)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations in turn this many times, every other round in reverse "
+                         "order; the summary gives medians (default 1)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "topth" in configs and not args.thresholds:
         ap.error("the topth configuration needs --thresholds")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     prompts = make_prompts(args.model, args.requests)
     out = {"requests": args.requests, "prompt_lengths": [len(p) for p, _ in prompts],
            "max_tokens": [m for _, m in prompts], "load_avg_start": os.getloadavg(), "configs": {}}
+    out["rounds"] = []
     with tempfile.TemporaryDirectory() as wd:
-        for c in configs:
-            r = run_config(args, c, prompts, wd)
-            out["configs"][c] = r
-            print(f"{c}: {r['requests']} requests, errors {len(r['errors'])}, non-finite logprobs "
-                  f"{r['nonfinite_logprobs']}, {r['completion_tokens']} tokens in {r['wall_s']:.1f} s = "
-                  f"{r['tokens_per_s']:.2f} tokens/s" + (f"; V rows {r['stats']['v_rows_fraction']:.3f} of dense"
-                                                         if r.get("stats") else ""), flush=True)
+        for rnd in range(args.rounds):
+            order = configs if rnd % 2 == 0 else configs[::-1]
+            this = {}
+            for c in order:
+                r = run_config(args, c, prompts, wd)
+                this[c] = r
+                out["configs"][c] = r  # the last round's full result per configuration
+                print(f"round {rnd} {c}: {r['requests']} requests, errors {len(r['errors'])}, non-finite logprobs "
+                      f"{r['nonfinite_logprobs']}, {r['completion_tokens']} tokens in {r['wall_s']:.1f} s = "
+                      f"{r['tokens_per_s']:.2f} tokens/s" + (f"; V rows {r['stats']['v_rows_fraction']:.3f} of dense"
+                                                             if r.get("stats") else ""), flush=True)
+            out["rounds"].append({c: {"wall_s": this[c]["wall_s"], "tokens_per_s": this[c]["tokens_per_s"],
+                                      "completion_tokens": this[c]["completion_tokens"],
+                                      "errors": len(this[c]["errors"]),
+                                      "nonfinite_logprobs": this[c]["nonfinite_logprobs"]} for c in order})
+    out["summary"] = summarize(out["rounds"], configs)
+    for c, row in out["summary"].items():
+        print(f"{c}: median {row['tokens_per_s_median']:.2f} tokens/s over {row['rounds']} round(s)"
+              + (f", {row['vs_vllm']:.3f}x of vllm" if row.get("vs_vllm") else ""), flush=True)
     out["load_avg_end"] = os.getloadavg()
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    bad = any(r["errors"] or r["nonfinite_logprobs"] for r in out["configs"].values())
+    bad = any(r["errors"] or r["nonfinite_logprobs"] for rnd in out["rounds"] for r in rnd.values())
     return 1 if bad else 0
 
 
