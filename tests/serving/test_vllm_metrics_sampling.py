@@ -80,3 +80,21 @@ def test_metrics_every_setting():
         from_sources({"TOPTH_VLLM_METRICS_EVERY": "0", "TOPTH_VLLM_MODE": "dense"})
     with pytest.raises(TopthConfigError, match="TOPTH_VLLM_METRICS_EVERY"):
         from_sources({"TOPTH_VLLM_METRICS_EVERY": "x", "TOPTH_VLLM_MODE": "dense"})
+
+
+def test_kv_cache_groups_of_one_step_follow_its_first_call(monkeypatch):
+    """Hybrid models (Gemma 3: sliding-window and full-attention KV-cache groups) build one
+    metadata per group, so decode_sets runs once per group and step: the step (the forward
+    context) is sampled and counted once, and every group follows that decision."""
+    rt = _runtime(every=2)
+    lens = torch.tensor([50, 60], dtype=torch.int32)
+    seen = []
+    with torch.inference_mode():
+        for step in range(4):
+            key = object()  # one forward pass
+            monkeypatch.setattr(R, "_forward_key", lambda: key)
+            seen.append([R.decode_sets(rt, 2, lens).measured for _group in range(3)])
+    assert seen == [[True] * 3, [False] * 3, [True] * 3, [False] * 3]
+    assert rt.decode_steps == 4
+    assert rt.stats.skip_step and rt.stats.unmeasured_steps == 2 and rt.stats.decode_tokens == 2 * 2
+    assert rt.fidelity.unmeasured_steps == 2 and int(rt.fidelity.unmeasured_rows.sum()) == 2 * 2

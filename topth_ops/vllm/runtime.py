@@ -55,6 +55,7 @@ class Runtime:
     fidelity: Optional[Fidelity] = None
     calib: Optional[object] = None  # EngineCalibration (mode "calibrate")
     decode_steps: int = 0  # steps with decode rows seen by decode_sets (statistics sampling)
+    _step: tuple = (None, True)  # (the step's forward-context metadata, measured) of the last step
     _resolved: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -226,9 +227,11 @@ class DecodeSets:
 def decode_sets(rt: Runtime, num_decodes: int, seq_lens: torch.Tensor) -> DecodeSets:
     """Each decode row's set-table row: the request's choice, then ``dense_beyond``
     (rows longer than it read every position). ``seq_lens`` ``[num_decodes]`` on the
-    device; no host sync. Called once per step (the step's first layer that needs it,
-    shared through the metadata): it also decides whether the step is measured (one in
-    ``metrics_every``) and counts an unmeasured step's rows on the host."""
+    device; no host sync. Called by the step's first layer that needs it in each KV-cache
+    group (shared through the group's metadata; hybrid models such as Gemma 3 have several
+    groups per step): the first call of a step decides whether the step is measured (one
+    in ``metrics_every``) and counts an unmeasured step's rows on the host; the other
+    groups of that step (same forward context) follow it."""
     idx = [rt.resolve(c) for c in requests_mod.row_choices(num_decodes)]
     present = set(idx)
     ts = torch.tensor(idx, dtype=torch.int32).to(seq_lens.device, non_blocking=True)
@@ -237,9 +240,13 @@ def decode_sets(rt: Runtime, num_decodes: int, seq_lens: torch.Tensor) -> Decode
         present.add(rt.dense_index)
     s = rt.settings
     measured = True
-    if rt.stats is not None or s.metrics:
+    key = _forward_key()
+    if key is not None and key is rt._step[0]:
+        measured = rt._step[1]  # another KV-cache group of the same step (hybrid models): decided already
+    elif rt.stats is not None or s.metrics:
         measured = rt.decode_steps % s.metrics_every == 0
         rt.decode_steps += 1
+        rt._step = (key, measured)
         if not measured:
             if rt.stats is not None:
                 rt.stats.skip_step(num_decodes)
@@ -249,6 +256,14 @@ def decode_sets(rt: Runtime, num_decodes: int, seq_lens: torch.Tensor) -> Decode
     metrics = s.metrics and measured
     return DecodeSets(ts, ts.to(torch.int64) if metrics else None, buckets(seq_lens) if metrics else None,
                       frozenset(present), measured)
+
+
+def _forward_key():
+    """The current forward pass's attention-metadata object (one per step, shared by every
+    KV-cache group), or None outside a forward (tests, tools)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context().attn_metadata if is_forward_context_available() else None
 
 
 @dataclass
