@@ -6,8 +6,8 @@ memory bandwidth drifts by 10-40% between minutes (docs/vllm.md, "Bookkeeping co
 bench runs one in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the
 ``topth`` configuration of ``bench/vllm_serving.py`` (metrics on, the JSON report written
 by the statistics thread), prefills every request, then times each decode step and
-switches the worker's runtime between its "on" state and the state a ``metrics=False``
-engine has (no op statistics, no per-layer records, no report) every ``--block-steps``
+switches the worker's runtime between its "on" state and the state of a ``metrics=False``
+engine without a JSON report (no op statistics, no per-layer records, no report) every ``--block-steps``
 steps, in the order on, off, off, on, ... so that a drift or the growth of the rows over
 the run hits both alike. Decode tokens/s per state = the tokens of its steps over their
 time.

@@ -96,5 +96,34 @@ def test_kv_cache_groups_of_one_step_follow_its_first_call(monkeypatch):
             seen.append([R.decode_sets(rt, 2, lens).measured for _group in range(3)])
     assert seen == [[True] * 3, [False] * 3, [True] * 3, [False] * 3]
     assert rt.decode_steps == 4
-    assert rt.stats.skip_step and rt.stats.unmeasured_steps == 2 and rt.stats.decode_tokens == 2 * 2
-    assert rt.fidelity.unmeasured_steps == 2 and int(rt.fidelity.unmeasured_rows.sum()) == 2 * 2
+    assert rt.stats.unmeasured_steps == 2 and rt.stats.decode_tokens == 2 * 2
+    rt.fidelity.snapshot()
+    assert rt.fidelity.unmeasured_steps == 2 and int(rt.fidelity.unmeasured_at_flush[1].sum()) == 2 * 2
+
+
+def test_rows_per_set_count_the_served_set_on_every_step():
+    """With dense_beyond, rows past the row id are served dense: measured and unmeasured
+    steps both count them under "dense" (the set they are served with)."""
+    rt = _runtime(every=2)
+    rt.settings = VllmTopthSettings(mode="topth", thresholds="unused", metrics_every=2, log_interval=0.0,
+                                    dense_beyond=45)
+    _run(rt, [2, 2, 2, 2])  # lens 40+3s+i: steps 0-1 under 45 (set 0), steps 2-3 over (dense)
+    per = rt.fidelity.report()["sets"]
+    assert per["0"]["decode_rows"] == 4 and per["dense"]["decode_rows"] == 4
+
+
+def test_unmeasured_steps_alone_make_the_sums_idle_flushable():
+    """Decoding that stops after unmeasured steps: the statistics thread's idle check sees
+    them, and a flush brings their steps and rows to the report."""
+    rt = _runtime(every=4)
+    _run(rt, [1, 1, 1, 1])  # one measured step, then three unmeasured
+    fid = rt.fidelity
+    fid.snapshot()
+    _run(rt, [1, 1, 1])  # a new burst: one measured (step 4), then two unmeasured
+    fid.snapshot()
+    with torch.inference_mode():  # as in the forward
+        fid.skip_step(torch.zeros(1, dtype=torch.int32))  # one more unmeasured step, not flushed
+    assert fid.idle(seconds=0.0)
+    fid.snapshot()
+    assert fid.unmeasured_at_flush[0] == 3 + 2 + 1
+    assert fid.report()["sets"]["0"]["decode_rows"] == 4 + 3 + 1

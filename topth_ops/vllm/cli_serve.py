@@ -42,7 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("--guard-band", default=None, metavar="LOW,HIGH",
                    help="k~/k band of the drift guardrail (default 0.8,1.25)")
     p.add_argument("--guard-window", type=int, default=None, metavar="STEPS",
-                   help="decode steps the guardrail averages k~/k over (default 256)")
+                   help="measured decode steps (one in --metrics-every) the guardrail averages k~/k over (default 256)")
     p.add_argument("--dense-beyond", type=int, default=None, metavar="ROW_ID",
                    help="serve decode rows longer than this row id dense (a file used far past its calibrated "
                         "rows); 0: off (the default)")

@@ -107,7 +107,7 @@ class Guardrail:
         if new:  # one warning per flush, naming the cells that left the band
             named = "; ".join(f"{self.describe(*c)}: {float(ratio[tuple(c)]):.3f}" for c in new[:MAX_NAMED])
             more = f"; and {len(new) - MAX_NAMED} more" if len(new) > MAX_NAMED else ""
-            lines.append(f"topth guardrail: k~/k over the last {self.steps_in_window()} decode steps left "
+            lines.append(f"topth guardrail: k~/k over the last {self.steps_in_window()} measured decode steps left "
                          f"[{lo:g}, {hi:g}] in {len(new)} cell(s): {named}{more}")
             logger.warning("%s", lines[0])
         return lines
@@ -143,10 +143,10 @@ class Fidelity:
         self.totals = np.zeros(self._shape)  # host copy at the last flush
         self.decode_steps = 0  # measured steps (their rows are in the sums)
         self._steps_at_flush = 0
-        # steps not sampled (settings metrics_every): counted on the host, rows by the request's set
+        # steps not sampled (settings metrics_every): counted, their rows per served set on the device
         self.unmeasured_steps = 0
-        self.unmeasured_rows = np.zeros(len(self.set_labels), dtype=np.int64)
-        self.unmeasured_at_flush = (0, self.unmeasured_rows.copy())  # their values at the last flush
+        self._unmeasured_rows = torch.zeros(len(self.set_labels), dtype=torch.int64, device=self.device)
+        self.unmeasured_at_flush = (0, np.zeros(len(self.set_labels), dtype=np.int64))  # values at the last flush
         self._last_layer: Optional[int] = None
         self._entries: list = []  # the layers since the last flush (tensors; summed at the flush)
         self._last_add = time.monotonic()
@@ -192,14 +192,14 @@ class Fidelity:
                 self._entries.append((layer, set_idx, bucket, seq_lens, num_kv_heads, v_rows, kept, dropped_mass,
                                       set_k if kept is not None else None))
 
-    def skip_step(self, set_idx: Sequence[int]) -> None:
-        """A decode step that is not measured: its rows counted per set-table row (host
-        list ``set_idx``, one entry per decode row: the request's choice)."""
+    def skip_step(self, threshold_set: torch.Tensor) -> None:
+        """A decode step that is not measured: counted, and its rows per set-table row
+        (``threshold_set`` ``[B]``: the set each row is served with; no host sync)."""
         with self._lock:
             self.unmeasured_steps += 1
             self._last_add = time.monotonic()
-            for i in set_idx:
-                self.unmeasured_rows[i] += 1
+            rows = threshold_set.to(torch.int64)
+            self._unmeasured_rows.index_add_(0, rows, torch.ones_like(rows))
 
     @property
     def all_steps(self) -> int:
@@ -249,7 +249,7 @@ class Fidelity:
         steps = self.decode_steps - self._steps_at_flush
         self.totals = now
         self._steps_at_flush = self.decode_steps
-        self.unmeasured_at_flush = (self.unmeasured_steps, self.unmeasured_rows.copy())
+        self.unmeasured_at_flush = (self.unmeasured_steps, self._unmeasured_rows.cpu().numpy().copy())
         if steps > 0:
             self.guardrail.update(steps, delta[..., 0], delta[..., 1])
         self.flushes += 1
@@ -263,7 +263,8 @@ class Fidelity:
         """No decode row added for ``seconds`` and some not yet flushed: the statistics
         thread flushes then, so the last steps of a burst reach the metrics."""
         return (time.monotonic() - self._last_add > seconds
-                and (bool(self._entries) or self.decode_steps > self._steps_at_flush))
+                and (bool(self._entries) or self.decode_steps > self._steps_at_flush
+                     or self.unmeasured_steps > self.unmeasured_at_flush[0]))
 
     def snapshot(self) -> np.ndarray:
         """Flush now and return the host totals ``[L, S, NB, len(CHANNELS)]``."""
@@ -276,11 +277,9 @@ class Fidelity:
         JSON report's ``per_set`` section). ``fresh=False`` reads the sums of the last
         flush (at most :data:`FLUSH_STEPS` decode steps old) instead of flushing now."""
         if fresh:
-            t = self.snapshot()
-        else:
-            with self._lock:
-                t = self.totals.copy()
-        extra_rows = self.unmeasured_at_flush[1]
+            self.snapshot()
+        with self._lock:  # the sums and the unmeasured rows of one flush
+            t, extra_rows = self.totals.copy(), self.unmeasured_at_flush[1].copy()
         labels = bucket_labels()
         out = {}
         for s, name in enumerate(self.set_labels):
@@ -304,6 +303,9 @@ class Fidelity:
                              "v_rows_fraction": float(tot[..., 3].sum() / tot[..., 4].sum()),
                              "decode_rows": int(t[min(x["layer"] for x in layers), s, :, 5].sum() + extra_rows[s]),
                              "layers": layers}
+            elif extra_rows[s]:  # rows only on unmeasured steps so far
+                out[name] = {"v_rows_read": 0, "v_rows_dense": 0, "v_rows_fraction": None,
+                             "decode_rows": int(extra_rows[s]), "layers": []}
         g = self.guardrail
         out_cells = [] if g.out is None else [self.describe(*c) for c in np.argwhere(g.out).tolist()]
         return {"sets": out, "guardrail": {"band": list(g.band), "window_steps": g.window,

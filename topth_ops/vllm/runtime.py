@@ -252,7 +252,7 @@ def decode_sets(rt: Runtime, num_decodes: int, seq_lens: torch.Tensor) -> Decode
                 rt.stats.skip_step(num_decodes)
             fid = fidelity(rt, seq_lens.device)
             if fid is not None:
-                fid.skip_step(idx)
+                fid.skip_step(ts)
     metrics = s.metrics and measured
     return DecodeSets(ts, ts.to(torch.int64) if metrics else None, buckets(seq_lens) if metrics else None,
                       frozenset(present), measured)
@@ -260,7 +260,8 @@ def decode_sets(rt: Runtime, num_decodes: int, seq_lens: torch.Tensor) -> Decode
 
 def _forward_key():
     """The current forward pass's attention-metadata object (one per step, shared by every
-    KV-cache group), or None outside a forward (tests, tools)."""
+    KV-cache group), or None outside a forward (tests, tools). With vLLM's dual-batch
+    overlap (CUDA) each micro-batch's forward counts as a step (not run here)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     return get_forward_context().attn_metadata if is_forward_context_available() else None

@@ -24,7 +24,7 @@ TOPTH_VLLM_METRICS        [metrics]           1/0: fidelity statistics and Prome
 TOPTH_VLLM_METRICS_EVERY  [metrics_every]     statistics of one decode step in N (default 4;
                                               1: every step); step and token counts stay exact
 TOPTH_VLLM_GUARD_BAND     [guard_band]        k~/k band of the drift guardrail (``0.8,1.25``)
-TOPTH_VLLM_GUARD_WINDOW   [guard_window]      decode steps of the guardrail's window (256)
+TOPTH_VLLM_GUARD_WINDOW   [guard_window]      measured decode steps of the guardrail's window (256)
 TOPTH_VLLM_DENSE_BEYOND   [dense_beyond]      rows longer than this row id are served dense
                                               (0: off)
 TOPTH_VLLM_CALIBRATE_*    [calibrate_*]       mode ``calibrate`` (serve dense, write a threshold
@@ -179,7 +179,8 @@ class VllmTopthSettings:
             v, least = getattr(self, key), 0 if key == "dense_beyond" else 1
             if v < least:
                 raise TopthConfigError(f"topth vLLM backend: {key} must be an integer >= {least}, got {v!r} "
-                                       f"({ENV[key]})")
+                                       f"({ENV[key]}, additional_config['topth']['{key}'] or "
+                                       f"--{key.replace('_', '-')})")
         if self.mode == "calibrate":
             self._check_calibrate()
         elif self.calibrate_out:

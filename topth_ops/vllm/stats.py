@@ -149,6 +149,7 @@ class ServingStats:
         with self._lock:
             self.unmeasured_steps += 1
             self.decode_tokens += int(num_decodes)
+            self._dirty = True
 
     # ------------------------------------------------------------------ reading
 
