@@ -101,6 +101,7 @@ class EngineCalibration:
         self.generation = 0
         self.done = self._stopping = self._in_forward = False
         self._pending: Optional[tuple] = None  # (reason, final) of a write due at the next step boundary
+        self._warned_empty = False  # the "no rows yet" warning is logged once
         self._plock = threading.Lock()
         self._step_start: Optional[float] = None
         self._step_s = 0.0
@@ -302,9 +303,12 @@ class EngineCalibration:
                 return []
             self.generation += 1
             if not (self.prefill_rows or self.decode_rows):
-                logger.warning("topth: calibration (%s): no rows were recorded (no request longer than k=%d), so no "
-                               "threshold file was written", reason, self.acc.min_k)
-                self.done = final
+                # nothing to write yet: keep recording (a trigger that comes before the rows of
+                # the requests it counts, e.g. all of them entering one step, fires again later)
+                if not self._warned_empty:
+                    logger.warning("topth: calibration (%s): no rows were recorded yet (no request longer than "
+                                   "k=%d), so no threshold file was written", reason, self.acc.min_k)
+                    self._warned_empty = True
                 return []
             acc, max_row = self.acc, self.max_row
             if self.tp > 1:
