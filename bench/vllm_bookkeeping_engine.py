@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     from . import vllm_common as vc
     from .cpu_cold import machine
-    from .vllm_serving import read_probe_gbps, stdlib_prompts
+    from .vllm_serving import engine_settings, read_probe_gbps, stdlib_prompts
 
     mach, probe = machine(), read_probe_gbps()
     ids = stdlib_prompts(args.model, args.prompts, args.prompt_tokens)
@@ -84,11 +84,7 @@ def main(argv=None) -> int:
              "stats_file": os.path.join(work, "stats.json")}
     if args.metrics_every is not None:
         topth["metrics_every"] = args.metrics_every
-    llm = LLM(**vc.engine_kwargs(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), max_num_seqs=max(8, args.prompts),
-        max_num_batched_tokens=max(8192, args.prompt_tokens), enable_prefix_caching=False,
-        additional_config={"topth": topth}))
+    llm = LLM(**vc.engine_kwargs(args.model, **engine_settings(args), additional_config={"topth": topth}))
     eng = llm.llm_engine
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     for i, p in enumerate(ids):

@@ -63,6 +63,15 @@ def stdlib_prompts(model_dir: str, n: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
+def engine_settings(args) -> dict:
+    """The engine keyword arguments of the long-context workloads (``args``: ``dtype``,
+    ``max_model_len``, ``kv_cache_gib``, ``prompts``, ``prompt_tokens``): prefix caching
+    off, every prompt in one batch."""
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len,
+                kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), max_num_seqs=max(8, args.prompts),
+                max_num_batched_tokens=max(8192, args.prompt_tokens), enable_prefix_caching=False)
+
+
 def read_probe_gbps(reps: int = 5) -> float:
     """One-thread read bandwidth: median over ``reps`` sums of a 1 GiB float32 tensor."""
     t = torch.ones((1 << 30) // 4)
@@ -166,9 +175,7 @@ def main(argv=None) -> int:
     mach = machine()
     probe = read_probe_gbps()
     ids = stdlib_prompts(args.model, args.prompts, args.prompt_tokens)
-    engine = dict(dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-                  max_num_seqs=max(8, args.prompts), max_num_batched_tokens=max(8192, args.prompt_tokens),
-                  enable_prefix_caching=False)
+    engine = engine_settings(args)
     work = tempfile.mkdtemp(prefix="topth_serving_")
     runs = []
     for r in range(args.rounds):

@@ -139,8 +139,11 @@ def test_no_rows_writes_no_file(tmp_path, make_cfg, caplog):
     kc, table, lens = _hnd_cache({"a": 5}, g)  # rows <= k: nothing to record
     c.observe(LAYER, torch.randn(5, Hq, D), kc, "HND", torch.tensor([0, 5]), lens, table, 0, 0.125)
     with caplog.at_level("WARNING", logger="vllm.topth_ops"):
-        assert c.write("engine shutdown", final=True) == []
+        assert c.write("3 requests finished", final=True) == []
+        assert c.write("engine shutdown", final=True) == []  # a trigger before any row: recording goes on
     assert "no threshold file was written" in caplog.text and not list(tmp_path.iterdir())
+    assert caplog.text.count("no rows were recorded") == 1  # warned once
+    assert not c.done and c.report()["files_written"] == 0
 
 
 def test_sigusr1_writes_a_snapshot(tmp_path, make_cfg):

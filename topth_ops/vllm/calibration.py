@@ -301,7 +301,6 @@ class EngineCalibration:
         with self.lock:
             if self.done:
                 return []
-            self.generation += 1
             if not (self.prefill_rows or self.decode_rows):
                 # nothing to write yet: keep recording (a trigger that comes before the rows of
                 # the requests it counts, e.g. all of them entering one step, fires again later)
@@ -310,6 +309,7 @@ class EngineCalibration:
                                    "k=%d), so no threshold file was written", reason, self.acc.min_k)
                     self._warned_empty = True
                 return []
+            self.generation += 1
             acc, max_row = self.acc, self.max_row
             if self.tp > 1:
                 acc, max_row = self._merge_parts()

@@ -11,7 +11,8 @@ a host sync per step, six channels over its decode rows:
 - ``rows``: decode rows.
 
 With statistics sampling (settings ``metrics_every``) the sums cover the measured steps;
-:meth:`Fidelity.skip_step` counts the other steps and their rows per set on the host.
+:meth:`Fidelity.skip_step` counts the other steps (on the host) and their rows per served set
+(on the device, no sync).
 
 Every :data:`FLUSH_STEPS` decode steps (or on :meth:`Fidelity.snapshot`) the sums are
 copied to the host once; :class:`Guardrail` keeps the deltas of the last ``window``
