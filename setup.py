@@ -62,7 +62,7 @@ CPU_SRC = CPU / "src"
 cpu_kernel = Pybind11Extension(
     "topth_ops.cpu_kernels._topth_cpu",
     sources=[str(CPU_SRC / f) for f in ("binding.cpp", "dispatch.cpp", "item.cpp", "packed.cpp", "combine.cpp",
-                                        "pool.cpp", "simd_generic.cpp")],
+                                        "pool.cpp", "simd_generic.cpp", "value_sum.cpp")],
     include_dirs=[str(CPU / "include"), str(CPU_SRC)],
     cxx_std=17,
     extra_compile_args=["-O3"],
@@ -70,7 +70,7 @@ cpu_kernel = Pybind11Extension(
     optional=True,
 )
 cpu_kernel.depends = [str(p.relative_to(ROOT)) for p in (ROOT / CPU).rglob("*.h")] + [
-    str(CPU_SRC / "stages_portable.inc")]
+    str(CPU_SRC / "stages_portable.inc"), str(CPU_SRC / "scalar_convert.inc")]
 # SIMD levels compiled with their own target flags (x86-64 only): (macro, flags, sources, needs)
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 cpu_kernel.simd_levels = []

@@ -107,6 +107,9 @@ def machine() -> Machine:
         text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         m = re.search(r"Model name:\s*(.+)", text)
         model = m.group(1).strip() if m else model
+        fam, mod = re.search(r"CPU family:\s*(\S+)", text), re.search(r"\nModel:\s*(\S+)", text)
+        if fam and mod:  # a generic model name ("AMD EPYC") says little: family and model say which
+            model += f" (family {fam.group(1)}, model {mod.group(1)})"
         f = re.search(r"Flags:\s*(.+)", text)
         have = set(f.group(1).split()) if f else set()
         flags = [x for x in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")

@@ -64,7 +64,10 @@ def start_server(model: str, mode: str, thresholds, vmc: bool, stats: str, log: 
     else:
         cmd += ["--mode", "vllm"]
     cmd += ["--", "--max-num-seqs", "32"]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = dict(os.environ)
+    if mode == "vllm-mp":  # vLLM's attention with the Prometheus multi-process directory the other two get
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="topth-bench-prometheus-")
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 async def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> float:
@@ -169,7 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", help="threshold file for the topth configuration")
     ap.add_argument("--no-vmc", action="store_true")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--configs", default="vllm,dense,topth")
+    ap.add_argument("--configs", default="vllm,dense,topth",
+                    help="comma-separated from vllm, vllm-mp (vLLM's attention with the PROMETHEUS_MULTIPROC_DIR "
+                         "that `topth-ops serve` sets for the other two), dense, topth")
     ap.add_argument("--port", type=int, default=PORT)
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--request-timeout", type=float, default=3600)
@@ -180,12 +185,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - {"vllm", "vllm-mp", "dense", "topth"})
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from vllm, vllm-mp, dense, topth")
     if "topth" in configs and not args.thresholds:
         ap.error("the topth configuration needs --thresholds")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    from topth_ops.bench.cpu_cold import machine
+    from topth_ops.bench.vllm_serving import read_probe_gbps
+
+    mach, probe = machine(), read_probe_gbps()
+    print(f"machine: {mach.model}; flags {' '.join(mach.flags)}; {mach.cores} cores; LLC {mach.llc_bytes >> 20} MiB; "
+          f"read probe (1 thread) {probe:.1f} GB/s", flush=True)
     prompts = make_prompts(args.model, args.requests)
-    out = {"requests": args.requests, "prompt_lengths": [len(p) for p, _ in prompts],
+    out = {"date": time.strftime("%Y-%m-%d"), "machine": vars(mach), "read_probe_gbps_1thread": probe,
+           "requests": args.requests, "prompt_lengths": [len(p) for p, _ in prompts],
            "max_tokens": [m for _, m in prompts], "load_avg_start": os.getloadavg(), "configs": {}}
     out["rounds"] = []
     with tempfile.TemporaryDirectory() as wd:

@@ -12,6 +12,7 @@
 
 #include "kernel.h"
 #include "pool.h"
+#include "value_sum.h"
 
 namespace py = pybind11;
 using namespace topth_cpu;
@@ -129,6 +130,40 @@ std::vector<uint32_t> convert_out(const std::vector<float>& xs, int32_t dtype) {
     return r;
 }
 
+// PagedValueSum's fast path (value_sum.h): pointers and strides in elements from
+// topth_ops/paged.py, which keeps the tensors alive and has checked shapes and dtypes.
+ValueSumState vsum_state(uintptr_t sum, uintptr_t fill, const std::vector<int64_t>& dims) {
+    if (dims.size() != 4) throw py::value_error("dims: expected (num_blocks, block_size, num_kv_heads, head_dim)");
+    return {reinterpret_cast<float*>(sum), reinterpret_cast<int64_t*>(fill), dims[0], dims[1], dims[2], dims[3]};
+}
+
+RowsView rows_view(uintptr_t data, int32_t dtype, const std::vector<int64_t>& strides) {
+    if (strides.size() != 3) throw py::value_error("strides: expected (block, row, head)");
+    if (dtype < kF16 || dtype > kF32) throw py::value_error("unknown dtype code");
+    return {reinterpret_cast<const void*>(data), dtype, strides[0], strides[1], strides[2]};
+}
+
+int32_t vsum_update_py(uintptr_t sum, uintptr_t fill, const std::vector<int64_t>& dims, uintptr_t value,
+                       int32_t dtype, const std::vector<int64_t>& value_strides, uintptr_t slots, int64_t slot_stride,
+                       bool slots64, int64_t tokens) {
+    const ValueSumState S = vsum_state(sum, fill, dims);
+    const RowsView V = rows_view(value, dtype, value_strides);
+    py::gil_scoped_release release;
+    return value_sum_update(S, V, reinterpret_cast<const void*>(slots), slot_stride, slots64, tokens);
+}
+
+int32_t vsum_mean_py(uintptr_t sum, uintptr_t fill, const std::vector<int64_t>& dims, uintptr_t table, int64_t bt_s0,
+                     int64_t bt_s1, int64_t batch, int64_t max_blocks, uintptr_t lens, int64_t lens_stride, bool lens64,
+                     uintptr_t cache, int32_t cache_dtype, const std::vector<int64_t>& cache_strides, uintptr_t out) {
+    const ValueSumState S = vsum_state(sum, fill, dims);
+    RowsView C{};
+    if (cache) C = rows_view(cache, cache_dtype, cache_strides);
+    py::gil_scoped_release release;
+    return value_sum_mean(S, reinterpret_cast<const int32_t*>(table), bt_s0, bt_s1, batch, max_blocks,
+                          reinterpret_cast<const void*>(lens), lens_stride, lens64, cache ? &C : nullptr,
+                          reinterpret_cast<float*>(out));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_topth_cpu, m) {
@@ -143,6 +178,8 @@ PYBIND11_MODULE(_topth_cpu, m) {
     m.def("openmp_runtime", [] { return std::string(openmp_runtime()); },
           "path of the loaded OpenMP runtime the kernel runs on ('' when none, or after fork)");
     m.def("_convert_out", &convert_out, "float32 -> float16 (0) / bfloat16 (1) bits, as the kernel writes them");
+    m.def("value_sum_update", &vsum_update_py, "PagedValueSum.update on CPU tensors: 0 done, 1 use the Python path");
+    m.def("value_sum_mean", &vsum_mean_py, "PagedValueSum.mean on CPU tensors: 0 done, 1 use the Python path");
     py::dict codes;
     codes["dtype"] = py::dict(py::arg("float16") = int(kF16), py::arg("bfloat16") = int(kBF16),
                               py::arg("float32") = int(kF32));

@@ -8,7 +8,7 @@ import torch
 
 from topth_ops.backends.torch_ref import TorchBackend, reference_decode
 from topth_ops.conformance import rules_paged, run_rule
-from topth_ops.paged import PagedValueSum
+from topth_ops.value_sum import PagedValueSum
 
 
 class Mutant(TorchBackend):
@@ -228,7 +228,7 @@ def test_packed_layout_rule_catches_mutant(mutant):
 
 
 # ------------------------------------------------------------------ broken V-sum helpers
-# paged_reused_blocks runs the maintained per-block V sum (topth_ops.paged.PagedValueSum)
+# paged_reused_blocks runs the maintained per-block V sum (topth_ops.value_sum.PagedValueSum)
 # in the loop; each helper below keeps its sums the way an integration could get wrong.
 
 class _ProductUpdate(PagedValueSum):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from topth_ops import decode_attention, packed
-from topth_ops.paged import PagedValueSum, paged_value_mean, to_paged, write_kv
+from topth_ops.paged import to_paged, write_kv
+from topth_ops.value_sum import PagedValueSum, paged_value_mean
 
 
 def test_offsets_follow_the_documented_packing():

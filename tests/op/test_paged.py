@@ -1,15 +1,27 @@
 """Paged-cache helpers (topth_ops.paged): token writes, the maintained per-block V sum
 (PagedValueSum: chunked writes, block reuse, rewritten slots, shared prefixes) and its
-mean, against means recomputed independently in float64 from the written rows."""
+mean, against means recomputed independently in float64 from the written rows. Every test
+runs on both paths of PagedValueSum: the torch one and the compiled CPU pass."""
 
 import pytest
 import torch
 
 import topth_ops
 from topth_ops.conformance.oracle import oracle_decode
-from topth_ops.paged import PagedValueSum, paged_value_mean, to_paged, write_kv
+from topth_ops.paged import to_paged, write_kv
+from topth_ops import value_sum
+from topth_ops.value_sum import PagedValueSum, paged_value_mean
 
 BS, H, D = 16, 2, 8
+
+
+@pytest.fixture(autouse=True, params=["torch", "fused"])
+def value_sum_path(request, monkeypatch):
+    """PagedValueSum's torch path, or its compiled one-pass CPU path."""
+    monkeypatch.setattr(value_sum, "FUSED_CPU", request.param == "fused")
+    if request.param == "fused" and value_sum._fused_module() is None:
+        pytest.skip("the CPU kernel extension (with value_sum_update) is not built")
+    return request.param
 
 
 def _slots(table, b, positions):

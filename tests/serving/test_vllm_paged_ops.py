@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from topth_ops.paged import write_kv
-from topth_ops.paged import PagedValueSum
+from topth_ops.value_sum import PagedValueSum
 from topth_ops.vllm.paged_ops import gather_sequence, nhd_views, prefill_dense
 
 pytestmark = pytest.mark.vllm
@@ -151,7 +151,12 @@ def test_vllm_amx_layout_is_vllms_own_cache():
     table = torch.randperm(nb, generator=gen).to(torch.int32).view(B, nb // B)
     pos = torch.arange(S)
     slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
-    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "amx")
+    try:
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "amx")
+    except RuntimeError as e:  # vLLM's CPU ops built for this CPU lack the AMX writer (AVX2-only CPUs)
+        if "Unsupported CPU attention configuration" not in str(e):
+            raise
+        pytest.skip(f"vLLM's CPU attention ops on this CPU cannot write its 'amx' layout: {e}")
     rows_k = packed.unpack(kc, "key")  # [nb, Hkv, bs, D] rows
     blk, off = slots // bs, slots % bs
     assert torch.equal(rows_k[blk, :, off], k)

@@ -80,7 +80,7 @@ def value_mean_of(inputs: DecodeInputs) -> torch.Tensor:
 
     Used when ``vmc=True`` and no ``value_mean`` is given: it reads every valid V row
     (gathered through the block table when paged), on the host side of the kernel; pass
-    ``value_mean`` (e.g. :func:`topth_ops.paged.paged_value_mean` of a maintained V sum) to
+    ``value_mean`` (e.g. :func:`topth_ops.value_sum.paged_value_mean` of a maintained V sum) to
     keep V traffic at the kept rows.
     """
     from .torch_ref import dense_caches

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..paged import PagedValueSum, write_kv
+from ..paged import write_kv
+from ..value_sum import PagedValueSum
 from .cases import SHAPE_SETS, UNUSED_TABLE_FILL, Case, Shape, paged_case, random_case, vllm_vec_case
 from .compare import exact_report, mismatch_report, to_numpy
 from .harness import Harness, expect_errors, rule

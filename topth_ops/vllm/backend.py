@@ -39,7 +39,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from ..paged import PagedValueSum, write_kv
+from ..paged import write_kv
+from ..value_sum import PagedValueSum
 from .paged_ops import nhd_views, prefill_dense
 from .runtime import DecodeSets, LayerRule, decode_rows, decode_sets, layer_rule, record, runtime, value_sums
 

@@ -19,7 +19,7 @@ builder asks vLLM to put one-token requests first) are one op call that reads vL
 (bfloat16, AMX tiles) ``kv_layout="VLLM_AMX"``; with ``vec`` / ``vec16`` (other dtypes or
 CPUs) K is stored transposed per block and head (``[head_dim, block_size]``) and V as rows,
 an ``HND`` view with strides. VMC keeps per-block V sums beside the cache
-(:class:`topth_ops.paged.PagedValueSum`), updated before each write.
+(:class:`topth_ops.value_sum.PagedValueSum`), updated before each write.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Paged-cache pieces of the vLLM backend that need no vLLM: the NHD views of vLLM's
 per-layer cache and the dense causal prefill over a paged cache (the per-block V sum,
-kept correct under vLLM's slot rewrites, is :class:`topth_ops.paged.PagedValueSum`).
+kept correct under vLLM's slot rewrites, is :class:`topth_ops.value_sum.PagedValueSum`).
 
 vLLM 0.32 gives each attention layer one cache tensor, logically ``[num_blocks,
 num_kv_heads, block_size, 2 * head_dim]`` (K then V in the last dim). The backend asks

@@ -20,7 +20,7 @@ import torch
 from vllm.config import get_current_vllm_config
 
 from .. import decode_attention
-from ..paged import PagedValueSum
+from ..value_sum import PagedValueSum
 from ..contract import DEFAULT_SDC_GAMMA
 from ..thresholds import attention_config_of, load_threshold_sets
 from . import requests as requests_mod

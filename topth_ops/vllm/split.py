@@ -28,7 +28,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from ..paged import PagedValueSum
+from ..value_sum import PagedValueSum
 from .runtime import DecodeSets, LayerRule, decode_rows, decode_sets, layer_rule, record, runtime, value_sums
 
 logger = logging.getLogger("vllm.topth_ops")
