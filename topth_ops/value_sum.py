@@ -92,7 +92,7 @@ class PagedValueSum:
     fill : torch.Tensor
         ``[num_blocks]`` int64: leading slots of each block counted in ``sum``; -1 where
         the rows did not arrive in order (``sum`` not trusted until the next write at
-        offset 0).
+        offset 0). An update may change it in place or replace it: read the attribute.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
@@ -179,19 +179,22 @@ class PagedValueSum:
         rows = value.to(value_cache.dtype)  # summed as the cache stores them
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return mod.value_sum_update(self.sum.data_ptr(), self.fill.data_ptr(), self._dims(), rows.data_ptr(),
+        sums, fill = self.sum, self.fill  # held for the call (it runs without the GIL)
+        return mod.value_sum_update(sums.data_ptr(), fill.data_ptr(), self._dims(), rows.data_ptr(),
                                     int(DType.of(rows.dtype)), (0, rows.stride(0), rows.stride(1)),
                                     slot_mapping.data_ptr(), slot_mapping.stride(0),
                                     slot_mapping.dtype == torch.int64, rows.shape[0]) == 0
 
     def _fused(self, value_cache: torch.Tensor):
-        """The compiled module when the fused path can read ``value_cache``, else None."""
-        if (self.sum.device.type != "cpu" or self.kv_layout == "VLLM_AMX" or value_cache.dtype not in _FLOAT_DTYPES
-                or value_cache.stride(-1) != 1):
+        """The compiled module when the fused path can read ``value_cache`` and this sum's
+        state (float32 ``sum``, int64 ``fill``, both contiguous on the CPU), else None."""
+        mod = _fused_module()
+        if (mod is None or self.sum.device.type != "cpu" or self.kv_layout == "VLLM_AMX"
+                or value_cache.dtype not in _FLOAT_DTYPES or value_cache.stride(-1) != 1
+                or self.sum.dtype != torch.float32 or self.fill.dtype != torch.int64
+                or self.fill.device.type != "cpu" or not (self.sum.is_contiguous() and self.fill.is_contiguous())):
             return None
-        if not (self.sum.is_contiguous() and self.fill.is_contiguous()):
-            self.sum, self.fill = self.sum.contiguous(), self.fill.contiguous()
-        return _fused_module()
+        return mod
 
     def _dims(self) -> tuple[int, int, int, int]:
         nb, heads, head_dim = self.sum.shape
@@ -272,7 +275,8 @@ class PagedValueSum:
         out = torch.empty(B, self.sum.shape[1], self.sum.shape[2], dtype=torch.float32)
         cache = (0, 0, (0, 0, 0)) if value_cache is None else (
             value_cache.data_ptr(), int(DType.of(value_cache.dtype)), self._cache_strides(value_cache))
-        rc = mod.value_sum_mean(self.sum.data_ptr(), self.fill.data_ptr(), self._dims(), block_table.data_ptr(),
+        sums, fill = self.sum, self.fill  # held for the call (it runs without the GIL)
+        rc = mod.value_sum_mean(sums.data_ptr(), fill.data_ptr(), self._dims(), block_table.data_ptr(),
                                 block_table.stride(0), block_table.stride(1), B, M, seq_lens.data_ptr(),
                                 seq_lens.stride(0), seq_lens.dtype == torch.int64, *cache, out.data_ptr())
         return out if rc == 0 else None

@@ -131,7 +131,7 @@ std::vector<uint32_t> convert_out(const std::vector<float>& xs, int32_t dtype) {
 }
 
 // PagedValueSum's fast path (value_sum.h): pointers and strides in elements from
-// topth_ops/paged.py, which keeps the tensors alive and has checked shapes and dtypes.
+// topth_ops/value_sum.py, which keeps the tensors alive and has checked shapes and dtypes.
 ValueSumState vsum_state(uintptr_t sum, uintptr_t fill, const std::vector<int64_t>& dims) {
     if (dims.size() != 4) throw py::value_error("dims: expected (num_blocks, block_size, num_kv_heads, head_dim)");
     return {reinterpret_cast<float*>(sum), reinterpret_cast<int64_t*>(fill), dims[0], dims[1], dims[2], dims[3]};

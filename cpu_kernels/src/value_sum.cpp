@@ -1,4 +1,4 @@
-// VMC's per-block V sums (topth_ops.paged.PagedValueSum) for CPU tensors: the update at each
+// VMC's per-block V sums (topth_ops.value_sum.PagedValueSum) for CPU tensors: the update at each
 // cache write and the mean at each decode step, each one pass in C++ instead of some forty
 // torch operations. Same semantics as the Python path, which stays the reference and handles
 // every case returned here as "fallback" (1): bad slot or table values (it raises the error),
@@ -6,8 +6,9 @@
 // cache). A fallback is decided before anything is modified.
 //
 // The adds keep the Python path's order (rows added to a block's sum in token order, as
-// index_add_ does), so the sums are bit-identical to it; the mean's float32 sums over a
-// sequence's blocks run in table order and may differ from torch's reduction in rounding.
+// index_add_ does), so the sums are bit-identical to it; the mean adds a sequence's blocks in
+// double and may differ from torch's float32 reduction in rounding. Every index is read once
+// from the caller's tensors and used as checked (the GIL is released: no re-read).
 #include "value_sum.h"
 
 #include <stdint.h>
@@ -47,11 +48,13 @@ int32_t value_sum_update(const ValueSumState& S, const RowsView& value, const vo
     const int64_t nb = S.num_blocks, bs = S.block_size, H = S.num_kv_heads, D = S.head_dim;
     // (slot, token) of every written row, sorted by slot: blocks in order, offsets in order
     std::vector<std::pair<int64_t, int64_t>> w;
+    std::vector<int64_t> slot_of(size_t(tokens), -1);  // the checked slot of each token (-1: padding)
     w.reserve(size_t(tokens));
     for (int64_t t = 0; t < tokens; ++t) {
         const int64_t s = index_at(slots, t, slot_stride, slots64);
         if (s < 0) continue;  // padding
         if (s >= nb * bs) return 1;
+        slot_of[size_t(t)] = s;
         w.emplace_back(s, t);
     }
     std::sort(w.begin(), w.end());
@@ -82,7 +85,7 @@ int32_t value_sum_update(const ValueSumState& S, const RowsView& value, const vo
     // pass 3: the adds, in token order
     const uint8_t* vb = static_cast<const uint8_t*>(value.data);
     for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t s = index_at(slots, t, slot_stride, slots64);
+        const int64_t s = slot_of[size_t(t)];
         if (s < 0) continue;
         add_row(S.sum + (s / bs) * H * D, vb, t * value.s_row, value.s_head, H, D, value.dtype);
     }
@@ -94,23 +97,28 @@ int32_t value_sum_mean(const ValueSumState& S, const int32_t* table, int64_t bt_
                        const RowsView* cache, float* out) {
     const int64_t nb = S.num_blocks, bs = S.block_size, H = S.num_kv_heads, D = S.head_dim;
     // values first, as paged_value_mean checks them: lengths within the table, used entries
-    // naming blocks of the pool
+    // naming blocks of the pool; kept as read (used below, never re-read)
+    std::vector<int64_t> len(static_cast<size_t>(batch));
+    std::vector<int64_t> first(static_cast<size_t>(batch) + 1, 0), blocks;
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = index_at(lens, b, lens_stride, lens64);
         if (n < 0 || n > max_blocks * bs) return 1;
+        len[size_t(b)] = n;
         for (int64_t m = 0; m * bs < n; ++m) {
             const int64_t blk = table[b * bt_s0 + m * bt_s1];
             if (blk < 0 || blk >= nb) return 1;
+            blocks.push_back(blk);
         }
+        first[size_t(b) + 1] = int64_t(blocks.size());
     }
     const uint8_t* cb = cache ? static_cast<const uint8_t*>(cache->data) : nullptr;
     std::vector<float> part(size_t(H * D));
+    std::vector<double> acc(size_t(H * D));
     for (int64_t b = 0; b < batch; ++b) {
-        const int64_t n = index_at(lens, b, lens_stride, lens64);
-        float* acc = out + b * H * D;
-        std::fill(acc, acc + H * D, 0.0f);
-        for (int64_t m = 0; m * bs < n; ++m) {
-            const int64_t blk = table[b * bt_s0 + m * bt_s1], uses = std::min(n - m * bs, bs);
+        const int64_t n = len[size_t(b)];
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t m = 0; first[size_t(b)] + m < first[size_t(b) + 1]; ++m) {
+            const int64_t blk = blocks[size_t(first[size_t(b)] + m)], uses = std::min(n - m * bs, bs);
             const float* src = S.sum + blk * H * D;
             if (cb && S.fill[blk] != uses) {  // the sum does not hold exactly these rows: the rows
                 std::fill(part.begin(), part.end(), 0.0f);
@@ -119,10 +127,10 @@ int32_t value_sum_mean(const ValueSumState& S, const int32_t* table, int64_t bt_
                             cache->dtype);
                 src = part.data();
             }
-            for (int64_t e = 0; e < H * D; ++e) acc[e] += src[e];
+            for (int64_t e = 0; e < H * D; ++e) acc[size_t(e)] += src[e];
         }
-        const float denom = float(std::max<int64_t>(n, 1));
-        for (int64_t e = 0; e < H * D; ++e) acc[e] /= denom;
+        const double denom = double(std::max<int64_t>(n, 1));
+        for (int64_t e = 0; e < H * D; ++e) out[b * H * D + e] = float(acc[size_t(e)] / denom);
     }
     return 0;
 }

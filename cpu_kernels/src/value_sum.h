@@ -1,5 +1,5 @@
 // VMC's per-block V sums on the CPU (value_sum.cpp; the Python reference is
-// topth_ops.paged.PagedValueSum). Plain data in, 0 = done, 1 = fall back to the Python path.
+// topth_ops.value_sum.PagedValueSum). Plain data in, 0 = done, 1 = fall back to the Python path.
 #pragma once
 
 #include <stdint.h>

@@ -11,8 +11,12 @@ from topth_ops import value_sum
 from topth_ops.paged import write_kv
 from topth_ops.value_sum import PagedValueSum
 
-pytestmark = pytest.mark.skipif(value_sum._fused_module() is None,
-                                reason="the CPU kernel extension (with value_sum_update) is not built")
+
+
+def test_the_compiled_pass_is_built():
+    """No skip: the CPU kernel module is built by every install with a C++ compiler (the cpu
+    backend's tests need it too); a build without value_sum_update is a stale one."""
+    assert value_sum._fused_module() is not None, "topth_ops.cpu_kernels._topth_cpu lacks value_sum_update"
 
 BS, H, D, NB = 8, 3, 16, 24
 
@@ -158,3 +162,28 @@ def test_bad_values_get_the_torch_paths_errors(monkeypatch):
         vs.mean(torch.tensor([[0]], dtype=torch.int32), torch.tensor([BS + 1]), vc)
     with pytest.raises(ValueError, match="block_table"):
         vs.mean(torch.tensor([[NB]], dtype=torch.int32), torch.tensor([1]), vc)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_sum_held_as_a_view_stays_the_state(fused, monkeypatch):
+    """A caller's strided view as ``sum`` is never swapped for a copy: the fused path leaves
+    such a state to the torch path, which updates it in place."""
+    monkeypatch.setattr(value_sum, "FUSED_CPU", fused)
+    kc, vc, lay = _caches("NHD", torch.float32)
+    vs = PagedValueSum(NB, BS, H, D, kv_layout=lay)
+    buf = torch.zeros(2 * NB, H, D)
+    vs.sum = buf[::2]
+    assert vs._fused(vc) is None
+    rows, slots = torch.ones(3, H, D), torch.tensor([0, 1, 2])
+    vs.update(vc, rows, slots)
+    write_kv(kc, vc, rows, rows, slots, lay)
+    vs.mean(torch.tensor([[0]], dtype=torch.int32), torch.tensor([3]), vc)
+    assert vs.sum.data_ptr() == buf.data_ptr() and torch.equal(buf[0], torch.full((H, D), 3.0))
+
+
+def test_a_state_of_another_dtype_is_not_handed_to_the_compiled_pass():
+    vc = torch.zeros(NB, BS, H, D)
+    for name, bad in (("sum", lambda vs: vs.sum.double()), ("fill", lambda vs: vs.fill.int())):
+        vs = PagedValueSum(NB, BS, H, D, kv_layout="NHD")
+        setattr(vs, name, bad(vs))
+        assert vs._fused(vc) is None, name

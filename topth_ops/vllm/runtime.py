@@ -108,13 +108,6 @@ def runtime() -> Runtime:
     return _RUNTIMES[key]
 
 
-def serves_thresholds() -> bool:
-    """Whether this process's engine may send decode rows to the op (mode ``topth``); False in
-    modes ``dense`` and ``calibrate``, where the platform serves every row. True before any
-    runtime is loaded (the safe answer: builders then prepare the split)."""
-    return not _RUNTIMES or any(rt.thresholds is not None for rt in _RUNTIMES.values())
-
-
 def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int) -> Runtime:
     hf = vcfg.model_config.hf_config
     name = model_name_of(hf, vcfg.model_config.model)

@@ -29,8 +29,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from ..value_sum import PagedValueSum
-from .runtime import (DecodeSets, LayerRule, decode_rows, decode_sets, layer_rule, record, runtime,
-                      serves_thresholds, value_sums)
+from .runtime import DecodeSets, LayerRule, decode_rows, decode_sets, layer_rule, record, runtime, value_sums
 
 logger = logging.getLogger("vllm.topth_ops")
 
@@ -101,8 +100,7 @@ def split_metadata(build: Callable, cm: CommonAttentionMetadata, block_size: int
     platform. ``split=False`` (encoder-only and cross-attention groups, whose builder
     rewrites the slot mapping in place) gives no decode rows: the platform serves the whole
     batch. Runs on the host before the step (no device sync: ``max_seq_len`` and the CPU
-    copies of the query offsets are host values). Modes ``dense`` and ``calibrate`` never
-    send rows to the op, so there the prefill part's metadata is not built (``prefill`` None).
+    copies of the query offsets are host values).
 
     Raises
     ------
@@ -119,7 +117,7 @@ def split_metadata(build: Callable, cm: CommonAttentionMetadata, block_size: int
         raise NotImplementedError(f"topth vLLM backend: {nd} decode requests carry {ndt} tokens; multi-token "
                                   "decode steps (speculative decoding) are not supported")
     full = build(cm)
-    prefill = (build_prefill or build)(prefill_part(cm, nd, ndt)) if nd and npf and serves_thresholds() else None
+    prefill = (build_prefill or build)(prefill_part(cm, nd, ndt)) if nd and npf else None
     width = max(1, min(cm.block_table_tensor.shape[1], -(-int(cm.max_seq_len) // block_size)))
     bt = cm.block_table_tensor[:nd, :width]
     if bt.dtype != torch.int32:
