@@ -52,15 +52,20 @@ def _check_rows(name: str, rows, heads: int, head_dim: int, where: str) -> None:
                          f"head_dim] of {where}), got {shape_str(rows)}")
 
 
-def _check_slots(slot_mapping: torch.Tensor, tokens: int, num_slots: Optional[int] = None,
-                 unique: bool = False) -> torch.Tensor:
-    """int64 slots; on CPU (no device sync) also: below ``num_slots`` and, with ``unique``, no
-    non-negative slot twice."""
+def _check_slot_tensor(slot_mapping, tokens: int) -> None:
+    """slot_mapping's type, dtype and shape ``[tokens]`` (not its values)."""
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in _INDEX_DTYPES:
         raise TypeError("slot_mapping must be an int32/int64 tensor of shape [num_tokens]")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != tokens:
         raise ValueError(f"slot_mapping must have shape [{tokens}] (one slot per token), "
                          f"got {list(slot_mapping.shape)}")
+
+
+def _check_slots(slot_mapping: torch.Tensor, tokens: int, num_slots: Optional[int] = None,
+                 unique: bool = False) -> torch.Tensor:
+    """int64 slots; on CPU (no device sync) also: below ``num_slots`` and, with ``unique``, no
+    non-negative slot twice."""
+    _check_slot_tensor(slot_mapping, tokens)
     slots = slot_mapping.to(torch.int64)
     if num_slots is not None and tokens and values_checkable(slots):
         hi = int(slots.max())

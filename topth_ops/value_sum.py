@@ -16,7 +16,7 @@ import torch
 
 from . import packed
 from .codes import DType
-from .paged import _INDEX_DTYPES, _check_rows, _check_slots, _index_tensor, _positive_int
+from .paged import _check_rows, _check_slot_tensor, _check_slots, _index_tensor, _positive_int
 from .validation import (LAYOUT_DIMS, PAGED_LAYOUTS, check_block_table_values, require_choice, require_rank,
                          require_tensor, shape_str, values_checkable)
 
@@ -137,6 +137,7 @@ class PagedValueSum:
         nb, heads, head_dim = self.sum.shape
         self._check_cache(value_cache)
         _check_rows("value", value, heads, head_dim, "this PagedValueSum")
+        _check_slot_tensor(slot_mapping, value.shape[0])
         if self._fused_update(value_cache, value, slot_mapping):
             return
         slots = _check_slots(slot_mapping, value.shape[0], nb * self.block_size, unique=True)
@@ -172,9 +173,7 @@ class PagedValueSum:
         """:meth:`update` in one compiled pass when everything is on the CPU; False: not
         done (nothing changed), the torch path runs (and raises for bad values)."""
         mod = self._fused(value_cache)
-        if (mod is None or not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in _INDEX_DTYPES
-                or slot_mapping.dim() != 1 or slot_mapping.shape[0] != value.shape[0] or slot_mapping.is_cuda
-                or value.device.type != "cpu" or slot_mapping.device.type != "cpu"):
+        if mod is None or value.device.type != "cpu" or slot_mapping.device.type != "cpu":
             return False
         rows = value.to(value_cache.dtype)  # summed as the cache stores them
         if rows.stride(-1) != 1:
@@ -185,12 +184,13 @@ class PagedValueSum:
                                     slot_mapping.data_ptr(), slot_mapping.stride(0),
                                     slot_mapping.dtype == torch.int64, rows.shape[0]) == 0
 
-    def _fused(self, value_cache: torch.Tensor):
-        """The compiled module when the fused path can read ``value_cache`` and this sum's
-        state (float32 ``sum``, int64 ``fill``, both contiguous on the CPU), else None."""
+    def _fused(self, value_cache: Optional[torch.Tensor]):
+        """The compiled module when the fused path can read ``value_cache`` (None: no cache
+        read) and this sum's state (float32 ``sum``, int64 ``fill``, both contiguous on the
+        CPU), else None."""
         mod = _fused_module()
-        if (mod is None or self.sum.device.type != "cpu" or self.kv_layout == "VLLM_AMX"
-                or value_cache.dtype not in _FLOAT_DTYPES or value_cache.stride(-1) != 1
+        cache_ok = value_cache is None or (value_cache.dtype in _FLOAT_DTYPES and value_cache.stride(-1) == 1)
+        if (mod is None or not cache_ok or self.sum.device.type != "cpu" or self.kv_layout == "VLLM_AMX"
                 or self.sum.dtype != torch.float32 or self.fill.dtype != torch.int64
                 or self.fill.device.type != "cpu" or not (self.sum.is_contiguous() and self.fill.is_contiguous())):
             return None
@@ -239,6 +239,7 @@ class PagedValueSum:
         TypeError, ValueError
             As :func:`paged_value_mean`; a value cache whose shape is not this sum's.
         """
+        _check_table_and_lens(block_table, seq_lens)
         if value_cache is not None:
             self._check_cache(value_cache)
         fused = self._fused_mean(block_table, seq_lens, value_cache)
@@ -265,11 +266,8 @@ class PagedValueSum:
     def _fused_mean(self, block_table, seq_lens, value_cache: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """:meth:`mean` in one compiled pass when everything is on the CPU; None: the
         torch path runs (and raises for bad arguments)."""
-        mod = self._fused(value_cache if value_cache is not None else self.sum)
-        if (mod is None or not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32
-                or block_table.dim() != 2 or block_table.device.type != "cpu"
-                or not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _INDEX_DTYPES
-                or seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0] or seq_lens.device.type != "cpu"):
+        mod = self._fused(value_cache)
+        if mod is None or block_table.device.type != "cpu" or seq_lens.device.type != "cpu":
             return None
         B, M = block_table.shape
         out = torch.empty(B, self.sum.shape[1], self.sum.shape[2], dtype=torch.float32)
@@ -311,6 +309,19 @@ class PagedValueSum:
                              f"{LAYOUT_DIMS[self.kv_layout]} of this PagedValueSum), got {shape_str(value_cache)}")
 
 
+def _check_table_and_lens(block_table, seq_lens) -> None:
+    """block_table int32 ``[batch, max_blocks_per_seq]`` and seq_lens int32/int64 ``[batch]``
+    (types and shapes, not values)."""
+    require_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table dtype must be int32, got {str(block_table.dtype).replace('torch.', '')}")
+    require_rank("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+    _index_tensor("seq_lens", seq_lens, "valid lengths")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
+        raise ValueError(f"seq_lens must have shape [{block_table.shape[0]}] (block_table dim 0), "
+                         f"got {shape_str(seq_lens)}")
+
+
 def paged_value_mean(value_sum: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      block_size: int) -> torch.Tensor:
     """mean_{j<n} v_j per (sequence, KV head) from the per-block V sums, the ``value_mean``
@@ -342,14 +353,7 @@ def paged_value_mean(value_sum: torch.Tensor, block_table: torch.Tensor, seq_len
     _positive_int("block_size", block_size)
     require_tensor("value_sum", value_sum)
     require_rank("value_sum", value_sum, 3, "[num_blocks, num_kv_heads, head_dim]")
-    require_tensor("block_table", block_table)
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table dtype must be int32, got {str(block_table.dtype).replace('torch.', '')}")
-    require_rank("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
-    _index_tensor("seq_lens", seq_lens, "valid lengths")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
-        raise ValueError(f"seq_lens must have shape [{block_table.shape[0]}] (block_table dim 0), "
-                         f"got {shape_str(seq_lens)}")
+    _check_table_and_lens(block_table, seq_lens)
     capacity = block_table.shape[1] * block_size
     if values_checkable(seq_lens) and seq_lens.numel():
         lo, hi = int(seq_lens.min()), int(seq_lens.max())

@@ -46,8 +46,8 @@ inline void add_row(float* dst, const uint8_t* base, int64_t at, int64_t s_head,
 int32_t value_sum_update(const ValueSumState& S, const RowsView& value, const void* slots, int64_t slot_stride,
                          bool slots64, int64_t tokens) {
     const int64_t nb = S.num_blocks, bs = S.block_size, H = S.num_kv_heads, D = S.head_dim;
-    // (slot, token) of every written row, sorted by slot: blocks in order, offsets in order
-    std::vector<std::pair<int64_t, int64_t>> w;
+    // the slot of every written row, sorted: blocks in order, offsets in order
+    std::vector<int64_t> w;
     std::vector<int64_t> slot_of(size_t(tokens), -1);  // the checked slot of each token (-1: padding)
     w.reserve(size_t(tokens));
     for (int64_t t = 0; t < tokens; ++t) {
@@ -55,30 +55,30 @@ int32_t value_sum_update(const ValueSumState& S, const RowsView& value, const vo
         if (s < 0) continue;  // padding
         if (s >= nb * bs) return 1;
         slot_of[size_t(t)] = s;
-        w.emplace_back(s, t);
+        w.push_back(s);
     }
     std::sort(w.begin(), w.end());
     for (size_t i = 1; i < w.size(); ++i)
-        if (w[i].first == w[i - 1].first) return 1;  // a slot twice
+        if (w[i] == w[i - 1]) return 1;  // a slot twice
     // pass 1, read only: a slot the sum already counts (below the block's fill once a write
     // at offset 0 has restarted it) needs the re-sum of the Python path
     for (size_t i = 0; i < w.size();) {
-        const int64_t blk = w[i].first / bs, off0 = w[i].first % bs;
+        const int64_t blk = w[i] / bs, off0 = w[i] % bs;
         const int64_t fill = off0 == 0 ? 0 : S.fill[blk];
         if (off0 < fill) return 1;
-        while (i < w.size() && w[i].first / bs == blk) ++i;
+        while (i < w.size() && w[i] / bs == blk) ++i;
     }
     // pass 2: restart blocks written at offset 0, then advance each touched block's fill when
     // its rows are exactly the slots fill, fill + 1, ... (else -1: unknown until a restart)
     for (size_t i = 0; i < w.size();) {
-        const int64_t blk = w[i].first / bs, lo = w[i].first % bs;
+        const int64_t blk = w[i] / bs, lo = w[i] % bs;
         if (lo == 0) {
             memset(S.sum + blk * H * D, 0, sizeof(float) * size_t(H * D));
             S.fill[blk] = 0;
         }
         size_t j = i;
-        while (j < w.size() && w[j].first / bs == blk) ++j;
-        const int64_t cnt = int64_t(j - i), hi = w[j - 1].first % bs, fill = S.fill[blk];
+        while (j < w.size() && w[j] / bs == blk) ++j;
+        const int64_t cnt = int64_t(j - i), hi = w[j - 1] % bs, fill = S.fill[blk];
         S.fill[blk] = (lo == fill && hi == fill + cnt - 1) ? hi + 1 : -1;
         i = j;
     }
