@@ -76,7 +76,7 @@ AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", 
 cpu_kernel.simd_levels = []
 if platform.machine().lower() in ("x86_64", "amd64"):
     cpu_kernel.simd_levels = [
-        ("TOPTH_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"], [str(CPU_SRC / "simd_avx2.cpp")], None),
+        ("TOPTH_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"], [str(CPU_SRC / f) for f in ("avx2_scores.cpp", "avx2_select.cpp", "avx2_pv.cpp")], None),
         ("TOPTH_HAVE_AVX512", AVX512_FLAGS,
          [str(CPU_SRC / f) for f in ("avx512_scores.cpp", "avx512_kt.cpp", "avx512_select.cpp", "avx512_pv.cpp")], None),
         # reuses every stage of the AVX-512 level but the bfloat16 scores

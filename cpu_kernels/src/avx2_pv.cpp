@@ -1,0 +1,193 @@
+// AVX2 level, stage 3: P.V over the kept-union rows only (the AVX-512 stage's design with
+// 8-float vectors). Rows come as a list of pointers; every query head of the group
+// accumulates w_h,t * v_t. Rows with contiguous head_dim a multiple of 16 are read straight
+// from the cache and converted in registers (bfloat16 pairwise: the accumulators hold each
+// 16-float chunk as [8 even | 8 odd] during the call), in blocks of 16 rows: each block
+// serves every head block (up to 3 heads x 32 columns, or 4 heads x 16 columns: 12
+// accumulators) with the block's rows re-read from L1, so no row is fetched from memory
+// twice. A scattered list is visited in a strided order and prefetched at two distances
+// (avx512_pv.cpp, visit_stride, explains why). Other rows are converted to a float32 tile
+// first. Also the V-row sum for the VMC mean (value_mean absent).
+#include "avx2_common.h"
+
+namespace topth_cpu {
+namespace avx2_level {
+namespace {
+
+constexpr int64_t kRowBlock = 16;
+
+inline int64_t visit_stride(int64_t count) {
+    if (count < 256) return 1;
+    const int64_t primes[4] = {97, 89, 83, 79};
+    for (int i = 0; i < 4; ++i)
+        if (count % primes[i]) return primes[i];
+    return 1;
+}
+
+// acc[h][16 c ..] += w[h][t] * v_t[16 c ..] for the R rows rb (at byte offset off), NP
+// 16-element chunks (pairs of vectors) per pass.
+template <int DT, int HB, int NP>
+inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, const float* w, int64_t ldw, float* acc,
+                    int32_t dpad) {
+    __m256 a[HB][2 * NP];
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < 2 * NP; ++c) a[h][c] = _mm256_loadu_ps(acc + int64_t(h) * dpad + 8 * c);
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    for (int64_t t = 0; t < R; ++t) {
+        const uint8_t* p = rb[t] + off;
+#pragma GCC unroll 2
+        for (int j = 0; j < NP; ++j) {
+            __m256 x, y;
+            load_pair<DT>(p + 16 * j * es, x, y);
+#pragma GCC unroll 4
+            for (int h = 0; h < HB; ++h) {
+                const __m256 wv = _mm256_broadcast_ss(w + h * ldw + t);
+                a[h][2 * j] = _mm256_fmadd_ps(wv, x, a[h][2 * j]);
+                a[h][2 * j + 1] = _mm256_fmadd_ps(wv, y, a[h][2 * j + 1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < 2 * NP; ++c) _mm256_storeu_ps(acc + int64_t(h) * dpad + 8 * c, a[h][c]);
+}
+
+// The weights of heads h0 .. h0 + hb - 1 for the steps of a block (rows vis[t]): in place
+// when the visits ascend (stride 1), else gathered into buf (cap per head).
+inline const float* block_weights(const float* wk, int64_t ldw, int32_t h0, int hb, int64_t t0, const int64_t* vis,
+                                  int64_t T, int64_t stride, float* buf, int64_t cap, int64_t* ld) {
+    if (stride == 1) {
+        *ld = ldw;
+        return wk + h0 * ldw + t0;
+    }
+    for (int h = 0; h < hb; ++h)
+        for (int64_t t = 0; t < T; ++t) buf[h * cap + t] = wk[(h0 + h) * ldw + vis[t]];
+    *ld = cap;
+    return buf;
+}
+
+// One block of rows for every head block and column chunk. nch: 16-element chunks per row.
+template <int DT>
+inline void pv_block(const uint8_t* const* rb, int64_t R, int32_t nch, const float* wk, int64_t ldw, int64_t t0,
+                     const int64_t* vis, int64_t stride, int32_t G, float* acc, int32_t dpad) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    float wbuf[4 * kRowBlock];
+    for (int32_t h0 = 0; h0 < G;) {
+        const int hb = G - h0 >= 4 && G - h0 != 6 ? 4 : (G - h0 >= 3 ? 3 : G - h0);
+        int64_t lw = 0;
+        const float* w = block_weights(wk, ldw, h0, hb, t0, vis, R, stride, wbuf, kRowBlock, &lw);
+        float* o = acc + int64_t(h0) * dpad;
+        for (int32_t c = 0; c < nch;) {
+            const int64_t off = 16 * int64_t(c) * es;
+            if (hb == 4) {
+                pv_rows<DT, 4, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
+                c += 1;
+            } else if (nch - c >= 2 && hb < 3) {
+                switch (hb) {
+                    case 1: pv_rows<DT, 1, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    case 2: pv_rows<DT, 2, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    default: pv_rows<DT, 3, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                }
+                c += 2;
+            } else {
+                switch (hb) {
+                    case 1: pv_rows<DT, 1, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    case 2: pv_rows<DT, 2, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    default: pv_rows<DT, 3, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                }
+                c += 1;
+            }
+        }
+        h0 += hb;
+    }
+}
+
+// Rows `rows` (head_dim d a multiple of 16, contiguous) in visit order, kRowBlock at a time,
+// the next block prefetched into L1 and the rows about 12 KiB ahead into L2.
+template <int DT>
+void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
+               int32_t G, float* acc, int64_t stride) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
+    const uint8_t* rb[kRowBlock];
+    int64_t vis[kRowBlock];
+    int64_t tv = 0;                              // row of the next step
+    int64_t tn = (kRowBlock * stride) % count;   // row of step k0 + kRowBlock (into L1)
+    int64_t tf = (far * stride) % count;         // row of step k0 + far (into L2)
+    // one ascending run of rows (dense mode on BNSD or within a block): the hardware prefetchers
+    // stream it, software prefetches would only cost instructions
+    const bool run = stride == 1 && rows[count - 1] - rows[0] == (count - 1) * row_bytes;
+    for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
+        const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
+        for (int64_t t = 0; t < R; ++t) {
+            vis[t] = tv;
+            rb[t] = rows[tv];
+            tv += stride; tv -= tv >= count ? count : 0;
+        }
+        for (int64_t k = k0 + kRowBlock; !run && k < count && k < k0 + 2 * kRowBlock; ++k) {
+            prefetch_row(rows[tn], row_bytes, false);
+            tn += stride; tn -= tn >= count ? count : 0;
+        }
+        for (int64_t k = k0 + far; !run && k < count && k < k0 + far + kRowBlock; ++k) {
+            prefetch_row(rows[tf], row_bytes, true);
+            tf += stride; tf -= tf >= count ? count : 0;
+        }
+        pv_block<DT>(rb, R, d / 16, wk, ldw, k0, vis, stride, G, acc, dpad);
+    }
+}
+
+}  // namespace
+
+void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
+    if (count <= 0) return;
+    const int64_t stride = scattered ? visit_stride(count) : 1;
+    if (sdim == 1 && d % 16 == 0) {
+        if (dtype == kF32) {
+            pv_direct<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+        } else if (dtype == kF16) {
+            pv_direct<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+        } else {
+            split16(acc, int64_t(G) * dpad);
+            pv_direct<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            merge16(acc, int64_t(G) * dpad);
+        }
+        return;
+    }
+    // tile path: kRowBlock rows of the visit converted to float32 (natural order) first
+    const uint8_t* rb[kRowBlock];
+    int64_t vis[kRowBlock];
+    int64_t tv = 0;
+    for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
+        const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
+        for (int64_t t = 0; t < R; ++t) {
+            vis[t] = tv;
+            if (sdim == 1) prefetch_row(rows[(tv + kRowBlock * stride) % count], int64_t(d) * (dtype == kF32 ? 4 : 2),
+                                        false);
+            load_row(rows[tv], dtype, sdim, d, dpad, tile + t * dpad);
+            rb[t] = reinterpret_cast<const uint8_t*>(tile + t * dpad);
+            tv += stride; tv -= tv >= count ? count : 0;
+        }
+        pv_block<kF32>(rb, R, dpad / 16, wk, ldw, k0, vis, stride, G, acc, dpad);
+    }
+}
+
+void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+          float* sum, float* tile) {
+    constexpr int64_t kTile = 32;
+    for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+        const int64_t T = count - t0 < kTile ? count - t0 : kTile;
+        for (int64_t t = 0; t < T; ++t) load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
+        for (int32_t c = 0; c < dpad; c += 8) {
+            __m256 s = _mm256_loadu_ps(sum + c);
+            for (int64_t t = 0; t < T; ++t) s = _mm256_add_ps(s, _mm256_loadu_ps(tile + t * dpad + c));
+            _mm256_storeu_ps(sum + c, s);
+        }
+    }
+}
+
+}  // namespace avx2_level
+}  // namespace topth_cpu

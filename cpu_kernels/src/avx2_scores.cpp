@@ -1,0 +1,268 @@
+// AVX2 level, stage 1: scores a = <q_h, k_j> for every query head of a KV group, reading each
+// K row once from memory, plus the per-head max and exp-sum of the softmax.
+//
+// Rows with contiguous head_dim a multiple of 16 are multiplied straight from the cache,
+// 16 elements per step as a pair of 8-float vectors (bfloat16 widened pairwise, the query
+// reordered to match: avx2_common.h); other rows (strided, or a head_dim tail) are converted
+// to float32 in a 16-row tile in L1 first. Register blocking: HB heads x RB rows of 8-lane
+// accumulators (3 x 2, 2 x 4 or 1 x 8) with the HB heads' query chunk in registers, so each
+// converted K chunk serves HB heads; one hadd tree then reduces up to 8 dot products at once.
+// K stored transposed per block (vLLM's vector-ISA cache): lane-parallel over the slots, no
+// reduction (scores_kt). Compiled with -mavx2 -mfma -mf16c (setup.py); selected at run time
+// by dispatch.cpp.
+#include "avx2_common.h"
+
+namespace topth_cpu {
+namespace avx2_level {
+namespace {
+
+// red[h * 16 + t] = the 8-lane partial sums of <q_h, r_t> for t < RB (r padded with valid
+// rows), h < HB; nc chunks of 16 elements; q: HB rows of nc * 16 floats (ldq apart) in the
+// order of DT's pairs.
+template <int DT, int HB, int RB>
+inline void block(const uint8_t* const* r, int32_t nc, const float* q, int64_t ldq, __m256* red) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    __m256 acc[HB * RB];
+#pragma GCC unroll 8
+    for (int i = 0; i < HB * RB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int32_t c = 0; c < nc; ++c) {
+#pragma GCC unroll 8
+        for (int t = 0; t < RB; ++t) {
+            __m256 ka, kb;
+            load_pair<DT>(r[t] + 16 * c * es, ka, kb);
+#pragma GCC unroll 3
+            for (int h = 0; h < HB; ++h) {
+                const float* qh = q + h * ldq + 16 * c;
+                acc[h * RB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), ka, acc[h * RB + t]);
+                acc[h * RB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), kb, acc[h * RB + t]);
+            }
+        }
+    }
+#pragma GCC unroll 3
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 8
+        for (int t = 0; t < RB; ++t) red[h * 16 + t] = acc[h * RB + t];
+}
+
+// Scores of up to 16 rows r[0, T) for heads h < HB: partial sums of RB rows at a time into
+// red, then one hadd tree per 8 rows of a head, stored to S[h * ldS + t].
+template <int DT, int HB, int RB>
+inline void rows_heads(const uint8_t* const* r, int64_t T, int32_t nc, const float* q, int64_t ldq, float* S,
+                       int64_t ldS) {
+    __m256 red[HB * 16];
+    const uint8_t* rb[RB];
+    for (int64_t r0 = 0; r0 < T; r0 += RB) {
+        const int64_t n = T - r0 < RB ? T - r0 : RB;
+        for (int t = 0; t < RB; ++t) rb[t] = r[r0 + (t < n ? t : n - 1)];
+        block<DT, HB, RB>(rb, nc, q, ldq, red + r0);
+    }
+    for (int h = 0; h < HB; ++h)
+        for (int64_t t0 = 0; t0 < T; t0 += 8) {
+            const __m256 v = hsum8(*reinterpret_cast<const __m256(*)[8]>(red + h * 16 + t0));
+            if (T - t0 >= 8) {
+                _mm256_storeu_ps(S + h * ldS + t0, v);
+            } else {
+                alignas(32) float tmp[8];
+                _mm256_store_ps(tmp, v);
+                for (int64_t t = 0; t < T - t0; ++t) S[h * ldS + t0 + t] = tmp[t];
+            }
+        }
+}
+
+// Rows r[0, T) for every head of the group, in head blocks of 3, 2 or 1 (HB x RB
+// accumulators + 2 HB query vectors + 2 K vectors fit the 16 registers).
+template <int DT>
+void tile_scores(const uint8_t* const* r, int64_t T, int32_t nc, const float* q, int64_t ldq, int32_t G, float* S,
+                 int64_t ldS) {
+    for (int32_t h0 = 0; h0 < G;) {
+        const float* qh = q + h0 * ldq;
+        float* Sh = S + h0 * ldS;
+        const int32_t left = G - h0;
+        if (left >= 3 && left != 4) {
+            rows_heads<DT, 3, 2>(r, T, nc, qh, ldq, Sh, ldS);
+            h0 += 3;
+        } else if (left >= 2) {
+            rows_heads<DT, 2, 4>(r, T, nc, qh, ldq, Sh, ldS);
+            h0 += 2;
+        } else {
+            rows_heads<DT, 1, 8>(r, T, nc, qh, ldq, Sh, ldS);
+            h0 += 1;
+        }
+    }
+}
+
+// The query in DT's pair order: the given rows (natural order) or a split copy in buf.
+template <int DT>
+const float* query_for(const float* q, int32_t G, int32_t dpad, float* buf) {
+    if constexpr (DT != kSplit) return q;
+    memcpy(buf, q, sizeof(float) * size_t(G) * size_t(dpad));
+    split16(buf, int64_t(G) * dpad);
+    return buf;
+}
+
+template <int DT>
+void direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* q, int32_t G, float* S,
+            int64_t ldS, float* qbuf) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
+    const float* qs = query_for<DT>(q, G, dpad, qbuf);
+    constexpr int64_t kStep = 16;
+    for (int64_t t0 = 0; t0 < count; t0 += kStep) {
+        const int64_t T = count - t0 < kStep ? count - t0 : kStep;
+        prefetch_ahead(rows, t0, kStep, count, row_bytes, far);
+        tile_scores<DT>(rows + t0, T, d / 16, qs, dpad, G, S + t0, ldS);
+    }
+}
+
+}  // namespace
+
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
+    if (count <= 0) return;
+    // tile: 16 * dpad floats of converted rows, then the split query (G * dpad floats, scratch
+    // of 40 * dpad + 1024 floats: Scratch::reserve) for groups of up to 16 heads
+    float* qbuf = tile + 16 * int64_t(dpad);
+    if (sdim == 1 && d % 16 == 0 && (dtype != kBF16 || G <= 16)) {
+        if (dtype == kF32) direct<kF32>(rows, count, d, dpad, q, G, S, ldS, qbuf);
+        else if (dtype == kF16) direct<kF16>(rows, count, d, dpad, q, G, S, ldS, qbuf);
+        else direct<kSplit>(rows, count, d, dpad, q, G, S, ldS, qbuf);
+        return;
+    }
+    const int64_t es = dtype == kF32 ? 4 : 2;
+    const int64_t row_bytes = sdim == 1 ? int64_t(d) * es : 0, far = far_rows(row_bytes);
+    const uint8_t* r[16];
+    for (int64_t t0 = 0; t0 < count; t0 += 16) {
+        const int64_t T = count - t0 < 16 ? count - t0 : 16;
+        if (row_bytes) prefetch_ahead(rows, t0, 16, count, row_bytes, far);
+        for (int64_t t = 0; t < T; ++t) {
+            load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
+            r[t] = reinterpret_cast<const uint8_t*>(tile + t * dpad);
+        }
+        tile_scores<kF32>(r, T, dpad / 16, q, dpad, G, S + t0, ldS);
+    }
+}
+
+namespace {
+
+// Slots [0, 16 W) of a transposed segment at k for heads h0 .. h0 + HB (S rows h0 ...): per
+// head element i, one broadcast query element times 8 slots per FMA. bfloat16 slots are
+// widened pairwise (even slots, odd slots) and interleaved back at the store. Lanes past
+// `rem` slots are read from a zero-padded copy of the row's tail (nothing past the segment
+// is read). pf: the next segment, pf_lines lines per row, prefetched into L2 one row per i.
+template <int HB, int W>
+inline void kt_chunk(const uint8_t* k, int64_t dstride, int32_t dtype, int32_t d, const float* q, int32_t dpad,
+                     int64_t rem, float* S, int64_t ldS, const uint8_t* pf, int pf_lines) {
+    const int64_t es = dtype == kF32 ? 4 : 2;
+    const bool full = rem >= 16 * W;
+    __m256 acc[HB][2 * W];
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+        for (int w = 0; w < 2 * W; ++w) acc[h][w] = _mm256_setzero_ps();
+    alignas(32) uint8_t pad[64 * 4];
+    if (!full) memset(pad, 0, sizeof pad);
+    for (int32_t i = 0; i < d; ++i) {
+        const uint8_t* p = k + i * dstride;
+        if (pf)
+            for (int l = 0; l < pf_lines; ++l) prefetch_l2(pf + i * dstride + 64 * l);
+        if (!full) {
+            memcpy(pad, p, size_t(rem * es));
+            p = pad;
+        }
+        __m256 kv[2 * W];
+#pragma GCC unroll 4
+        for (int w = 0; w < W; ++w) {
+            if (dtype == kBF16) load_pair<kSplit>(p + 32 * w, kv[2 * w], kv[2 * w + 1]);
+            else if (dtype == kF16) load_pair<kF16>(p + 32 * w, kv[2 * w], kv[2 * w + 1]);
+            else load_pair<kF32>(p + 64 * w, kv[2 * w], kv[2 * w + 1]);
+        }
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) {
+            const __m256 qb = _mm256_broadcast_ss(q + h * dpad + i);
+#pragma GCC unroll 8
+            for (int w = 0; w < 2 * W; ++w) acc[h][w] = _mm256_fmadd_ps(qb, kv[w], acc[h][w]);
+        }
+    }
+    for (int h = 0; h < HB; ++h) {
+        alignas(32) float out[16 * W];
+        for (int w = 0; w < W; ++w) {
+            __m256 a = acc[h][2 * w], b = acc[h][2 * w + 1];
+            if (dtype == kBF16) {  // [even slots | odd slots] -> natural order
+                const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
+                a = _mm256_permute2f128_ps(lo, hi, 0x20);
+                b = _mm256_permute2f128_ps(lo, hi, 0x31);
+            }
+            _mm256_store_ps(out + 16 * w, a);
+            _mm256_store_ps(out + 16 * w + 8, b);
+        }
+        const int64_t n = rem < 16 * W ? rem : 16 * W;
+        for (int64_t t = 0; t < n; ++t) S[h * ldS + t] = out[t];
+    }
+}
+
+template <int W>
+inline void kt_heads(const uint8_t* k, int64_t dstride, int32_t dtype, int32_t d, const float* q, int32_t dpad,
+                     int32_t G, int64_t rem, float* S, int64_t ldS, const uint8_t* pf, int pf_lines) {
+    for (int32_t h0 = 0; h0 < G;) {  // the next segment is prefetched during the first heads only
+        const float* qh = q + int64_t(h0) * dpad;
+        float* Sh = S + h0 * ldS;
+        const uint8_t* p = h0 == 0 ? pf : nullptr;
+        switch (G - h0) {
+            case 1: kt_chunk<1, W>(k, dstride, dtype, d, qh, dpad, rem, Sh, ldS, p, pf_lines); h0 += 1; break;
+            case 2: kt_chunk<2, W>(k, dstride, dtype, d, qh, dpad, rem, Sh, ldS, p, pf_lines); h0 += 2; break;
+            default: kt_chunk<3, W>(k, dstride, dtype, d, qh, dpad, rem, Sh, ldS, p, pf_lines); h0 += 3; break;
+        }
+    }
+}
+
+}  // namespace
+
+void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
+               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count) {
+    const int64_t es = dtype == kF32 ? 4 : 2;
+    // 32 slots per chunk: HB x 4 accumulators of 8 slots (12 for groups of 3 and more)
+    constexpr int64_t width = 32;
+    for (int64_t t0 = 0; t0 < count; t0 += width) {
+        const uint8_t* pf = next && t0 < next_count ? next + t0 * es : nullptr;
+        const int pf_lines = pf ? int(((next_count - t0 < width ? next_count - t0 : width) * es + 63) / 64) : 0;
+        const int64_t rem = count - t0;
+        if (rem <= 16) kt_heads<1>(k + t0 * es, dstride, dtype, d, q, dpad, G, rem, S + t0, ldS, pf, pf_lines);
+        else kt_heads<2>(k + t0 * es, dstride, dtype, d, q, dpad, G, rem, S + t0, ldS, pf, pf_lines);
+    }
+}
+
+void max_bad(const float* S, int64_t len, float* m_out, int32_t* bad_out) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    __m256 bad = _mm256_setzero_ps();
+    const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < len; j += 8) {
+        const __m256i tm = lane_mask(len - j);
+        const __m256 x = _mm256_blendv_ps(ninf, _mm256_maskload_ps(S + j, tm), _mm256_castsi256_ps(tm));
+        m = _mm256_max_ps(x, m);                                       // returns m where x is NaN
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, inf, _CMP_NLT_UQ));  // NaN or +inf
+    }
+    *m_out = hmax(m);
+    *bad_out = _mm256_movemask_ps(bad) != 0;
+}
+
+float sum_exp(const float* S, int64_t len, float mref) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(mref), ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < len; j += 8) {
+        const __m256i tm = lane_mask(len - j);
+        const __m256 x = _mm256_blendv_ps(ninf, _mm256_maskload_ps(S + j, tm), _mm256_castsi256_ps(tm));
+        acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(x, m)));
+    }
+    return hsum(acc);
+}
+
+}  // namespace avx2_level
+
+const SimdOps* ops_avx2() {
+    static const SimdOps ops = {"avx2", avx2_level::scores, avx2_level::max_bad, avx2_level::sum_exp,
+                                avx2_level::select, avx2_level::pv, avx2_level::vsum,
+                                nullptr, nullptr, avx2_level::scores_kt};
+    return &ops;
+}
+
+}  // namespace topth_cpu
