@@ -85,7 +85,7 @@ inline void pv_block(const uint8_t* const* rb, int64_t R, int32_t nch, const flo
             if (hb == 4) {
                 pv_rows<DT, 4, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
                 c += 1;
-            } else if (nch - c >= 2 && hb < 3) {
+            } else if (nch - c >= 2) {
                 switch (hb) {
                     case 1: pv_rows<DT, 1, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
                     case 2: pv_rows<DT, 2, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
