@@ -56,6 +56,11 @@ inline void rows_heads(const uint8_t* const* r, int64_t T, int32_t nc, const flo
         for (int t = 0; t < RB; ++t) rb[t] = r[r0 + (t < n ? t : n - 1)];
         block<DT, HB, RB>(rb, nc, q, ldq, red + r0);
     }
+    // partial sums past the last block of a short tile are never written: zero them, so the
+    // reduction below reads no indeterminate values (their sums are not stored)
+    const int64_t done = (T + RB - 1) / RB * RB;
+    for (int h = 0; h < HB; ++h)
+        for (int64_t t = done; t < 16; ++t) red[h * 16 + t] = _mm256_setzero_ps();
     for (int h = 0; h < HB; ++h)
         for (int64_t t0 = 0; t0 < T; t0 += 8) {
             const __m256 v = hsum8(*reinterpret_cast<const __m256(*)[8]>(red + h * 16 + t0));

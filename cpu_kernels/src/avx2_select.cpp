@@ -102,7 +102,8 @@ int64_t select(const SelectArgs& a) {
         __m256 R = _mm256_setzero_ps();
         for (int64_t t = 0; t < off; t += 8) {
             const __m256i tm = lane_mask(off - t);
-            const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(w + t), mr)), _mm256_castsi256_ps(tm));
+            const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(load_masked(w + t, off - t, ninf), mr)),
+                                           _mm256_castsi256_ps(tm));
             if (off - t >= 8) _mm256_storeu_ps(w + t, e);
             else _mm256_maskstore_ps(w + t, tm, e);
             R = _mm256_add_ps(R, e);
