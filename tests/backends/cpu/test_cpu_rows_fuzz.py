@@ -7,8 +7,6 @@ placements and selections, exact SDC, VMC and forced split-KV. Each level's stag
 hand-written per instruction set (avx2_*.cpp, avx512_*.cpp) or portable
 (stages_portable.inc): this is the check that they all meet the same semantics."""
 
-import os
-
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,27 +14,10 @@ from hypothesis import strategies as st
 from topth_ops.backends import cpu as cpu_backend
 from topth_ops.conformance.cases import Shape, paged_case, random_case
 from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_report, to_numpy
-from topth_ops.contract import make_inputs
-from topth_ops.registry import get_backend
 
-BACKEND = get_backend("cpu")
+from .env_run import run_with_env
+
 LEVELS = cpu_backend.cpu_module().simd_levels()
-
-
-def _run(kw, env):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        inputs = make_inputs(**kw, return_stats=True)
-        out, stats = inputs.empty_outputs(fill=float("nan"))
-        BACKEND.forward(inputs, out, stats)
-        return out, stats, dict(BACKEND.last_counters)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _strided_head_dim(case):
@@ -81,7 +62,7 @@ def test_row_layouts_match_oracle_on_every_level(c):
         kw = _strided_head_dim(case)
     else:
         kw = case.kwargs
-    out, stats, counters = _run(kw, {cpu_backend.ENV_SIMD: c["level"], cpu_backend.ENV_SPLIT: c["split"]})
+    out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: c["level"], cpu_backend.ENV_SPLIT: c["split"]})
     assert counters["simd"] == c["level"]
     want = case.oracle()
     rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[c["dtype"]])

@@ -6,8 +6,6 @@ float64 oracle over SIMD levels, dtypes, GQA groups, head dims, block sizes (pow
 not), ragged lengths with partial last blocks, both placements and selections, VMC and forced
 split-KV; the region around each block's used slots is NaN, so a read past a segment shows."""
 
-import os
-
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,27 +14,10 @@ from hypothesis import strategies as st
 from topth_ops.backends import cpu as cpu_backend
 from topth_ops.conformance.cases import Shape, paged_case, random_case, vllm_vec_case
 from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_report, to_numpy
-from topth_ops.contract import make_inputs
-from topth_ops.registry import get_backend
 
-BACKEND = get_backend("cpu")
+from .env_run import run_with_env
+
 LEVELS = cpu_backend.cpu_module().simd_levels()
-
-
-def _run(kw, env):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        inputs = make_inputs(**kw, return_stats=True)
-        out, stats = inputs.empty_outputs(fill=float("nan"))
-        BACKEND.forward(inputs, out, stats)
-        return out, stats, dict(BACKEND.last_counters)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @st.composite
@@ -63,7 +44,7 @@ def test_transposed_key_cache_matches_oracle(c):
     case = vllm_vec_case(paged_case(base, c["block"], "HND", seed=c["seed"] % 1000))
     kw = case.kwargs
     assert kw["key_cache"].stride(2) == 1 and kw["key_cache"].stride(3) == c["block"]
-    out, stats, counters = _run(kw, {cpu_backend.ENV_SIMD: c["level"], cpu_backend.ENV_SPLIT: c["split"]})
+    out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: c["level"], cpu_backend.ENV_SPLIT: c["split"]})
     assert counters["simd"] == c["level"]
     want = case.oracle()
     rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[c["dtype"]])
@@ -81,8 +62,8 @@ def test_transposed_key_cache_keeps_what_the_rows_layout_keeps():
                        placement="post_softmax", selection="group", vmc=True, seed=9)
     rows = paged_case(base, 128, "HND", seed=2)
     kt = vllm_vec_case(rows)
-    a = _run(rows.kwargs, {})
-    b = _run(kt.kwargs, {})
+    a = run_with_env(rows.kwargs, {})
+    b = run_with_env(kt.kwargs, {})
     np.testing.assert_array_equal(a[1].kept.numpy(), b[1].kept.numpy())
     np.testing.assert_array_equal(a[1].v_rows.numpy(), b[1].v_rows.numpy())
     np.testing.assert_allclose(a[0].float().numpy(), b[0].float().numpy(), atol=2e-2, rtol=2e-2)
