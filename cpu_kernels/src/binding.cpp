@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "calib_hist.h"
 #include "kernel.h"
 #include "pool.h"
 #include "value_sum.h"
@@ -164,6 +165,24 @@ int32_t vsum_mean_py(uintptr_t sum, uintptr_t fill, const std::vector<int64_t>& 
                           reinterpret_cast<float*>(out));
 }
 
+// CountAccumulator's histogram update (calib_hist.h): pointers from
+// topth_ops/calibration/hist_fast.py, which keeps the tensors alive and has checked them.
+// sets: (hist, lo, inv_w) pointers of pre/head, post/head, pre/group, post/group (0 = none).
+int32_t calib_hist_py(uintptr_t x, int64_t R, int64_t Hq, int64_t G, int64_t S, int64_t s_row, int64_t s_head,
+                      uintptr_t lse, uintptr_t bucket, int64_t num_buckets, int64_t bins,
+                      const std::vector<uintptr_t>& sets) {
+    if (sets.size() != 12) throw py::value_error("sets: expected 4 x (hist, lo, inv_w)");
+    if (G < 1 || Hq % G) throw py::value_error("G must divide Hq");
+    CalibHist h[4];
+    for (int i = 0; i < 4; ++i)
+        h[i] = {reinterpret_cast<int64_t*>(sets[3 * i]), reinterpret_cast<const float*>(sets[3 * i + 1]),
+                reinterpret_cast<const float*>(sets[3 * i + 2])};
+    py::gil_scoped_release release;
+    return calib_hist_add(reinterpret_cast<const float*>(x), R, Hq, G, S, s_row, s_head,
+                          reinterpret_cast<const float*>(lse), reinterpret_cast<const int64_t*>(bucket), num_buckets,
+                          bins, h[0], h[1], h[2], h[3]);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_topth_cpu, m) {
@@ -179,6 +198,7 @@ PYBIND11_MODULE(_topth_cpu, m) {
           "path of the loaded OpenMP runtime the kernel runs on ('' when none, or after fork)");
     m.def("_convert_out", &convert_out, "float32 -> float16 (0) / bfloat16 (1) bits, as the kernel writes them");
     m.def("value_sum_update", &vsum_update_py, "PagedValueSum.update on CPU tensors: 0 done, 1 use the Python path");
+    m.def("calib_hist_add", &calib_hist_py, "CountAccumulator's histogram update: 0 done, 1 use the torch path");
     m.def("value_sum_mean", &vsum_mean_py, "PagedValueSum.mean on CPU tensors: 0 done, 1 use the Python path");
     py::dict codes;
     codes["dtype"] = py::dict(py::arg("float16") = int(kF16), py::arg("bfloat16") = int(kBF16),

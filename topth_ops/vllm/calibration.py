@@ -194,7 +194,9 @@ class EngineCalibration:
                     c1 = min(ids.numel(), c0 + step)
                     while c0 < c1:
                         e = c0 + int((chunk[c0:c1] == chunk[c0]).sum())
-                        self.acc.record(layer, row_scores(q[c0:e], keys, ids[c0:e], scale)[None], ids[None, c0:e])
+                        # keys past the chunk's last row id are invalid for all of its rows
+                        a = row_scores(q[c0:e], keys[:, :int(ids[e - 1])], ids[c0:e], scale)
+                        self.acc.record(layer, a[None], ids[None, c0:e])
                         c0 = e
                 self.seconds["decode" if decode else "prefill"] += time.perf_counter() - t0
                 if first:
