@@ -5,6 +5,8 @@ see setup.py and docs/cpu.md); the backend ``cpu`` (topth_ops/backends/cpu.py) l
 lazily, so ``import topth_ops`` works without it.
 """
 
+import functools
+
 
 def extension():
     """The compiled module ``_topth_cpu``.
@@ -18,3 +20,14 @@ def extension():
     from . import _topth_cpu
 
     return _topth_cpu
+
+
+@functools.lru_cache(maxsize=None)
+def extension_with(name: str):
+    """The compiled module when it is built and has the function ``name`` (a build from
+    older sources may lack it), else None: the caller runs its torch path."""
+    try:
+        mod = extension()
+    except ImportError:
+        return None
+    return mod if hasattr(mod, name) else None

@@ -16,6 +16,7 @@ import torch
 
 from . import packed
 from .codes import DType
+from .cpu_kernels import extension_with
 from .paged import _check_rows, _check_slot_tensor, _check_slots, _index_tensor, _positive_int
 from .validation import (LAYOUT_DIMS, PAGED_LAYOUTS, check_block_table_values, require_choice, require_rank,
                          require_tensor, shape_str, values_checkable)
@@ -27,23 +28,11 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: every unusual case, bad values included, goes to the torch path). False: the torch path
 #: always (the reference; the tests run both).
 FUSED_CPU = True
-_EXT = None
 
 
 def _fused_module():
     """The compiled module when the fused path applies, else None."""
-    global _EXT
-    if not FUSED_CPU:
-        return None
-    if _EXT is None:
-        try:
-            from .cpu_kernels import extension
-
-            mod = extension()
-            _EXT = mod if hasattr(mod, "value_sum_update") else False
-        except ImportError:
-            _EXT = False
-    return _EXT or None
+    return extension_with("value_sum_update") if FUSED_CPU else None
 
 
 

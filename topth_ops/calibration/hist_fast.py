@@ -13,25 +13,15 @@ from __future__ import annotations
 
 import torch
 
+from ..cpu_kernels import extension_with
+
 #: Use the compiled pass when the CPU module is built. False: the torch path always (the
 #: reference; the tests run both).
 FUSED_CPU = True
-_EXT = None
 
 
 def _module():
-    global _EXT
-    if not FUSED_CPU:
-        return None
-    if _EXT is None:
-        try:
-            from ..cpu_kernels import extension
-
-            mod = extension()
-            _EXT = mod if hasattr(mod, "calib_hist_add") else False
-        except ImportError:
-            _EXT = False
-    return _EXT or None
+    return extension_with("calib_hist_add") if FUSED_CPU else None
 
 
 def add_rows(acc, layer: int, x: torch.Tensor, lse, b_idx: torch.Tensor) -> bool:
