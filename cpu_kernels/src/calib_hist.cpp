@@ -12,6 +12,7 @@ namespace {
 
 // clamp(floor(v), 0, bins - 1) for finite v, without a call to floor: truncation equals
 // floor on [0, bins - 1), and everything below 0 (floor in [-1, 0) included) clamps to 0.
+// bins - 1 (top) is exact in float32: the accumulator allows at most 2^20 bins.
 inline int64_t bin_of(float v, float top) {
     if (!(v >= 0.0f)) return 0;
     if (v >= top) return static_cast<int64_t>(top);
@@ -27,6 +28,7 @@ int32_t calib_hist_add(const float* x, int64_t R, int64_t Hq, int64_t G, int64_t
                        const float* lse, const int64_t* bucket, int64_t num_buckets, int64_t bins,
                        const CalibHist& pre_head, const CalibHist& post_head, const CalibHist& pre_group,
                        const CalibHist& post_group) {
+    if (bins < 1 || bins > (int64_t{1} << 24)) return 1;
     for (int64_t r = 0; r < R; ++r)
         if (bucket[r] < 0 || bucket[r] >= num_buckets) return 1;
     const float top = static_cast<float>(bins - 1);

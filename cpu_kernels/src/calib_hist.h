@@ -21,7 +21,8 @@ struct CalibHist {
 // clamp(floor((v - lo) * inv_w), 0, bins - 1) in float32, as the torch path computes it;
 // non-finite values (keys that are not valid for the row) are not counted. lse [R, Hq]
 // contiguous, needed when a post-softmax set is given.
-// Returns 0, or 1 (nothing added) when a bucket index is outside [0, num_buckets).
+// Returns 0, or 1 (nothing added) when a bucket index is outside [0, num_buckets) or bins is
+// outside [1, 2^24] (bin indices are exact in float32 below that).
 int32_t calib_hist_add(const float* x, int64_t R, int64_t Hq, int64_t G, int64_t S, int64_t s_row, int64_t s_head,
                        const float* lse, const int64_t* bucket, int64_t num_buckets, int64_t bins,
                        const CalibHist& pre_head, const CalibHist& post_head, const CalibHist& pre_group,

@@ -58,6 +58,7 @@ from .rows import no_long_rows_error, row_log_z, to_host
 DEFAULT_BINS = 512
 DEFAULT_BUCKETS_PER_OCTAVE = 4
 DEFAULT_ROWS_PER_OCTAVE = 128
+MAX_BINS = 1 << 20
 LOG_PROB_FLOOR = -60.0  # log-probabilities below this are clamped (never near a threshold)
 
 
@@ -97,7 +98,8 @@ class CountAccumulator:
     selections : sequence of str
         "head" (per query head) and/or "group" (group maximum, per KV head).
     bins : int
-        Histogram bins per (layer, head, bucket).
+        Histogram bins per (layer, head, bucket), 8 to ``MAX_BINS`` (bin indices are
+        computed in float32).
     buckets_per_octave : int
     rows_per_octave : int
         Rows recorded per octave of row ids and sequence (a power of two; 0 = every row);
@@ -124,8 +126,8 @@ class CountAccumulator:
         for s in selections:
             if s not in SELECTIONS:
                 raise ValueError(f"selection must be one of {SELECTIONS}, got {s!r}")
-        if bins < 8:
-            raise ValueError(f"bins must be >= 8, got {bins}")
+        if not 8 <= bins <= MAX_BINS:
+            raise ValueError(f"bins must be in [8, {MAX_BINS}], got {bins}")
         self.L, self.Hq, self.Hkv, self.max_row_id = num_layers, num_q_heads, num_kv_heads, max_row_id
         self.placements, self.selections = tuple(placements), tuple(selections)
         self.bins = bins
@@ -247,7 +249,8 @@ class CountAccumulator:
         hi = torch.where(fin, x, -big).amax(dim=(0, 2)).to(torch.float64)
         none = lo > hi
         lo, hi = torch.where(none, -1.0, lo), torch.where(none, 1.0, hi)
-        span = (hi - lo).clamp(min=1e-3)
+        # at least 1e-3, and wide enough that the float32 range edges differ (huge logits)
+        span = torch.maximum((hi - lo).clamp(min=1e-3), 1e-5 * torch.maximum(lo.abs(), hi.abs()))
         lo, hi = lo - 0.5 * span, hi + 0.5 * span
         if p == "post_softmax":
             lo, hi = lo.clamp(min=LOG_PROB_FLOOR), hi.clamp(max=0.0)

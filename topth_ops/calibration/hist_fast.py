@@ -6,7 +6,8 @@ passes over the rows per set; the compiled CPU module (``calib_hist_add``, sourc
 cpu_kernels/src/calib_hist.cpp) makes one pass for all of them, with the same bins: the same
 float32 arithmetic, non-finite values not counted, and a group's maximum not finite where a
 head's value is NaN or +inf (as ``torch.amax``). Without the module, or for anything unusual
-(tensors off the CPU, another dtype), the torch path runs.
+(tensors off the CPU, another dtype or shape, a log-normaliser that is not float32 per row and
+head), the torch path runs.
 """
 
 from __future__ import annotations
@@ -48,13 +49,13 @@ def add_rows(acc, layer: int, x: torch.Tensor, lse, b_idx: torch.Tensor) -> bool
     if mod is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3 or x.stride(-1) != 1:
         return False
     R, H, S = x.shape
-    if R == 0 or S == 0:
+    if R == 0 or S == 0 or H != acc.Hq or b_idx.shape != (R,):
         return False
     post = "post_softmax" in acc.placements
-    if post:
-        if lse is None or lse.device.type != "cpu":
+    if post:  # as the torch path computes x - lse: float32, one value per row and head
+        if lse is None or lse.device.type != "cpu" or lse.dtype != torch.float32 or lse.shape != (R, H, 1):
             return False
-        lse = lse.to(torch.float32).reshape(R, H).contiguous()
+        lse = lse.reshape(R, H).contiguous()
     b = b_idx.to(torch.int64).contiguous()
     keep = [x, b, lse]  # alive during the call
     ptrs = []
