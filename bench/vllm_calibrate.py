@@ -32,6 +32,9 @@ import time
 
 from .vllm_common import engine_kwargs, save_json
 
+#: Seconds to wait for a calibrating engine's files after its last request.
+WRITE_WAIT_S = 600
+
 
 def prompts(model: str, n: int, lo: int, hi: int, held_out: int, seed: int = 0) -> list:
     """``n`` prompts (token id lists, BOS first) of standard-library sources."""
@@ -54,16 +57,23 @@ def prompts(model: str, n: int, lo: int, hi: int, held_out: int, seed: int = 0) 
     raise SystemExit(f"only {len(out)} standard-library modules have >= {lo} tokens")
 
 
-def run(model: str, ids: list, new_tokens: int, topth, prefill_call: bool, max_len: int) -> dict:
-    """One engine: optional prefill-only call, then the whole generation; seconds of each."""
+def run(model: str, ids: list, new_tokens: int, topth, prefill_call: bool, max_len: int, files=()) -> dict:
+    """One engine: optional prefill-only call, then the whole generation; seconds of each.
+
+    A calibrating engine writes its ``files`` once every request has finished (the request
+    count trigger, from its idle thread); the engine is stopped only after they are written,
+    since a write left to shutdown can be cut short when vLLM kills the worker."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kw = engine_kwargs(model, max_model_len=max_len, max_num_seqs=8, max_num_batched_tokens=8192,
                        enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30)
     if topth is not None:
+        if topth.get("mode") == "calibrate":
+            topth = {**topth, "calibrate_requests": len(ids)}
         kw["additional_config"] = {"topth": topth}
     llm = LLM(**kw)
+    t_start = time.time()
     ps = [TokensPrompt(prompt_token_ids=p) for p in ids]
     res = {}
     if prefill_call:
@@ -76,7 +86,13 @@ def run(model: str, ids: list, new_tokens: int, topth, prefill_call: bool, max_l
     res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     if prefill_call:
         res["decode_s"] = res["whole_s"] - res["prefill_s"]
-    llm.llm_engine.engine_core.shutdown()  # the calibrating worker writes its files at exit
+    deadline = time.time() + WRITE_WAIT_S
+    while files and not all(os.path.exists(f) and os.path.getmtime(f) >= t_start for f in files):
+        if time.time() > deadline:
+            print(f"warning: the calibration files {list(files)} were not written within {WRITE_WAIT_S} s", flush=True)
+            break
+        time.sleep(1.0)
+    llm.llm_engine.engine_core.shutdown()
     del llm
     return res
 
@@ -143,6 +159,12 @@ def main(argv=None) -> int:
     res = {"machine": vars(machine()), "prompts": len(ids), "prompt_tokens": [len(p) for p in ids],
            "new_tokens": a.new_tokens, "k": a.k, "date": time.strftime("%Y-%m-%d")}
     tmp = tempfile.mkdtemp(prefix="topth-calibrate-bench-")
+    pl = ["pre_softmax", "post_softmax"] if a.placement == "both" else [a.placement]
+    se = ["head", "group"] if a.selection == "both" else [a.selection]
+
+    def paths(template: str) -> list:
+        return [template.replace("{placement}", p).replace("{selection}", s) for p in pl for s in se]
+
     for name, topth, pre in (("vllm", None, True),
                              ("calibrate_decode", {**base, "mode": "calibrate", "calibrate_prefill": False,
                                                    "calibrate_out": os.path.join(tmp, "dec_{placement}_{selection}.safetensors"),
@@ -151,7 +173,7 @@ def main(argv=None) -> int:
                                             "stats_file": os.path.join(tmp, "calib.json")}, False)):
         if name in a.skip:
             continue
-        r = run(a.model, ids, a.new_tokens, topth, pre, max_len)
+        r = run(a.model, ids, a.new_tokens, topth, pre, max_len, paths(topth["calibrate_out"]) if topth else ())
         res[name] = {k: v for k, v in r.items() if k != "tokens"}
         res.setdefault("tokens", r["tokens"])
         res[name]["greedy_equal_to_first_run"] = r["tokens"] == res["tokens"]
@@ -171,10 +193,8 @@ def main(argv=None) -> int:
     if a.compare:
         sub = ids[: a.compare]
         out = os.path.join(tmp, "cmp_{placement}_{selection}.safetensors")
-        run(a.model, sub, 1, {**base, "mode": "calibrate", "calibrate_out": out}, False, max_len)
+        run(a.model, sub, 1, {**base, "mode": "calibrate", "calibrate_out": out}, False, max_len, paths(out))
         ks = [int(k) for k in a.k.split(",")]
-        pl = ["pre_softmax", "post_softmax"] if a.placement == "both" else [a.placement]
-        se = ["head", "group"] if a.selection == "both" else [a.selection]
         off = offline_sets(a.model, sub, ks, pl, se)
         files = {(p, s): out.replace("{placement}", p).replace("{selection}", s) for p in pl for s in se}
         res["engine_vs_offline"] = compare(files, off)
