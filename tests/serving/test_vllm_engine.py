@@ -228,7 +228,7 @@ def test_serving_bench_small_version_of_workload_a(smol, tmp_path):
     out = tmp_path / "serving.json"
     r = _run(["-m", "topth_ops.bench.vllm_serving", "--model", smol, "--thresholds", th, "--vmc", "--prompts", "2",
               "--prompt-tokens", "900", "--new-tokens", "6", "--max-model-len", "1024", "--kv-cache-gib", "0.5",
-              "--json", str(out)])
+              "--json", str(out)], timeout=2 * TIMEOUT)  # three engines one after another: ~12 min on 2 cores
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["summary"]
