@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     pl = ["pre_softmax", "post_softmax"] if a.placement == "both" else [a.placement]
     se = ["head", "group"] if a.selection == "both" else [a.selection]
 
-    def paths(template: str) -> list:
-        return [template.replace("{placement}", p).replace("{selection}", s) for p in pl for s in se]
+    def paths(template: str) -> dict:
+        return {(p, s): template.replace("{placement}", p).replace("{selection}", s) for p in pl for s in se}
 
     for name, topth, pre in (("vllm", None, True),
                              ("calibrate_decode", {**base, "mode": "calibrate", "calibrate_prefill": False,
@@ -173,7 +173,8 @@ def main(argv=None) -> int:
                                             "stats_file": os.path.join(tmp, "calib.json")}, False)):
         if name in a.skip:
             continue
-        r = run(a.model, ids, a.new_tokens, topth, pre, max_len, paths(topth["calibrate_out"]) if topth else ())
+        r = run(a.model, ids, a.new_tokens, topth, pre, max_len,
+                list(paths(topth["calibrate_out"]).values()) if topth else [])
         res[name] = {k: v for k, v in r.items() if k != "tokens"}
         res.setdefault("tokens", r["tokens"])
         res[name]["greedy_equal_to_first_run"] = r["tokens"] == res["tokens"]
@@ -193,10 +194,10 @@ def main(argv=None) -> int:
     if a.compare:
         sub = ids[: a.compare]
         out = os.path.join(tmp, "cmp_{placement}_{selection}.safetensors")
-        run(a.model, sub, 1, {**base, "mode": "calibrate", "calibrate_out": out}, False, max_len, paths(out))
+        files = paths(out)
+        run(a.model, sub, 1, {**base, "mode": "calibrate", "calibrate_out": out}, False, max_len, list(files.values()))
         ks = [int(k) for k in a.k.split(",")]
         off = offline_sets(a.model, sub, ks, pl, se)
-        files = {(p, s): out.replace("{placement}", p).replace("{selection}", s) for p in pl for s in se}
         res["engine_vs_offline"] = compare(files, off)
         print(json.dumps(res["engine_vs_offline"], indent=1), flush=True)
     res.pop("tokens", None)

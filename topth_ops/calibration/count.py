@@ -206,9 +206,9 @@ class CountAccumulator:
                 lse, = to_host((m + log_z)[dev_b, :, dev_c, :])
         G = self.Hq // self.Hkv
         R = x_all.shape[0]
-        ranged = not any(bool(torch.isnan(r[layer, :, 0]).any()) for r in self.range.values())
-        if ranged and add_rows(self, layer, x_all, lse if "post_softmax" in self.placements else None, b_idx):
-            return  # every set in one compiled pass (hist_fast)
+        # every set in one compiled pass (hist_fast) once the layer's ranges are set
+        if add_rows(self, layer, x_all, lse if "post_softmax" in self.placements else None, b_idx):
+            return
         for p in self.placements:
             x = x_all if p == "pre_softmax" else x_all - lse
             for s in self.selections:

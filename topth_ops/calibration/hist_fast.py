@@ -65,8 +65,8 @@ def add_rows(acc, layer: int, x: torch.Tensor, lse, b_idx: torch.Tensor) -> bool
             continue
         hist = acc.hist[(p, s)][layer]
         rng = acc.range[(p, s)][layer]
-        if not hist.is_contiguous() or bool(torch.isnan(rng[:, 0]).any()):
-            return False
+        if not hist.is_contiguous() or bool(torch.isnan(rng[:, 0]).any()):  # a layer's first chunk
+            return False  # sets the ranges on the torch path
         lo = rng[:, 0].to(torch.float32).contiguous()
         inv_w = (1.0 / rng[:, 1]).to(torch.float32).contiguous()
         keep += [hist, lo, inv_w]
@@ -74,5 +74,4 @@ def add_rows(acc, layer: int, x: torch.Tensor, lse, b_idx: torch.Tensor) -> bool
     G = acc.Hq // acc.Hkv
     rc = mod.calib_hist_add(x.data_ptr(), R, H, G, S, x.stride(0), x.stride(1), lse.data_ptr() if post else 0,
                             b.data_ptr(), acc.NB, acc.bins, ptrs)
-    del keep
     return rc == 0
