@@ -77,17 +77,20 @@ void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b,
         for (int64_t t = 0; t < count; ++t) out[t] = seq + (lo + idx[t]) * step;
         return;
     }
-    if ((bs & (bs - 1)) == 0) {  // power-of-two block size: shifts
-        const int shift = __builtin_ctzll(uint64_t(bs));
-        for (int64_t t = 0; t < count; ++t) {
-            const int64_t j = lo + idx[t];
-            out[t] = p0 + (block_of(P, b, j >> shift) * s[0] + head + (j & (bs - 1)) * s[2]) * es;
-        }
-        return;
-    }
+    // the block-table entry and the block's base are looked up only when a row falls outside
+    // the block of the previous one (once per block for an ascending list)
+    const int64_t step = s[2] * es;
+    int64_t blk_lo = 0, blk_hi = 0;
+    const uint8_t* blk = nullptr;
     for (int64_t t = 0; t < count; ++t) {
         const int64_t j = lo + idx[t];
-        out[t] = p0 + (block_of(P, b, j / bs) * s[0] + head + (j % bs) * s[2]) * es;
+        if (j < blk_lo || j >= blk_hi) {
+            const int64_t bi = j / bs;
+            blk_lo = bi * bs;
+            blk_hi = blk_lo + bs;
+            blk = p0 + (block_of(P, b, bi) * s[0] + head) * es;
+        }
+        out[t] = blk + (j - blk_lo) * step;
     }
 }
 
