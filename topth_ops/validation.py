@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .cpu_kernels import extension_with
 from .packed import check_dims, check_dtype
 
 KV_LAYOUTS = ("BNSD", "NHD", "HND", "VLLM_AMX")
@@ -166,16 +167,39 @@ def cache_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 
 def check_block_table_values(bt: torch.Tensor, lens: torch.Tensor, block_size: int,
                              num_blocks: int, source: str = "key_cache dim 0") -> None:
-    """Used entries (block i < ceil(n_b / block_size)) must lie in [0, num_blocks)."""
-    n = lens.to(torch.int64)
-    used = torch.arange(bt.shape[1])[None, :] < ((n + block_size - 1) // block_size)[:, None]
-    bad = used & ((bt < 0) | (bt >= num_blocks))
-    if bool(bad.any()):
-        b, i = (int(x) for x in bad.nonzero()[0])
+    """Used entries (block i < ceil(n_b / block_size)) must lie in [0, num_blocks).
+
+    ``bt`` ``[batch, max_blocks_per_seq]`` and ``lens`` ``[batch]``, int32 or int64, on the
+    CPU (:func:`values_checkable`). One pass of the compiled CPU module where it is built
+    (a decode step makes this check once per layer), else the torch path; both raise the
+    same ValueError, naming the first bad entry in row-major order.
+    """
+    fast = _table_check_module()
+    if (fast is not None and bt.dim() == 2 and lens.dim() == 1 and lens.shape[0] == bt.shape[0]
+            and bt.dtype in (torch.int32, torch.int64) and lens.dtype in (torch.int32, torch.int64)
+            and block_size >= 1):
+        bad, b, i = fast.check_block_table(bt.data_ptr(), bt.dtype == torch.int64, bt.stride(0), bt.stride(1),
+                                           bt.shape[0], bt.shape[1], lens.data_ptr(), lens.dtype == torch.int64,
+                                           lens.stride(0), block_size, num_blocks)
+    else:
+        n = lens.to(torch.int64)
+        used = torch.arange(bt.shape[1])[None, :] < ((n + block_size - 1) // block_size)[:, None]
+        mask = used & ((bt < 0) | (bt >= num_blocks))
+        bad = int(mask.sum())
+        b, i = (int(x) for x in mask.nonzero()[0]) if bad else (-1, -1)
+    if bad:
         raise ValueError(
-            f"block_table entries of used blocks must lie in [0, num_blocks={num_blocks}) ({source}); got block_table[{b}, {i}] = {int(bt[b, i])} for seq_lens[{b}] = {int(n[b])} "
-            f"(block_size {block_size}); {int(bad.sum())} bad entries in all"
+            f"block_table entries of used blocks must lie in [0, num_blocks={num_blocks}) ({source}); got block_table[{b}, {i}] = {int(bt[b, i])} for seq_lens[{b}] = {int(lens[b])} "
+            f"(block_size {block_size}); {bad} bad entries in all"
         )
+
+
+# The compiled check (cpu_kernels/src/table_check.cpp); set to False to force the torch path.
+FUSED_TABLE_CHECK = True
+
+
+def _table_check_module():
+    return extension_with("check_block_table") if FUSED_TABLE_CHECK else None
 
 
 def check_index_values(name: str, t: torch.Tensor, upper: int, what: str) -> None:

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "calib_hist.h"
+#include "table_check.h"
 #include "kernel.h"
 #include "pool.h"
 #include "value_sum.h"
@@ -183,6 +184,20 @@ int32_t calib_hist_py(uintptr_t x, int64_t R, int64_t Hq, int64_t G, int64_t S, 
                           bins, h[0], h[1], h[2], h[3]);
 }
 
+// topth_ops.validation.check_block_table_values on CPU tensors (table_check.h): pointers
+// from the caller, which keeps the tensors alive and has checked their dtypes and shapes.
+py::tuple check_block_table_py(uintptr_t table, bool table_i64, int64_t s0, int64_t s1, int64_t rows, int64_t cols,
+                               uintptr_t lens, bool lens_i64, int64_t lens_s, int64_t block_size, int64_t num_blocks) {
+    if (block_size < 1) throw py::value_error("block_size must be >= 1");
+    TableCheck r;
+    {
+        py::gil_scoped_release release;
+        r = check_block_table(reinterpret_cast<const void*>(table), table_i64, s0, s1, rows, cols,
+                              reinterpret_cast<const void*>(lens), lens_i64, lens_s, block_size, num_blocks);
+    }
+    return py::make_tuple(r.bad, r.b, r.i);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_topth_cpu, m) {
@@ -199,6 +214,8 @@ PYBIND11_MODULE(_topth_cpu, m) {
     m.def("_convert_out", &convert_out, "float32 -> float16 (0) / bfloat16 (1) bits, as the kernel writes them");
     m.def("value_sum_update", &vsum_update_py, "PagedValueSum.update on CPU tensors: 0 done, 1 use the Python path");
     m.def("calib_hist_add", &calib_hist_py, "CountAccumulator's histogram update: 0 done, 1 use the torch path");
+    m.def("check_block_table", &check_block_table_py,
+          "used block-table entries outside [0, num_blocks): (count, b, i) of the first, (0, -1, -1) if none");
     m.def("value_sum_mean", &vsum_mean_py, "PagedValueSum.mean on CPU tensors: 0 done, 1 use the Python path");
     py::dict codes;
     codes["dtype"] = py::dict(py::arg("float16") = int(kF16), py::arg("bfloat16") = int(kBF16),
