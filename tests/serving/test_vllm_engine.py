@@ -8,6 +8,7 @@ scripts of bench/). About 5 minutes on 2 cores in all.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,8 +28,18 @@ for _v in [k for k in ENV if k.startswith("TOPTH_VLLM_")]:
 
 
 def _run(args, env=None, timeout=TIMEOUT):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env or ENV)
+    """``subprocess.run`` in a session of its own: on a timeout the whole process group is
+    killed (vLLM's EngineCore and Worker processes included, which killing the direct child
+    alone leaves running) before the TimeoutExpired fails the test."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or ENV, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
