@@ -175,7 +175,8 @@ def check_block_table_values(bt: torch.Tensor, lens: torch.Tensor, block_size: i
     same ValueError, naming the first bad entry in row-major order.
     """
     fast = _table_check_module()
-    if (fast is not None and bt.dim() == 2 and lens.dim() == 1 and lens.shape[0] == bt.shape[0]
+    if (fast is not None and bt.device.type == "cpu" and lens.device.type == "cpu"
+            and bt.dim() == 2 and lens.dim() == 1 and lens.shape[0] == bt.shape[0]
             and bt.dtype in (torch.int32, torch.int64) and lens.dtype in (torch.int32, torch.int64)
             and block_size >= 1):
         bad, b, i = fast.check_block_table(bt.data_ptr(), bt.dtype == torch.int64, bt.stride(0), bt.stride(1),
