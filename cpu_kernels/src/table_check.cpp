@@ -1,6 +1,6 @@
-// Block-table values (table_check.h): one pass over the used entries of each sequence. The
-// torch path of the same check is about seven tensor operations (~90 us per call); a decode
-// step of a served model makes it once per layer.
+// Block-table values (table_check.h): one pass over the used entries of each sequence, where
+// the torch path of the same check runs about seven tensor operations; a decode step of a
+// served model makes this check once per layer (docs/cpu.md has the measured cost).
 #include "table_check.h"
 
 namespace topth_cpu {
