@@ -176,6 +176,7 @@ def check_block_table_values(bt: torch.Tensor, lens: torch.Tensor, block_size: i
     """
     fast = _table_check_module()
     if (fast is not None and bt.device.type == "cpu" and lens.device.type == "cpu"
+            and bt.layout == torch.strided and lens.layout == torch.strided
             and bt.dim() == 2 and lens.dim() == 1 and lens.shape[0] == bt.shape[0]
             and bt.dtype in (torch.int32, torch.int64) and lens.dtype in (torch.int32, torch.int64)
             and block_size >= 1):
@@ -183,7 +184,8 @@ def check_block_table_values(bt: torch.Tensor, lens: torch.Tensor, block_size: i
                                            bt.shape[0], bt.shape[1], lens.data_ptr(), lens.dtype == torch.int64,
                                            lens.stride(0), block_size, num_blocks)
     else:
-        n = lens.to(torch.int64)
+        # lengths past the table's capacity use every entry (and cannot overflow the ceil)
+        n = lens.to(torch.int64).clamp(0, bt.shape[1] * block_size)
         used = torch.arange(bt.shape[1])[None, :] < ((n + block_size - 1) // block_size)[:, None]
         mask = used & ((bt < 0) | (bt >= num_blocks))
         bad = int(mask.sum())

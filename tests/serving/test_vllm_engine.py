@@ -35,9 +35,9 @@ def _run(args, env=None, timeout=TIMEOUT):
                             env=env or ENV, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException:  # a timeout, an interrupt, a cancelled run: no engine is left behind
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.communicate(timeout=60)
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -206,8 +206,6 @@ def test_openai_server_with_topth_serve(tiny, tmp_path):
             assert name in metrics, name
         assert 'topth_decode_rows_total{rank="0",set="dense"}' in metrics
     finally:
-        import signal
-
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(60)
