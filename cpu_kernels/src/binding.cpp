@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "calib_hist.h"
-#include "table_check.h"
 #include "kernel.h"
 #include "pool.h"
+#include "table_check.h"
 #include "value_sum.h"
 
 namespace py = pybind11;

@@ -16,6 +16,7 @@
 #include <unistd.h>
 #endif
 
+#include "index_read.h"
 #include "kernel.h"
 #include "pool.h"
 
@@ -56,11 +57,6 @@ int64_t unit_bytes() {
         return int64_t(2) << 20;
     }();
     return bytes;
-}
-
-int64_t read_int(const void* p, int32_t is64, int64_t i) {
-    if (is64) return static_cast<const int64_t*>(p)[i];
-    return static_cast<const int32_t*>(p)[i];
 }
 
 // One element of the query as float32 (exact for half and bfloat16).
@@ -149,11 +145,11 @@ void build_plan(Plan& pl, const Params& P) {
     int64_t total = 0, units = 0;
     for (int64_t b = 0; b < B; ++b) {
         // unchecked values are clamped in their full dtype range (no int32 wrap first)
-        const int64_t n = clamp64(read_int(P.seq_lens, P.seq_lens_i64, b * P.lens_s), 0, max_seq_len);
+        const int64_t n = clamp64(index_at(P.seq_lens, b, P.lens_s, P.seq_lens_i64 != 0), 0, max_seq_len);
         pl.n[size_t(b)] = n;
         pl.row[size_t(b)] = std::min(std::max<int64_t>(n, 1), P.max_row_id) - 1;
         if (P.threshold_set)
-            pl.set[size_t(b)] = clamp64(read_int(P.threshold_set, P.tset_i64, b * P.tset_s), 0, P.num_sets - 1);
+            pl.set[size_t(b)] = clamp64(index_at(P.threshold_set, b, P.tset_s, P.tset_i64 != 0), 0, P.num_sets - 1);
         total += n * Hkv;
         units += n > 0 ? Hkv : 0;
     }

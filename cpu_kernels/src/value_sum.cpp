@@ -11,6 +11,8 @@
 // from the caller's tensors and used as checked (the GIL is released: no re-read).
 #include "value_sum.h"
 
+#include "index_read.h"
+
 #include <stdint.h>
 #include <string.h>
 
@@ -28,10 +30,6 @@ inline float load(const uint8_t* base, int64_t elem, int32_t dtype) {
     if (dtype == kF32) return reinterpret_cast<const float*>(base)[elem];
     const uint16_t u = reinterpret_cast<const uint16_t*>(base)[elem];
     return dtype == kBF16 ? bits_to_float(uint32_t(u) << 16) : half_to_float(u);
-}
-
-inline int64_t index_at(const void* p, int64_t i, int64_t stride, bool is64) {
-    return is64 ? static_cast<const int64_t*>(p)[i * stride] : static_cast<const int32_t*>(p)[i * stride];
 }
 
 // dst[h * D + d] += row h, d of token / cache slot at `base` (strides in elements)

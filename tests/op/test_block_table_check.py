@@ -116,7 +116,8 @@ def test_the_op_refuses_a_bad_used_entry_and_ignores_unused_ones(fused, monkeypa
     lens = torch.tensor([20, 16], dtype=torch.int32)
     th = torch.full((Hkv, 1), float("-inf"))
     table = torch.tensor([[0, 1, 99], [2, -3, 4]], dtype=torch.int32)  # unused entries: [0, 2], [1, 1], [1, 2]
-    topth_ops.decode_attention(q, kc, vc, lens, th, block_table=table, kv_layout="NHD", selection="group", backend="cpu")
+    kw = dict(block_table=table, kv_layout="NHD", selection="group", backend="cpu")
+    topth_ops.decode_attention(q, kc, vc, lens, th, **kw)
     table[1, 0] = nb
     with pytest.raises(ValueError, match=re.escape(f"got block_table[1, 0] = {nb} for seq_lens[1] = 16")):
-        topth_ops.decode_attention(q, kc, vc, lens, th, block_table=table, kv_layout="NHD", selection="group", backend="cpu")
+        topth_ops.decode_attention(q, kc, vc, lens, th, **kw)
