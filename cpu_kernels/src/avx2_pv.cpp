@@ -3,10 +3,10 @@
 // accumulates w_h,t * v_t. Rows with contiguous head_dim a multiple of 16 are read straight
 // from the cache and converted in registers (bfloat16 pairwise: the accumulators hold each
 // 16-float chunk as [8 even | 8 odd] during the call), in blocks of 16 rows: each block
-// serves every head block (up to 3 heads x 32 columns, or 4 heads x 16 columns: 12
-// accumulators) with the block's rows re-read from L1, so no row is fetched from memory
-// twice. A scattered list is visited in a strided order and prefetched at two distances
-// (avx512_pv.cpp, visit_stride, explains why). Other rows are converted to a float32 tile
+// serves every head block (up to 2 heads x 32 columns, or 3-4 heads x 16 columns: at most 8
+// accumulators, which GCC keeps in registers; 12 spill) with the block's rows re-read from
+// L1, so no row is fetched from memory twice. A scattered list is visited in a strided order
+// and prefetched at two distances (avx512_pv.cpp, visit_stride, explains why). Other rows are converted to a float32 tile
 // first. Also the V-row sum for the VMC mean (value_mean absent).
 #include "avx2_common.h"
 
@@ -82,22 +82,17 @@ inline void pv_block(const uint8_t* const* rb, int64_t R, int32_t nch, const flo
         float* o = acc + int64_t(h0) * dpad;
         for (int32_t c = 0; c < nch;) {
             const int64_t off = 16 * int64_t(c) * es;
-            if (hb == 4) {
-                pv_rows<DT, 4, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
+            if (hb >= 3) {  // one pair per pass: 3 heads x 2 pairs spill
+                if (hb == 4) pv_rows<DT, 4, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
+                else pv_rows<DT, 3, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
                 c += 1;
             } else if (nch - c >= 2) {
-                switch (hb) {
-                    case 1: pv_rows<DT, 1, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    case 2: pv_rows<DT, 2, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    default: pv_rows<DT, 3, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                }
+                if (hb == 1) pv_rows<DT, 1, 2>(rb, R, off, w, lw, o + 16 * c, dpad);
+                else pv_rows<DT, 2, 2>(rb, R, off, w, lw, o + 16 * c, dpad);
                 c += 2;
             } else {
-                switch (hb) {
-                    case 1: pv_rows<DT, 1, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    case 2: pv_rows<DT, 2, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    default: pv_rows<DT, 3, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                }
+                if (hb == 1) pv_rows<DT, 1, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
+                else pv_rows<DT, 2, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
                 c += 1;
             }
         }

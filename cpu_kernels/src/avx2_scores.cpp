@@ -5,8 +5,11 @@
 // 16 elements per step as a pair of 8-float vectors (bfloat16 widened pairwise, the query
 // reordered to match: avx2_common.h); other rows (strided, or a head_dim tail) are converted
 // to float32 in a 16-row tile in L1 first. Register blocking: HB heads x RB rows of 8-lane
-// accumulators (3 x 2, 2 x 4 or 1 x 8) with the HB heads' query chunk in registers, so each
-// converted K chunk serves HB heads; one hadd tree then reduces up to 8 dot products at once.
+// accumulators (3 x 3, 4 x 2, 2 x 4 or 1 x 8), each half of a 16-element chunk in turn: the
+// HB heads' query half is loaded once into registers and each row's half, loaded once,
+// serves the HB heads, so a chunk costs 2 (HB + RB) loads for 2 HB RB FMAs (the load ports,
+// not the FMA units, bound the older 3 x 2 blocking, which reloaded the query per row); one
+// hadd tree then reduces up to 8 dot products at once.
 // K stored transposed per block (vLLM's vector-ISA cache): lane-parallel over the slots, no
 // reduction (scores_kt). Compiled with -mavx2 -mfma -mf16c (setup.py); selected at run time
 // by dispatch.cpp.
@@ -16,40 +19,67 @@ namespace topth_cpu {
 namespace avx2_level {
 namespace {
 
-// red[h * 16 + t] = the 8-lane partial sums of <q_h, r_t> for t < RB (r padded with valid
-// rows), h < HB; nc chunks of 16 elements; q: HB rows of nc * 16 floats (ldq apart) in the
-// order of DT's pairs.
-template <int DT, int HB, int RB>
-inline void block(const uint8_t* const* r, int32_t nc, const float* q, int64_t ldq, __m256* red) {
-    constexpr int64_t es = DT == kF32 ? 4 : 2;
-    __m256 acc[HB * RB];
-#pragma GCC unroll 8
-    for (int i = 0; i < HB * RB; ++i) acc[i] = _mm256_setzero_ps();
-    for (int32_t c = 0; c < nc; ++c) {
-#pragma GCC unroll 8
-        for (int t = 0; t < RB; ++t) {
-            __m256 ka, kb;
-            load_pair<DT>(r[t] + 16 * c * es, ka, kb);
-#pragma GCC unroll 3
-            for (int h = 0; h < HB; ++h) {
-                const float* qh = q + h * ldq + 16 * c;
-                acc[h * RB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), ka, acc[h * RB + t]);
-                acc[h * RB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), kb, acc[h * RB + t]);
-            }
-        }
+// rows per tile of the direct path: a multiple of 8 (the hadd tree) and of every RB used
+constexpr int64_t kTile = 24;
+
+// Half `H` (0: first 8 of the pair, 1: second 8) of the 16 elements at p, in DT's pair order.
+template <int DT, int H>
+inline __m256 load_half(const uint8_t* p) {
+    if constexpr (DT == kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * H);
+    else if constexpr (DT == kF16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * H)));
+    else {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        if constexpr (H == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        else return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
     }
-#pragma GCC unroll 3
-    for (int h = 0; h < HB; ++h)
-#pragma GCC unroll 8
-        for (int t = 0; t < RB; ++t) red[h * 16 + t] = acc[h * RB + t];
 }
 
-// Scores of up to 16 rows r[0, T) for heads h < HB: partial sums of RB rows at a time into
+// acc[h * RB + t] += q_h . r_t over half H of chunk c: the HB query vectors are loaded once
+// and held in registers, each row's half is loaded once and serves the HB heads.
+template <int DT, int HB, int RB, int H>
+inline void half_step(const uint8_t* const* r, int32_t c, const float* q, int64_t ldq, __m256* acc) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    __m256 qv[HB];
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h) {
+        qv[h] = _mm256_loadu_ps(q + h * ldq + 16 * c + 8 * H);
+        // opaque to the optimiser: GCC would otherwise fold the load into every FMA, loading
+        // the query RB times instead of once
+        asm("" : "+x"(qv[h]));
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < RB; ++t) {
+        const __m256 k = load_half<DT, H>(r[t] + 16 * c * es);
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm256_fmadd_ps(qv[h], k, acc[h * RB + t]);
+    }
+}
+
+// red[h * kTile + t] = the 8-lane partial sums of <q_h, r_t> for t < RB, h < HB; nc chunks
+// of 16 elements; q: HB rows of nc * 16 floats (ldq apart) in the order of DT's pairs.
+// HB x RB accumulators + HB query vectors + one row vector fit the 16 registers; loads
+// per chunk: 2 HB + 2 RB for 2 HB RB FMAs.
+template <int DT, int HB, int RB>
+inline void block(const uint8_t* const* r, int32_t nc, const float* q, int64_t ldq, __m256* red) {
+    __m256 acc[HB * RB];
+#pragma GCC unroll 12
+    for (int i = 0; i < HB * RB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int32_t c = 0; c < nc; ++c) {
+        half_step<DT, HB, RB, 0>(r, c, q, ldq, acc);
+        half_step<DT, HB, RB, 1>(r, c, q, ldq, acc);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 8
+        for (int t = 0; t < RB; ++t) red[h * kTile + t] = acc[h * RB + t];
+}
+
+// Scores of up to kTile rows r[0, T) for heads h < HB: partial sums of RB rows at a time into
 // red, then one hadd tree per 8 rows of a head, stored to S[h * ldS + t].
 template <int DT, int HB, int RB>
 inline void rows_heads(const uint8_t* const* r, int64_t T, int32_t nc, const float* q, int64_t ldq, float* S,
                        int64_t ldS) {
-    __m256 red[HB * 16];
+    __m256 red[HB * kTile];
     const uint8_t* rb[RB];
     for (int64_t r0 = 0; r0 < T; r0 += RB) {
         const int64_t n = T - r0 < RB ? T - r0 : RB;
@@ -60,10 +90,10 @@ inline void rows_heads(const uint8_t* const* r, int64_t T, int32_t nc, const flo
     // reduction below reads no indeterminate values (their sums are not stored)
     const int64_t done = (T + RB - 1) / RB * RB;
     for (int h = 0; h < HB; ++h)
-        for (int64_t t = done; t < 16; ++t) red[h * 16 + t] = _mm256_setzero_ps();
+        for (int64_t t = done; t < (T + 7) / 8 * 8; ++t) red[h * kTile + t] = _mm256_setzero_ps();
     for (int h = 0; h < HB; ++h)
         for (int64_t t0 = 0; t0 < T; t0 += 8) {
-            const __m256 v = hsum8(*reinterpret_cast<const __m256(*)[8]>(red + h * 16 + t0));
+            const __m256 v = hsum8(*reinterpret_cast<const __m256(*)[8]>(red + h * kTile + t0));
             if (T - t0 >= 8) {
                 _mm256_storeu_ps(S + h * ldS + t0, v);
             } else {
@@ -83,10 +113,13 @@ void tile_scores(const uint8_t* const* r, int64_t T, int32_t nc, const float* q,
         const float* qh = q + h0 * ldq;
         float* Sh = S + h0 * ldS;
         const int32_t left = G - h0;
-        if (left >= 3 && left != 4) {
-            rows_heads<DT, 3, 2>(r, T, nc, qh, ldq, Sh, ldS);
+        if (left == 3 || left == 6 || left >= 9) {
+            rows_heads<DT, 3, 3>(r, T, nc, qh, ldq, Sh, ldS);
             h0 += 3;
-        } else if (left >= 2) {
+        } else if (left >= 4) {
+            rows_heads<DT, 4, 2>(r, T, nc, qh, ldq, Sh, ldS);
+            h0 += 4;
+        } else if (left == 2) {
             rows_heads<DT, 2, 4>(r, T, nc, qh, ldq, Sh, ldS);
             h0 += 2;
         } else {
@@ -111,7 +144,8 @@ void direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, 
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const float* qs = query_for<DT>(q, G, dpad, qbuf);
-    constexpr int64_t kStep = 16;
+    constexpr int64_t kStep = kTile;
+
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {
         const int64_t T = count - t0 < kStep ? count - t0 : kStep;
         prefetch_ahead(rows, t0, kStep, count, row_bytes, far);
