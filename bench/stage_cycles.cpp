@@ -73,7 +73,7 @@ void run(Item& it, const uint8_t* const* k, const uint8_t* const* v, uint64_t t[
 std::vector<uint8_t> rows(int64_t N, int C, int64_t row_bytes, unsigned seed, std::vector<const uint8_t*>& ptr) {
     std::vector<uint8_t> buf(size_t(N) * C * row_bytes + 64);
     srand(seed);
-    for (size_t i = 0; i + 1 < buf.size(); i += 2) {  // 16-bit values of magnitude ~1 (fp32: pairs of them)
+    for (size_t i = 0; i + 1 < buf.size(); i += 2) {  // 16-bit values: ~1 as fp16, ~2^-7 as bf16 (fp32: pairs)
         const uint16_t x = uint16_t(0x3c00 ^ (rand() & 0x80ff));
         buf[i] = uint8_t(x); buf[i + 1] = uint8_t(x >> 8);
     }

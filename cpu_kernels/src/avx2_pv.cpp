@@ -4,9 +4,10 @@
 // from the cache and converted in registers (bfloat16 pairwise: the accumulators hold each
 // 16-float chunk as [8 even | 8 odd] during the call), in blocks of 16 rows: each block
 // serves every head block (up to 2 heads x 32 columns, or 3-4 heads x 16 columns: at most 8
-// accumulators, which GCC keeps in registers; 12 spill) with the block's rows re-read from
-// L1, so no row is fetched from memory twice. A scattered list is visited in a strided order
-// and prefetched at two distances (avx512_pv.cpp, visit_stride, explains why). Other rows are converted to a float32 tile
+// accumulators, which GCC keeps in registers; 12 spill; float32 keeps 3 x 32, see pv_block)
+// with the block's rows re-read from L1, so no row is fetched from memory twice. A
+// scattered list is visited in a strided order and prefetched at two distances
+// (avx512_pv.cpp, visit_stride, explains why). Other rows are converted to a float32 tile
 // first. Also the V-row sum for the VMC mean (value_mean absent).
 #include "avx2_common.h"
 
@@ -82,17 +83,26 @@ inline void pv_block(const uint8_t* const* rb, int64_t R, int32_t nch, const flo
         float* o = acc + int64_t(h0) * dpad;
         for (int32_t c = 0; c < nch;) {
             const int64_t off = 16 * int64_t(c) * es;
-            if (hb >= 3) {  // one pair per pass: 3 heads x 2 pairs spill
+            // one pair per pass for 3-4 heads (3 heads x 2 pairs spill two accumulators), except
+            // 3 heads of float32: there a pass over one 64-byte line per row, 4 lines apart,
+            // read cold 1.5x slower than the spilling 2-pair pass (docs/cpu.md)
+            if (hb == 4 || (hb == 3 && es == 2)) {
                 if (hb == 4) pv_rows<DT, 4, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
                 else pv_rows<DT, 3, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
                 c += 1;
             } else if (nch - c >= 2) {
-                if (hb == 1) pv_rows<DT, 1, 2>(rb, R, off, w, lw, o + 16 * c, dpad);
-                else pv_rows<DT, 2, 2>(rb, R, off, w, lw, o + 16 * c, dpad);
+                switch (hb) {
+                    case 1: pv_rows<DT, 1, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    case 2: pv_rows<DT, 2, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    default: pv_rows<DT, 3, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                }
                 c += 2;
             } else {
-                if (hb == 1) pv_rows<DT, 1, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
-                else pv_rows<DT, 2, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
+                switch (hb) {
+                    case 1: pv_rows<DT, 1, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    case 2: pv_rows<DT, 2, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                    default: pv_rows<DT, 3, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
+                }
                 c += 1;
             }
         }

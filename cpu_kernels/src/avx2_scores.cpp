@@ -104,8 +104,8 @@ inline void rows_heads(const uint8_t* const* r, int64_t T, int32_t nc, const flo
         }
 }
 
-// Rows r[0, T) for every head of the group, in head blocks of 3, 2 or 1 (HB x RB
-// accumulators + 2 HB query vectors + 2 K vectors fit the 16 registers).
+// Rows r[0, T) for every head of the group, in head blocks of 3, 4, 2 or 1 (HB x RB
+// accumulators + HB query vectors + one row vector fit the 16 registers).
 template <int DT>
 void tile_scores(const uint8_t* const* r, int64_t T, int32_t nc, const float* q, int64_t ldq, int32_t G, float* S,
                  int64_t ldS) {

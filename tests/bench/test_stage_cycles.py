@@ -4,6 +4,7 @@ gives, runs, prints both lines, and refuses a bad argument. Timings are not chec
 
 from __future__ import annotations
 
+import platform
 import re
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ def _has_avx2() -> bool:
 
 @pytest.fixture(scope="module")
 def binary(tmp_path_factory):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the AVX2 stages build only for x86-64 (this machine: {platform.machine()})")
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("no g++ on this machine")

@@ -46,3 +46,11 @@ def test_unusable_recorded_name_falls_back_to_the_directory(tmp_path, text):
     d.mkdir()
     (d / "config.json").write_text(text)
     assert model_mod._exported_name(d / "config.json") is None
+
+
+def test_paths_agree_on_an_unusable_recorded_name(tmp_path):
+    from topth_ops.vllm.model_check import model_name_of
+
+    d = _folder(tmp_path, "odd", **{model_mod.MODEL_NAME_KEY: 3})
+    cfg, name = model_mod.load_config(str(d))
+    assert name == "odd" == model_name_of(cfg, str(d))

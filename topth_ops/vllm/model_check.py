@@ -16,8 +16,8 @@ def model_name_of(hf_config: Any, model_path: Optional[str]) -> Optional[str]:
     """The served model's name for the threshold-file name check: ``topth_model_name`` of
     an export (``topth-ops export-hf``), else the last component of the model path."""
     name = getattr(hf_config, "topth_model_name", None)
-    if name:
-        return str(name)
+    if isinstance(name, str) and name:  # as topth_ops.hf.model names a folder
+        return name
     if model_path:
         return os.path.basename(str(model_path).rstrip("/\\")) or None
     return None
