@@ -145,7 +145,6 @@ void direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, 
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const float* qs = query_for<DT>(q, G, dpad, qbuf);
     constexpr int64_t kStep = kTile;
-
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {
         const int64_t T = count - t0 < kStep ? count - t0 : kStep;
         prefetch_ahead(rows, t0, kStep, count, row_bytes, far);

@@ -153,7 +153,7 @@ def _exported_name(config_json: Path) -> Optional[str]:
         name = json.loads(config_json.read_text()).get(MODEL_NAME_KEY)
     except (OSError, ValueError, AttributeError):
         return None  # transformers reports an unreadable config when it loads it
-    return str(name) if isinstance(name, str) and name else None
+    return name if isinstance(name, str) and name else None
 
 
 def load_config(path: Optional[str] = None):
