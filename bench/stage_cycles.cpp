@@ -1,11 +1,17 @@
-// Time per row of each stage of the AVX2 level (scores, select, P.V) on one item of N
+// Time per row of each stage of a SIMD level (scores, select, P.V) on one item of N
 // contiguous rows, dense (every row kept), in TSC ticks: warm (the item in L1/L2, best of
 // many calls) and cold (C copies of the item rotated, so K and V come from DRAM; median of
 // rounds). It tells how far each stage is from its FMA and load-port bounds and how much the
-// memory stream adds (docs/cpu.md, "Where the time goes per stage").
+// memory stream adds (docs/cpu.md, "Where the time goes per stage"). One source, two builds:
 //
+//   AVX2 level:
 //   g++ -O3 -mavx2 -mfma -mf16c -Icpu_kernels/include -Icpu_kernels/src \
 //       cpu_kernels/src/avx2_{scores,select,pv}.cpp bench/stage_cycles.cpp -o /tmp/stage_cycles
+//   AVX-512 levels (bfloat16 scores by the avx512bf16 level's vdpbf16ps, the rest avx512):
+//   g++ -O3 -DSTAGE_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c \
+//       -Icpu_kernels/include -Icpu_kernels/src cpu_kernels/src/avx512_{scores,select,pv,kt}.cpp \
+//       cpu_kernels/src/avx512bf16_scores.cpp bench/stage_cycles.cpp -o /tmp/stage_cycles512
+//
 //   taskset -c 1 /tmp/stage_cycles [G] [head_dim] [dtype: 0 fp16, 1 bf16, 2 fp32] [N] [C]
 //
 // Defaults: G = 3, head_dim = 64, bf16, N = 2048 (warm), C = 64 copies of 8192 rows (cold).
@@ -17,7 +23,21 @@
 #include <cstdlib>
 #include <vector>
 
+#if defined(STAGE_AVX512)
+#include "avx512_common.h"
+namespace topth_cpu {
+namespace avx512bf16_level {
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
+}
+}  // namespace topth_cpu
+namespace level = topth_cpu::avx512_level;
+namespace score_level = topth_cpu::avx512bf16_level;
+#else
 #include "avx2_common.h"
+namespace level = topth_cpu::avx2_level;
+namespace score_level = topth_cpu::avx2_level;
+#endif
 
 using namespace topth_cpu;
 
@@ -27,6 +47,7 @@ struct Item {
     int32_t G, d, dtype;
     int64_t N;
     std::vector<const uint8_t*> k, v;
+    std::vector<uint16_t> qraw;  // the query as bfloat16 (used by the avx512bf16 scores only)
     std::vector<float> q, S, tile, w, acc, sub, cut, mref, R, D;
     std::vector<int32_t> idx;
     std::vector<uint8_t> flags;
@@ -36,6 +57,7 @@ struct Item {
 void setup(Item& it, int32_t G, int32_t d, int32_t dtype, int64_t N) {
     it.G = G; it.d = d; it.dtype = dtype; it.N = N;
     it.q.assign(size_t(G) * d, 0.01f);
+    it.qraw.assign(size_t(G) * d, 0x3c23);  // 0.01 in bfloat16 (truncated)
     it.S.assign(size_t(G) * (N + 16), 0.0f);
     it.tile.assign(size_t(40) * d + 1024, 0.0f);
     it.w.assign(size_t(G) * (N + 16), 0.001f);
@@ -54,17 +76,17 @@ void setup(Item& it, int32_t G, int32_t d, int32_t dtype, int64_t N) {
 void run(Item& it, const uint8_t* const* k, const uint8_t* const* v, uint64_t t[3]) {
     const int64_t N = it.N, ld = N + 16;
     const uint64_t t0 = __rdtsc();
-    avx2_level::scores(k, N, it.dtype, 1, it.d, it.d, it.q.data(), it.G, it.S.data(), ld, it.tile.data(), nullptr,
-                       1.0f);
+    score_level::scores(k, N, it.dtype, 1, it.d, it.d, it.q.data(), it.G, it.S.data(), ld, it.tile.data(),
+                        it.qraw.data(), 1.0f);
     const uint64_t t1 = __rdtsc();
     SelectArgs a;
     a.S = it.S.data(); a.ldS = ld; a.G = it.G; a.len = N;
     a.sub1 = it.sub.data(); a.sub2 = it.sub.data(); a.cut = it.cut.data(); a.group = 1; a.mref = it.mref.data();
     a.idx = it.idx.data(); a.wk = it.w.data(); a.ldw = ld; a.flags = it.flags.data();
     a.R = it.R.data(); a.dropped = it.D.data(); a.kcount = it.kc.data();
-    avx2_level::select(a);
+    level::select(a);
     const uint64_t t2 = __rdtsc();
-    avx2_level::pv(v, N, it.dtype, 1, it.d, it.d, it.w.data(), ld, it.G, it.acc.data(), it.tile.data(), 0);
+    level::pv(v, N, it.dtype, 1, it.d, it.d, it.w.data(), ld, it.G, it.acc.data(), it.tile.data(), 0);
     const uint64_t t3 = __rdtsc();
     t[0] = t1 - t0; t[1] = t2 - t1; t[2] = t3 - t2;
 }

@@ -1,6 +1,7 @@
-"""bench/stage_cycles.cpp (the per-stage timing of the AVX2 level, docs/cpu.md "Where the
-time goes per stage") still builds against the kernel sources with the command its header
-gives, runs, prints both lines, and refuses a bad argument. Timings are not checked."""
+"""bench/stage_cycles.cpp (the per-stage timing of the AVX2 and AVX-512 levels, docs/cpu.md
+"Where the time goes per stage") still builds against the kernel sources with the commands its
+header gives, runs where the CPU has the level, prints both lines, and refuses a bad argument.
+Timings are not checked."""
 
 from __future__ import annotations
 
@@ -16,32 +17,51 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "cpu_kernels" / "src"
 
 
-def _has_avx2() -> bool:
+# level: (compiler flags, kernel sources, /proc/cpuinfo flags the binary needs)
+LEVELS = {
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], ["avx2_scores.cpp", "avx2_select.cpp", "avx2_pv.cpp"], ["avx2"]),
+    "avx512": (["-DSTAGE_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+                "-mf16c"],
+               ["avx512_scores.cpp", "avx512_select.cpp", "avx512_pv.cpp", "avx512_kt.cpp", "avx512bf16_scores.cpp"],
+               ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"]),
+}
+
+
+def _cpu_flags() -> set:
     try:
-        return " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
 
 
-@pytest.fixture(scope="module")
-def binary(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(LEVELS))
+def level_binary(request, tmp_path_factory):
+    level = request.param
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"the AVX2 stages build only for x86-64 (this machine: {platform.machine()})")
+        pytest.skip(f"the {level} stages build only for x86-64 (this machine: {platform.machine()})")
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("no g++ on this machine")
-    out = tmp_path_factory.mktemp("stage") / "stage_cycles"
-    cmd = [gxx, "-O3", "-mavx2", "-mfma", "-mf16c", f"-I{ROOT / 'cpu_kernels' / 'include'}", f"-I{SRC}",
-           *(str(SRC / f) for f in ("avx2_scores.cpp", "avx2_select.cpp", "avx2_pv.cpp")),
-           str(ROOT / "bench" / "stage_cycles.cpp"), "-o", str(out)]
+    flags, sources, _ = LEVELS[level]
+    out = tmp_path_factory.mktemp("stage") / f"stage_cycles_{level}"
+    cmd = [gxx, "-O3", *flags, f"-I{ROOT / 'cpu_kernels' / 'include'}", f"-I{SRC}",
+           *(str(SRC / f) for f in sources), str(ROOT / "bench" / "stage_cycles.cpp"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return level, out
 
 
-def test_runs_and_prints_both_lines(binary):
-    if not _has_avx2():
-        pytest.skip("the CPU does not report AVX2: the stages cannot run here")
+def _runnable(level: str) -> None:
+    missing = [f for f in LEVELS[level][2] if f not in _cpu_flags()]
+    if missing:
+        pytest.skip(f"the CPU does not report {', '.join(missing)}: the {level} stages cannot run here")
+
+
+def test_runs_and_prints_both_lines(level_binary):
+    level, binary = level_binary
+    _runnable(level)
     proc = subprocess.run([str(binary), "3", "64", "1", "64", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     for what in ("warm", "cold"):
@@ -51,6 +71,8 @@ def test_runs_and_prints_both_lines(binary):
 
 
 @pytest.mark.parametrize("args", [["3", "63"], ["0"], ["3", "64", "7"]])
-def test_refuses_bad_arguments(binary, args):
+def test_refuses_bad_arguments(level_binary, args):
+    level, binary = level_binary
+    _runnable(level)
     proc = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
