@@ -10,6 +10,7 @@ import json
 import pytest
 
 from topth_ops.hf import model as model_mod
+from topth_ops.thresholds import MODEL_NAME_KEY
 
 pytest.importorskip("transformers")
 
@@ -22,7 +23,7 @@ def _folder(tmp_path, name, **extra):
 
 
 def test_export_is_named_after_its_source_model(tmp_path):
-    d = _folder(tmp_path, "gemma-hf", **{model_mod.MODEL_NAME_KEY: "gemma-3-270m-q4_k_m"})
+    d = _folder(tmp_path, "gemma-hf", **{MODEL_NAME_KEY: "gemma-3-270m-q4_k_m"})
     cfg, name = model_mod.load_config(str(d))
     assert name == "gemma-3-270m-q4_k_m"
     assert cfg.topth_model_name == "gemma-3-270m-q4_k_m"
@@ -31,7 +32,7 @@ def test_export_is_named_after_its_source_model(tmp_path):
 def test_vllm_and_transformers_paths_agree_on_the_name(tmp_path):
     from topth_ops.vllm.model_check import model_name_of
 
-    d = _folder(tmp_path, "smol-hf", **{model_mod.MODEL_NAME_KEY: "SmolLM2-135M-Instruct.Q4_1"})
+    d = _folder(tmp_path, "smol-hf", **{MODEL_NAME_KEY: "SmolLM2-135M-Instruct.Q4_1"})
     cfg, name = model_mod.load_config(str(d))
     assert name == model_name_of(cfg, str(d))
     plain = _folder(tmp_path, "plain")
@@ -39,8 +40,8 @@ def test_vllm_and_transformers_paths_agree_on_the_name(tmp_path):
     assert name == "plain" == model_name_of(cfg, str(plain))
 
 
-@pytest.mark.parametrize("text", ["{not json", json.dumps(["a list"]), json.dumps({model_mod.MODEL_NAME_KEY: 3}),
-                                  json.dumps({model_mod.MODEL_NAME_KEY: ""})])
+@pytest.mark.parametrize("text", ["{not json", json.dumps(["a list"]), json.dumps({MODEL_NAME_KEY: 3}),
+                                  json.dumps({MODEL_NAME_KEY: ""})])
 def test_unusable_recorded_name_falls_back_to_the_directory(tmp_path, text):
     d = tmp_path / "folder"
     d.mkdir()
@@ -51,6 +52,6 @@ def test_unusable_recorded_name_falls_back_to_the_directory(tmp_path, text):
 def test_paths_agree_on_an_unusable_recorded_name(tmp_path):
     from topth_ops.vllm.model_check import model_name_of
 
-    d = _folder(tmp_path, "odd", **{model_mod.MODEL_NAME_KEY: 3})
+    d = _folder(tmp_path, "odd", **{MODEL_NAME_KEY: 3})
     cfg, name = model_mod.load_config(str(d))
     assert name == "odd" == model_name_of(cfg, str(d))

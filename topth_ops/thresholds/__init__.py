@@ -16,10 +16,12 @@ from .format import (
                      FORMAT,
                      FORMAT_VERSION,
                      MAX_ROW_IDS,
+                     MODEL_NAME_KEY,
                      ThresholdFileError,
                      attention_config_of,
                      default_extend_to,
                      describe_config,
+                     exported_model_name,
                      fingerprint,
 )
 from .layer_k import DENSE, LayerK, base_k, format_layer_k, layer_k_overrides, parse_layer_k
@@ -39,9 +41,10 @@ from .sets import ThresholdSet, stack_sets
 from .tables import dense_rows, fill_unsampled
 from .validate import extend_sdc, extend_table, validate_set
 
-__all__ = ["DENSE", "DOMAINS", "ESTIMATORS", "FEATURES", "FORMAT", "FORMAT_VERSION", "MAX_ROW_IDS", "THRESHOLD_FEATURE",
+__all__ = ["DENSE", "DOMAINS", "ESTIMATORS", "FEATURES", "FORMAT", "FORMAT_VERSION", "MAX_ROW_IDS", "MODEL_NAME_KEY",
+           "THRESHOLD_FEATURE",
            "LayerK", "LengthModel", "ThresholdFileError", "ThresholdSet", "as_index", "attention_config_of", "base_k",
-           "default_extend_to",
+           "default_extend_to", "exported_model_name",
            "constant_table_model", "dense_rows", "describe_config", "extend_sdc", "extend_table", "feature_of",
            "fill_unsampled", "fingerprint", "fit_length_model", "format_layer_k", "import_reference_text",
            "layer_k_overrides", "load_threshold_sets", "load_thresholds", "parse_layer_k", "pick_set",

@@ -34,6 +34,18 @@ def default_extend_to(longest: int, context=None) -> int:
     return max(longest, min(8 * longest, context or MAX_ROW_IDS, MAX_ROW_IDS))
 
 
+#: Key of the source model's name in a folder written by ``topth-ops export-hf``
+#: (config.json), so that the transformers and vLLM paths name an export like the model its
+#: threshold files were calibrated on.
+MODEL_NAME_KEY = "topth_model_name"
+
+
+def exported_model_name(value: Any) -> "str | None":
+    """The model name recorded under :data:`MODEL_NAME_KEY` when it is usable (a non-empty
+    string), else None (a folder that is not an export, or a damaged record)."""
+    return value if isinstance(value, str) and value else None
+
+
 _CONFIG_KEYS = ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim")
 
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..thresholds import ThresholdFileError, ThresholdSet, attention_config_of, load_thresholds
+from ..thresholds import (MODEL_NAME_KEY, ThresholdFileError, ThresholdSet, attention_config_of,
+                          exported_model_name, load_thresholds)
 from .settings import ENV, TopthConfigError, VllmTopthSettings
 
 
 def model_name_of(hf_config: Any, model_path: Optional[str]) -> Optional[str]:
-    """The served model's name for the threshold-file name check: ``topth_model_name`` of
-    an export (``topth-ops export-hf``), else the last component of the model path."""
-    name = getattr(hf_config, "topth_model_name", None)
-    if isinstance(name, str) and name:  # as topth_ops.hf.model names a folder
+    """The served model's name for the threshold-file name check: the name an export
+    (``topth-ops export-hf``) records under :data:`~topth_ops.thresholds.MODEL_NAME_KEY`,
+    else the last component of the model path (as the transformers path names a folder)."""
+    name = exported_model_name(getattr(hf_config, MODEL_NAME_KEY, None))
+    if name:
         return name
     if model_path:
         return os.path.basename(str(model_path).rstrip("/\\")) or None
