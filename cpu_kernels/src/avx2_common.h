@@ -36,20 +36,26 @@ namespace {
 
 constexpr int kSplit = 3;  // pseudo dtype: bfloat16 widened pairwise ([8 even | 8 odd])
 
-// 16 elements at p as two 8-float vectors (order: see the file comment).
+// Half `H` (0: the first 8-float vector, 1: the second) of the 16 elements at p, in DT's pair
+// order (see the file comment).
+template <int DT, int H>
+inline __m256 load_half(const uint8_t* p) {
+    if constexpr (DT == kF32) {
+        return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * H);
+    } else if constexpr (DT == kF16) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * H)));
+    } else {  // kSplit: one 32-byte load, even elements shifted up (H = 0), odd ones masked (H = 1)
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        if constexpr (H == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        else return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    }
+}
+
+// 16 elements at p as two 8-float vectors (kSplit: the compiler merges the two loads).
 template <int DT>
 inline void load_pair(const uint8_t* p, __m256& a, __m256& b) {
-    if constexpr (DT == kF32) {
-        a = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-        b = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
-    } else if constexpr (DT == kF16) {
-        a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-    } else {  // kSplit
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-        b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
-    }
+    a = load_half<DT, 0>(p);
+    b = load_half<DT, 1>(p);
 }
 
 // 8 consecutive 16-bit or 32-bit elements at p as floats in natural order.

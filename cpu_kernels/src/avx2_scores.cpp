@@ -22,18 +22,6 @@ namespace {
 // rows per tile of the direct path: a multiple of 8 (the hadd tree) and of every RB used
 constexpr int64_t kTile = 24;
 
-// Half `H` (0: first 8 of the pair, 1: second 8) of the 16 elements at p, in DT's pair order.
-template <int DT, int H>
-inline __m256 load_half(const uint8_t* p) {
-    if constexpr (DT == kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * H);
-    else if constexpr (DT == kF16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * H)));
-    else {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        if constexpr (H == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-        else return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
-    }
-}
-
 // acc[h * RB + t] += q_h . r_t over half H of chunk c: the HB query vectors are loaded once
 // and held in registers, each row's half is loaded once and serves the HB heads.
 template <int DT, int HB, int RB, int H>
