@@ -1,7 +1,8 @@
 // AVX-512 level, stage 1: scores a = <q_h, k_j> for every query head of a KV group, reading
 // each K row once from memory, plus the per-head max and exp-sum used by the softmax.
-// float32 rows (contiguous head_dim) are multiplied straight from the cache; float16 /
-// bfloat16 rows (and strided ones) are converted to float32 in a 16-row tile in L1 first.
+// float32 and float16 rows (contiguous head_dim) are multiplied straight from the cache
+// (float16 widened in registers, vcvtph2ps); bfloat16 rows here (the avx512bf16 level has its
+// own) and strided ones are converted to float32 in a 16-row tile in L1 first.
 // Register blocking: HB heads x RB rows (4 x 4 for GQA groups of 4 or more) accumulate at
 // once, so each loaded K chunk serves HB heads and each query chunk RB rows; one
 // transpose-and-add tree then reduces the 16 dot products. Compiled with -mavx512f
@@ -13,10 +14,28 @@ namespace topth_cpu {
 namespace avx512_level {
 namespace {
 
-// acc[h * RB + t] += <q_h, r_t> over 16-float chunks: nfull full ones, then one masked by
+// Chunk c (16 elements) of row r as float32: float32 rows (and the float32 tile) as stored,
+// float16 rows widened in registers. k_tail: lanes outside m are not read and give 0.
+template <int DT>
+inline __m512 k_chunk(const void* r, int32_t c) {
+    if constexpr (DT == kF16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(r) + c));
+    else
+        return _mm512_loadu_ps(static_cast<const float*>(r) + 16 * c);
+}
+
+template <int DT>
+inline __m512 k_tail(const void* r, int32_t c, __mmask16 m) {
+    if constexpr (DT == kF16)
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(r) + 16 * c));
+    else
+        return _mm512_maskz_loadu_ps(m, static_cast<const float*>(r) + 16 * c);
+}
+
+// acc[h * RB + t] += <q_h, r_t> over 16-element chunks: nfull full ones, then one masked by
 // `last` when last != 0 (elements past head_dim are not read; q is zero padded there).
-template <int HB, int RB>
-inline void qk_block(const float* const* r, const float* q, int32_t dpad, int32_t nfull, __mmask16 last,
+template <int DT, int HB, int RB>
+inline void qk_block(const void* const* r, const float* q, int32_t dpad, int32_t nfull, __mmask16 last,
                      __m512 (&acc)[16]) {
     for (int32_t c = 0; c < nfull; ++c) {
         __m512 qv[HB];
@@ -24,7 +43,7 @@ inline void qk_block(const float* const* r, const float* q, int32_t dpad, int32_
         for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * dpad + 16 * c);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
-            const __m512 k = _mm512_loadu_ps(r[t] + 16 * c);
+            const __m512 k = k_chunk<DT>(r[t], c);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_fmadd_ps(qv[h], k, acc[h * RB + t]);
         }
@@ -35,7 +54,7 @@ inline void qk_block(const float* const* r, const float* q, int32_t dpad, int32_
         for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * dpad + 16 * nfull);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
-            const __m512 k = _mm512_maskz_loadu_ps(last, r[t] + 16 * nfull);
+            const __m512 k = k_tail<DT>(r[t], nfull, last);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_fmadd_ps(qv[h], k, acc[h * RB + t]);
         }
@@ -43,15 +62,31 @@ inline void qk_block(const float* const* r, const float* q, int32_t dpad, int32_
 }
 
 // One tile of T <= 16 rows (r[t], t < 16, padded with valid rows) for heads h0 .. h0 + HB.
-template <int HB, int RB>
-inline void tile_heads(const float* const* r, int64_t T, const float* q, int32_t dpad, int32_t nfull,
+template <int DT, int HB, int RB>
+inline void tile_heads(const void* const* r, int64_t T, const float* q, int32_t dpad, int32_t nfull,
                        __mmask16 last, float* S, int64_t ldS) {
     for (int64_t r0 = 0; r0 < T; r0 += RB) {
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        qk_block<HB, RB>(r + r0, q, dpad, nfull, last, acc);
+        qk_block<DT, HB, RB>(r + r0, q, dpad, nfull, last, acc);
         store_block<HB, RB>(reduce16(acc), S + r0, ldS, T - r0);
+    }
+}
+
+// Every head block of one tile.
+template <int DT>
+inline void tile_groups(const void* const* r, int64_t T, const float* q, int32_t dpad, int32_t nfull,
+                        __mmask16 last, int32_t G, float* S, int64_t ldS) {
+    for (int32_t h0 = 0; h0 < G;) {
+        const float* qh = q + int64_t(h0) * dpad;
+        float* Sh = S + h0 * ldS;
+        switch (G - h0) {
+            case 1: tile_heads<DT, 1, 16>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 1; break;
+            case 2: tile_heads<DT, 2, 8>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 2; break;
+            case 3: tile_heads<DT, 3, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 3; break;
+            default: tile_heads<DT, 4, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 4; break;
+        }
     }
 }
 
@@ -59,32 +94,26 @@ inline void tile_heads(const float* const* r, int64_t T, const float* q, int32_t
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
             const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
-    const bool direct = dtype == kF32 && sdim == 1;
+    const bool direct = (dtype == kF32 || dtype == kF16) && sdim == 1;
     // direct rows: d elements (the last chunk masked); tile rows: dpad floats, zero padded
     const int32_t nfull = direct ? d / 16 : dpad / 16;
     const __mmask16 last = direct && d % 16 ? tail_mask(d % 16) : __mmask16(0);
     const int64_t es = dtype == kF32 ? 4 : 2;
     const int64_t row_bytes = sdim == 1 ? int64_t(d) * es : 0, far = far_rows(row_bytes);
-    const float* r[16];
+    const void* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         if (row_bytes) prefetch_ahead(rows, t0, count, row_bytes, far);
         if (direct) {
-            for (int64_t t = 0; t < 16; ++t) r[t] = reinterpret_cast<const float*>(rows[t0 + (t < T ? t : T - 1)]);
+            for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + (t < T ? t : T - 1)];
         } else {
             for (int64_t t = 0; t < T; ++t) load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
             for (int64_t t = 0; t < 16; ++t) r[t] = tile + (t < T ? t : T - 1) * dpad;
         }
-        for (int32_t h0 = 0; h0 < G;) {
-            const float* qh = q + int64_t(h0) * dpad;
-            float* Sh = S + h0 * ldS + t0;
-            switch (G - h0) {
-                case 1: tile_heads<1, 16>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 1; break;
-                case 2: tile_heads<2, 8>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 2; break;
-                case 3: tile_heads<3, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 3; break;
-                default: tile_heads<4, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 4; break;
-            }
-        }
+        if (direct && dtype == kF16)
+            tile_groups<kF16>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
+        else
+            tile_groups<kF32>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
     }
 }
 
