@@ -1,8 +1,8 @@
 // AVX-512 level, stage 1: scores a = <q_h, k_j> for every query head of a KV group, reading
 // each K row once from memory, plus the per-head max and exp-sum used by the softmax.
-// float32 and float16 rows (contiguous head_dim) are multiplied straight from the cache
-// (float16 widened in registers, vcvtph2ps); bfloat16 rows here (the avx512bf16 level has its
-// own) and strided ones are converted to float32 in a 16-row tile in L1 first.
+// Rows with a contiguous head_dim are multiplied straight from the cache, float16 and
+// bfloat16 ones widened to float32 in registers (the avx512bf16 level has its own bfloat16
+// scores); strided rows are converted to float32 in a 16-row tile in L1 first.
 // Register blocking: HB heads x RB rows (4 x 4 for GQA groups of 4 or more) accumulate at
 // once, so each loaded K chunk serves HB heads and each query chunk RB rows; one
 // transpose-and-add tree then reduces the 16 dot products. Compiled with -mavx512f
@@ -14,22 +14,25 @@ namespace topth_cpu {
 namespace avx512_level {
 namespace {
 
+// 16 float16 / bfloat16 values as float32 (exact).
+template <int DT>
+inline __m512 widen16(__m256i h) {
+    if constexpr (DT == kF16) return _mm512_cvtph_ps(h);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Chunk c (16 elements) of row r as float32: float32 rows (and the float32 tile) as stored,
-// float16 rows widened in registers. k_tail: lanes outside m are not read and give 0.
+// 16-bit rows widened in registers. k_tail: lanes outside m are not read and give 0.
 template <int DT>
 inline __m512 k_chunk(const void* r, int32_t c) {
-    if constexpr (DT == kF16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(r) + c));
-    else
-        return _mm512_loadu_ps(static_cast<const float*>(r) + 16 * c);
+    if constexpr (DT == kF32) return _mm512_loadu_ps(static_cast<const float*>(r) + 16 * c);
+    else return widen16<DT>(_mm256_loadu_si256(static_cast<const __m256i*>(r) + c));
 }
 
 template <int DT>
 inline __m512 k_tail(const void* r, int32_t c, __mmask16 m) {
-    if constexpr (DT == kF16)
-        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(r) + 16 * c));
-    else
-        return _mm512_maskz_loadu_ps(m, static_cast<const float*>(r) + 16 * c);
+    if constexpr (DT == kF32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(r) + 16 * c);
+    else return widen16<DT>(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(r) + 16 * c));
 }
 
 // acc[h * RB + t] += <q_h, r_t> over 16-element chunks: nfull full ones, then one masked by
@@ -94,7 +97,7 @@ inline void tile_groups(const void* const* r, int64_t T, const float* q, int32_t
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
             const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
-    const bool direct = (dtype == kF32 || dtype == kF16) && sdim == 1;
+    const bool direct = sdim == 1;
     // direct rows: d elements (the last chunk masked); tile rows: dpad floats, zero padded
     const int32_t nfull = direct ? d / 16 : dpad / 16;
     const __mmask16 last = direct && d % 16 ? tail_mask(d % 16) : __mmask16(0);
@@ -112,6 +115,8 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
         }
         if (direct && dtype == kF16)
             tile_groups<kF16>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
+        else if (direct && dtype == kBF16)
+            tile_groups<kBF16>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
         else
             tile_groups<kF32>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
     }
