@@ -42,3 +42,18 @@ def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
         assert "differs from the torch reference" in str(e)
     else:
         raise AssertionError("a wrong output was timed")
+
+
+def test_gap_threshold_keeps_clear_of_every_score():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(3, 20000, generator=g)
+    scores[1, :5000] = 0.25  # ties: the quantile itself is a repeated score
+    th = cpu_cold.gap_threshold(scores, 0.9)
+    assert th.shape == (3, 1) and th.dtype == torch.float32
+    for h in range(3):
+        s, _ = scores[h].sort()
+        above = int((s > th[h]).sum())
+        assert abs(above / s.numel() - 0.1) < 64 / s.numel() + 1e-9  # within the search window
+        nearest = float((s - th[h]).abs().min())
+        gaps = (s[1:] - s[:-1])[int(0.9 * 19999) - 64:int(0.9 * 19999) + 64]
+        assert nearest >= float(gaps.max()) / 2 - 1e-7  # the midpoint of the widest nearby gap
