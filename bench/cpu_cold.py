@@ -178,18 +178,26 @@ def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, g
 def gap_threshold(scores: torch.Tensor, q: float) -> torch.Tensor:
     """Per row of ``scores`` [H, N], a threshold near its ``q`` quantile that no score lies
     close to: the midpoint of the widest gap between sorted neighbours within N / 256 ranks
-    (at most 64) of the quantile. The kernel's float32 scores differ from torch's in the last bits
+    (at most 64) of the quantile, the window doubled while every score in it is tied. The kernel's float32 scores differ from torch's in the last bits
     (another summation order); a threshold equal to a score would make the check of kept V
     rows fail on rounding, not on a wrong answer. Returns [H, 1] float32."""
     s, _ = scores.float().sort(dim=1)
     n = s.shape[1]
-    window = min(64, max(1, n // 256))
     i = int(round(q * (n - 1)))
-    lo, hi = max(0, i - window), min(n - 1, i + window)
-    if hi <= lo:
-        return s[:, i:i + 1].contiguous()
-    j = (s[:, lo + 1:hi + 1] - s[:, lo:hi]).argmax(dim=1, keepdim=True) + lo
-    return ((s.gather(1, j) + s.gather(1, j + 1)) / 2).contiguous()
+    out = s[:, i:i + 1].clone()
+    for h in range(s.shape[0]):
+        window = min(64, max(1, n // 256))
+        while True:  # widened while every score near the quantile is tied
+            lo, hi = max(0, i - window), min(n - 1, i + window)
+            if hi <= lo:
+                break
+            gaps = s[h, lo + 1:hi + 1] - s[h, lo:hi]
+            j = int(gaps.argmax()) + lo
+            if gaps[j - lo] > 0 or (lo == 0 and hi == n - 1):
+                out[h, 0] = (s[h, j] + s[h, j + 1]) / 2
+                break
+            window *= 2
+    return out.contiguous()
 
 
 def _time_rotation(calls: list[Callable[[], None]]) -> float:

@@ -37,7 +37,7 @@ def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale
     ``topth-ops calibrate``."""
     from transformers import AutoConfig
 
-    from topth_ops.thresholds import ThresholdSet, attention_config_of
+    from topth_ops.thresholds import MODEL_NAME_KEY, ThresholdSet, attention_config_of, exported_model_name
 
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     ac = attention_config_of(cfg)
@@ -49,7 +49,7 @@ def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale
         th[:, :, :] = torch.where(n > k, scale / n, torch.tensor(float("-inf")))
     elif kind != "dense":
         raise ValueError(f"kind must be 'dense' or 'uniform', got {kind!r}")
-    name = getattr(cfg, "topth_model_name", None) or Path(model_dir).name
+    name = exported_model_name(getattr(cfg, MODEL_NAME_KEY, None)) or Path(model_dir).name
     ts = ThresholdSet(thresholds=th, counts=torch.zeros(L, H, R, dtype=torch.int64), layer_k=[k] * L,
                       placement="post_softmax", model_name=name, attention_config=ac, source=f"synthetic-{kind}")
     ts.save(out)

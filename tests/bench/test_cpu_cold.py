@@ -47,7 +47,7 @@ def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
 def test_gap_threshold_keeps_clear_of_every_score():
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(3, 20000, generator=g)
-    scores[1, :5000] = 0.25  # ties: the quantile itself is a repeated score
+    scores[1, :5000] = 0.25  # a block of tied scores, away from the 90th percentile
     th = cpu_cold.gap_threshold(scores, 0.9)
     assert th.shape == (3, 1) and th.dtype == torch.float32
     for h in range(3):
@@ -57,3 +57,12 @@ def test_gap_threshold_keeps_clear_of_every_score():
         nearest = float((s - th[h]).abs().min())
         gaps = (s[1:] - s[:-1])[int(0.9 * 19999) - 64:int(0.9 * 19999) + 64]
         assert nearest >= float(gaps.max()) / 2 - 1e-7  # the midpoint of the widest nearby gap
+
+
+def test_gap_threshold_leaves_ties_at_the_quantile():
+    scores = torch.arange(1000, dtype=torch.float32).repeat(2, 1)
+    scores[:, 800:950] = 850.0  # the 90th percentile falls inside 150 tied scores
+    th = cpu_cold.gap_threshold(scores, 0.9)
+    assert bool((th != 850.0).all())
+    for h in range(2):
+        assert float((scores[h] - th[h]).abs().min()) >= 0.5  # half of a gap of at least 1
