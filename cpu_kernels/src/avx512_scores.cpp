@@ -14,7 +14,9 @@ namespace topth_cpu {
 namespace avx512_level {
 namespace {
 
-// 16 float16 / bfloat16 values as float32 (exact).
+// 16 float16 / bfloat16 values as float32 (exact). widen16 and k_chunk / k_tail are
+// compile-time-dtype forms of load16 (avx512_common.h) for the hot loop: routing them through
+// load16 changed its register allocation and slowed it (docs/cpu.md, "The AVX-512 stages").
 template <int DT>
 inline __m512 widen16(__m256i h) {
     if constexpr (DT == kF16) return _mm512_cvtph_ps(h);
