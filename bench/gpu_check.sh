@@ -7,11 +7,13 @@
 #      device copy bandwidth; every output checked before it is timed;
 #   2. registers / spills of every compiled Triton variant as the driver reports them;
 #   3. DRAM bytes read at f = 0.1 vs dense (only if Nsight Compute `ncu` is on the PATH);
+#      3b. the K pass alone, a raw gather of the kept V rows and SDPA (bench/gpu_probe.py);
 #   4. a short sweep of launch configs (bench/tune.py);
 #   5. the CUDA conformance subset (tests/conformance -k triton, quick shapes) and the
 #      Triton kernel tests, bf16 included, with the time left;
 # writing everything under bench/results/<date>-<device>/ (override: RESULTS_DIR=...).
-# When $OUT is set (the device-runner's output folder) the results are copied there too.
+# When $OUT is set (the device-runner's output folder) the results are packed there too
+# (gpu_results.tgz).
 # Budget: under 5 minutes on one H200; each step has its own timeout and later steps still run.
 #
 # Usage (from the repository root, on the GPU machine):  bash bench/gpu_check.sh
@@ -77,6 +79,14 @@ else
         | tee "$RESULTS_DIR/ncu.txt"
 fi
 
+# 3b. where the thresholded kernel's time goes: K pass alone, raw gather, SDPA (about 20 s)
+if [ "$(left)" -gt 120 ]; then
+    echo "== [3b] probe: K pass vs raw stream and gather"
+    timeout -s INT 60 "$PY" -m topth_ops.bench.gpu_probe 2>&1 | tee "$RESULTS_DIR/probe.txt" | tail -12
+else
+    echo "== [3b] probe skipped ($(left)s left)" | tee "$RESULTS_DIR/probe.txt"
+fi
+
 # 4. launch-config sweep on the target shape (at most 45 s)
 t=$(left)
 if [ "$t" -gt 90 ]; then
@@ -114,6 +124,7 @@ fi
 
 echo "gpu_check: done in $(( $(date +%s) - T0 ))s, status $status; results in $RESULTS_DIR"
 if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then
-    cp -r "$RESULTS_DIR" "$OUT/"
+    # one archive: the device runner returns at most 8 files
+    tar czf "$OUT/gpu_results.tgz" -C "$(dirname "$RESULTS_DIR")" "$(basename "$RESULTS_DIR")"
 fi
 exit $status

@@ -95,7 +95,19 @@ class Case:
 def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == torch.device(device) or t.is_contiguous():
         return t.to(device)
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+    return move_strided(t, device)
+
+
+def move_strided(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device`` with the same shape, strides and storage offset.
+
+    The storage span the view can reach is moved as one flat copy and viewed again, so
+    views whose elements share memory (stride-0 expands) keep sharing it; allocating the
+    strided destination and ``copy_`` into it is refused for such views.
+    """
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    flat = t.as_strided((t.storage_offset() + span,), (1,), 0)
+    return flat.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def random_tensors(shape: Shape, dtype: torch.dtype, rng: np.random.Generator, *,

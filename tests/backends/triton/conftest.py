@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from topth_ops.env import interpreter_enabled
+from topth_ops.conformance.cases import move_strided
 from topth_ops.conformance.compare import TOLERANCES
 from topth_ops.contract import make_inputs
 
@@ -24,10 +25,8 @@ DEV = torch.device("cpu" if INTERP else "cuda")
 
 
 def _to_dev(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the test device with the same strides."""
-    if t.device == DEV:
-        return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=DEV).copy_(t)
+    """``t`` on the test device with the same strides (stride-0 expands included)."""
+    return t if t.device == DEV else move_strided(t, DEV)
 
 
 def _launch(kw: dict, config=None):

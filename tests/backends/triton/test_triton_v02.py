@@ -100,7 +100,7 @@ def test_post_candidate_overflow(selection, launch, check):
     small = launch(case.kwargs, cfg(2, post_capacity=32))  # 30-60% kept: >= 32 of 64 candidates
     check(big, ref, torch.float32)
     check(small, ref, torch.float32)
-    np.testing.assert_allclose(small[0].numpy(), big[0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(small[0].cpu().numpy(), big[0].cpu().numpy(), atol=1e-6)
     # theta <= 0 keeps every finite score: every position is a candidate
     kw = dict(case.kwargs, thresholds=torch.zeros_like(case.kwargs["thresholds"]))
     check(launch(kw, cfg(2, post_capacity=32)), oracle_decode(**kw), torch.float32)
