@@ -8,7 +8,7 @@
 // first (the next tile prefetched; scattered lists in the same strided order, their weights
 // gathered per tile). The caller passes the whole kept list of an item at once, so
 // prefetching runs across it. Also the V-row sum for the VMC mean (value_mean absent).
-#include "avx512_common.h"
+#include "avx512_pv_rows.h"
 
 namespace topth_cpu {
 namespace avx512_level {
@@ -50,26 +50,6 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
     }
 }
 
-// Order and prefetch of the direct path. Kept rows are scattered: visited in ascending order,
-// the hardware stream prefetchers follow the ascent and also fetch the unkept rows between
-// them, so P.V over 30 % of the rows cost as much as over all of them. A scattered list (the
-// caller's flag: at most 3/4 of the item's range) is therefore visited in a strided order
-// (row k * stride mod count, stride a prime not dividing count: every row once, consecutive
-// visits far apart), and rows are prefetched by software, kAhead ahead into L1 and about
-// kFarBytes ahead into L2. Measured (microbenchmark of this loop, 64 x 8192 rows of 128 bytes,
-// one thread, CPU time, loaded machine): 30 % of the rows took 1.2 ms strided against 3.3 ms
-// ascending with the L1 prefetch only (3.5 ms for all rows ascending); 10 %: 0.40 against
-// 0.64 ms. Dense lists stay ascending (strided was slower for a float32 dense call of the
-// kernel). The sum order of P.V changes (deterministic for a given kept list).
-// A stride coprime with count (1 for short lists).
-inline int64_t visit_stride(int64_t count) {
-    if (count < 256) return 1;
-    const int64_t primes[4] = {97, 89, 83, 79};
-    for (int i = 0; i < 4; ++i)
-        if (count % primes[i]) return primes[i];
-    return 1;
-}
-
 // The direct path (head_dim contiguous) in one pass over the rows: blocks of kRowBlock rows
 // (in visit order); each block serves every head block (up to 4 heads) and column block (up
 // to 4 vectors of 16 floats) with the accumulators in registers, the block's rows re-read
@@ -82,9 +62,6 @@ inline int64_t visit_stride(int64_t count) {
 // half of the 32-bit lanes of one 64-byte line, lines `cstride` bytes apart; the row pointer
 // points at its own first element, so its parity is bit 1 of the address (regions are 4-byte
 // aligned) and the conversion is one shift or one mask.
-constexpr int kSplit = 3;   // pseudo dtype: bfloat16, pairwise conversion
-constexpr int kPacked = 4;  // pseudo dtype: bfloat16 in vLLM's AMX V packing
-constexpr int64_t kRowBlock = 16;
 
 // acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block, rows at byte offset `off`;
 // vector NV - 1 masked by `last` (plain dtypes).
@@ -148,20 +125,6 @@ inline void pv_rows_nv(const uint8_t* const* rb, int64_t R, int64_t off, int nv,
     }
 }
 
-// The weights of heads h0 .. h0 + hb - 1 for the steps t0 .. t0 + T - 1 of a visit (rows
-// vis[t]): in place when the visits ascend (stride 1), else gathered into buf (cap per head).
-inline const float* block_weights(const float* wk, int64_t ldw, int32_t h0, int hb, int64_t t0, const int64_t* vis,
-                                  int64_t T, int64_t stride, float* buf, int64_t cap, int64_t* ld) {
-    if (stride == 1) {
-        *ld = ldw;
-        return wk + h0 * ldw + t0;
-    }
-    for (int h = 0; h < hb; ++h)
-        for (int64_t t = 0; t < T; ++t) buf[h * cap + t] = wk[(h0 + h) * ldw + vis[t]];
-    *ld = cap;
-    return buf;
-}
-
 // Permutes each 32-float chunk of the G accumulator rows between natural order and
 // [16 even | 16 odd] (to_split: natural -> split).
 inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_split) {
@@ -178,24 +141,11 @@ inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_
         }
 }
 
-// One row for the prefetches: its d elements, or (kPacked) its d / 16 lines.
-template <int DT>
-inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, int32_t d, bool l2) {
-    if constexpr (DT == kPacked) {
-        for (int32_t c = 0; c < d; c += 16, p += cstride)
-            if (l2)
-                prefetch_l2(p);
-            else
-                prefetch_l1(p);
-    } else if (l2) {
-        prefetch_row_l2(p, row_bytes);
-    } else {
-        prefetch_row(p, row_bytes);
-    }
-}
-
 // cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 16
-// elements).
+// elements). The row walk is written out here rather than through visit_row_blocks (which
+// the bfloat16-pairs P.V uses): with the block as a lambda GCC kept more of this function's
+// state on the stack (about 1.6x the stack accesses in the object code), and the inner
+// loops of this level were measured sensitive to such changes (docs/cpu.md).
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                    int32_t G, float* acc, int64_t stride, int64_t cstride = 0) {
