@@ -7,9 +7,10 @@
 // accumulators, which GCC keeps in registers; 12 spill; float32 keeps 3 x 32, see pv_block)
 // with the block's rows re-read from L1, so no row is fetched from memory twice. A
 // scattered list is visited in a strided order and prefetched at two distances
-// (avx512_pv.cpp, visit_stride, explains why). Other rows are converted to a float32 tile
+// (pv_visit.h, visit_stride, explains why). Other rows are converted to a float32 tile
 // first. Also the V-row sum for the VMC mean (value_mean absent).
 #include "avx2_common.h"
+#include "pv_visit.h"
 
 namespace topth_cpu {
 namespace avx2_level {
@@ -17,13 +18,8 @@ namespace {
 
 constexpr int64_t kRowBlock = 16;
 
-inline int64_t visit_stride(int64_t count) {
-    if (count < 256) return 1;
-    const int64_t primes[4] = {97, 89, 83, 79};
-    for (int i = 0; i < 4; ++i)
-        if (count % primes[i]) return primes[i];
-    return 1;
-}
+using pv_visit::block_weights;
+using pv_visit::visit_stride;
 
 // acc[h][16 c ..] += w[h][t] * v_t[16 c ..] for the R rows rb (at byte offset off), NP
 // 16-element chunks (pairs of vectors) per pass.
@@ -54,20 +50,6 @@ inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, const floa
     for (int h = 0; h < HB; ++h)
 #pragma GCC unroll 4
         for (int c = 0; c < 2 * NP; ++c) _mm256_storeu_ps(acc + int64_t(h) * dpad + 8 * c, a[h][c]);
-}
-
-// The weights of heads h0 .. h0 + hb - 1 for the steps of a block (rows vis[t]): in place
-// when the visits ascend (stride 1), else gathered into buf (cap per head).
-inline const float* block_weights(const float* wk, int64_t ldw, int32_t h0, int hb, int64_t t0, const int64_t* vis,
-                                  int64_t T, int64_t stride, float* buf, int64_t cap, int64_t* ld) {
-    if (stride == 1) {
-        *ld = ldw;
-        return wk + h0 * ldw + t0;
-    }
-    for (int h = 0; h < hb; ++h)
-        for (int64_t t = 0; t < T; ++t) buf[h * cap + t] = wk[(h0 + h) * ldw + vis[t]];
-    *ld = cap;
-    return buf;
 }
 
 // One block of rows for every head block and column chunk. nch: 16-element chunks per row.

@@ -132,13 +132,7 @@ inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int32_t h = 0; h < G; ++h)
-        for (int32_t c = 0; c < d; c += 32) {
-            float* p = acc + int64_t(h) * dpad + c;
-            const __m512 x = _mm512_loadu_ps(p), y = _mm512_loadu_ps(p + 16);
-            _mm512_storeu_ps(p, _mm512_permutex2var_ps(x, to_split ? ev : lo, y));
-            _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(x, to_split ? od : hi, y));
-        }
+    permute_chunks(acc, G, d, dpad, to_split ? ev : lo, to_split ? od : hi);
 }
 
 // cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 16

@@ -1,10 +1,11 @@
 // The row walk of the AVX-512 P.V stages (avx512_pv.cpp, and avx512bf16_pv.cpp's bfloat16
-// pairs): the visit order of a kept list, its software prefetches, and the weights of a
-// block of visits. Included only by files compiled with the AVX-512 flags; everything has
-// internal linkage.
+// pairs): software prefetch along the visit order of pv_visit.h, and the accumulator
+// permutations of the pairwise bfloat16 paths. Included only by files compiled with the
+// AVX-512 flags; everything has internal linkage.
 #pragma once
 
 #include "avx512_common.h"
+#include "pv_visit.h"
 
 namespace topth_cpu {
 namespace avx512_level {
@@ -14,38 +15,19 @@ constexpr int kSplit = 3;   // pseudo dtype: bfloat16, pairwise conversion
 constexpr int kPacked = 4;  // pseudo dtype: bfloat16 in vLLM's AMX V packing
 constexpr int64_t kRowBlock = 16;
 
-// Order and prefetch of the direct path. Kept rows are scattered: visited in ascending order,
-// the hardware stream prefetchers follow the ascent and also fetch the unkept rows between
-// them, so P.V over 30 % of the rows cost as much as over all of them. A scattered list (the
-// caller's flag: at most 3/4 of the item's range) is therefore visited in a strided order
-// (row k * stride mod count, stride a prime not dividing count: every row once, consecutive
-// visits far apart), and rows are prefetched by software, kRowBlock ahead into L1 and about
-// kFarBytes ahead into L2. Measured (microbenchmark of this loop, 64 x 8192 rows of 128
-// bytes, one thread, CPU time, loaded machine): 30 % of the rows took 1.2 ms strided against
-// 3.3 ms ascending with the L1 prefetch only (3.5 ms for all rows ascending); 10 %: 0.40
-// against 0.64 ms. Dense lists stay ascending (strided was slower for a float32 dense call of
-// the kernel). The sum order of P.V changes (deterministic for a given kept list).
-// A stride coprime with count (1 for short lists).
-inline int64_t visit_stride(int64_t count) {
-    if (count < 256) return 1;
-    const int64_t primes[4] = {97, 89, 83, 79};
-    for (int i = 0; i < 4; ++i)
-        if (count % primes[i]) return primes[i];
-    return 1;
-}
+using pv_visit::block_weights;
+using pv_visit::visit_stride;
 
-// The weights of heads h0 .. h0 + hb - 1 for the steps t0 .. t0 + T - 1 of a visit (rows
-// vis[t]): in place when the visits ascend (stride 1), else gathered into buf (cap per head).
-inline const float* block_weights(const float* wk, int64_t ldw, int32_t h0, int hb, int64_t t0, const int64_t* vis,
-                                  int64_t T, int64_t stride, float* buf, int64_t cap, int64_t* ld) {
-    if (stride == 1) {
-        *ld = ldw;
-        return wk + h0 * ldw + t0;
-    }
-    for (int h = 0; h < hb; ++h)
-        for (int64_t t = 0; t < T; ++t) buf[h * cap + t] = wk[(h0 + h) * ldw + vis[t]];
-    *ld = cap;
-    return buf;
+// Permutes each 32-float chunk of the G accumulator rows: the first 16 floats become
+// permutex2var(chunk, i0), the next 16 permutex2var(chunk, i1) (indices into the chunk's 32).
+inline void permute_chunks(float* acc, int32_t G, int32_t d, int32_t dpad, __m512i i0, __m512i i1) {
+    for (int32_t h = 0; h < G; ++h)
+        for (int32_t c = 0; c < d; c += 32) {
+            float* p = acc + int64_t(h) * dpad + c;
+            const __m512 x = _mm512_loadu_ps(p), y = _mm512_loadu_ps(p + 16);
+            _mm512_storeu_ps(p, _mm512_permutex2var_ps(x, i0, y));
+            _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(x, i1, y));
+        }
 }
 
 // One row for the prefetches: its d elements, or (kPacked) its d / 16 lines.

@@ -41,13 +41,7 @@ inline void pair_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_p
     const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     const __m512i n0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i n1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int32_t h = 0; h < G; ++h)
-        for (int32_t c = 0; c < d; c += 32) {
-            float* p = acc + int64_t(h) * dpad + c;
-            const __m512 x = _mm512_loadu_ps(p), y = _mm512_loadu_ps(p + 16);
-            _mm512_storeu_ps(p, _mm512_permutex2var_ps(x, to_pairs ? lo : n0, y));
-            _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(x, to_pairs ? hi : n1, y));
-        }
+    avx512_level::permute_chunks(acc, G, d, dpad, to_pairs ? lo : n0, to_pairs ? hi : n1);
 }
 
 // The weights of one block for HB heads as bfloat16 pairs: wp[h][i] = (w_h,2i, w_h,2i+1),
