@@ -7,10 +7,10 @@
 //   AVX2 level:
 //   g++ -O3 -mavx2 -mfma -mf16c -Icpu_kernels/include -Icpu_kernels/src \
 //       cpu_kernels/src/avx2_{scores,select,pv}.cpp bench/stage_cycles.cpp -o /tmp/stage_cycles
-//   AVX-512 levels (bfloat16 scores and P.V by the avx512bf16 level's vdpbf16ps, the rest avx512):
+//   AVX-512 levels (bfloat16 scores by the avx512bf16 level's vdpbf16ps, the rest avx512):
 //   g++ -O3 -DSTAGE_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c \
 //       -Icpu_kernels/include -Icpu_kernels/src cpu_kernels/src/avx512_{scores,select,pv,kt}.cpp \
-//       cpu_kernels/src/avx512bf16_{scores,pv}.cpp bench/stage_cycles.cpp -o /tmp/stage_cycles512
+//       cpu_kernels/src/avx512bf16_scores.cpp bench/stage_cycles.cpp -o /tmp/stage_cycles512
 //
 //   taskset -c 1 /tmp/stage_cycles [G] [head_dim] [dtype: 0 fp16, 1 bf16, 2 fp32] [N] [C]
 //
@@ -25,14 +25,18 @@
 
 #if defined(STAGE_AVX512)
 #include "avx512_common.h"
+namespace topth_cpu {
+namespace avx512bf16_level {
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
+}
+}  // namespace topth_cpu
 namespace level = topth_cpu::avx512_level;
 namespace score_level = topth_cpu::avx512bf16_level;
-namespace pv_level = topth_cpu::avx512bf16_level;
 #else
 #include "avx2_common.h"
 namespace level = topth_cpu::avx2_level;
 namespace score_level = topth_cpu::avx2_level;
-namespace pv_level = topth_cpu::avx2_level;
 #endif
 
 using namespace topth_cpu;
@@ -82,7 +86,7 @@ void run(Item& it, const uint8_t* const* k, const uint8_t* const* v, uint64_t t[
     a.R = it.R.data(); a.dropped = it.D.data(); a.kcount = it.kc.data();
     level::select(a);
     const uint64_t t2 = __rdtsc();
-    pv_level::pv(v, N, it.dtype, 1, it.d, it.d, it.w.data(), ld, it.G, it.acc.data(), it.tile.data(), 0);
+    level::pv(v, N, it.dtype, 1, it.d, it.d, it.w.data(), ld, it.G, it.acc.data(), it.tile.data(), 0);
     const uint64_t t3 = __rdtsc();
     t[0] = t1 - t0; t[1] = t2 - t1; t[2] = t3 - t2;
 }

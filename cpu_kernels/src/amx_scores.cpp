@@ -22,6 +22,10 @@
 #include "avx512_common.h"
 
 namespace topth_cpu {
+namespace avx512bf16_level {
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
+}
 namespace amx_level {
 namespace {
 
@@ -213,7 +217,7 @@ void scores_packed(const uint8_t* const* tiles, int64_t skip, int64_t count, int
 // Constant-initialised (no code of this translation unit runs before the CPU check).
 const SimdOps* ops_amx() {
     static const SimdOps ops = {"amx", amx_level::scores, avx512_level::max_bad, avx512_level::sum_exp,
-                                avx512_level::select, avx512bf16_level::pv, avx512_level::vsum,
+                                avx512_level::select, avx512_level::pv, avx512_level::vsum,
                                 amx_level::scores_packed, avx512_level::pv_packed,
                                 avx512_level::scores_kt};
     return &ops;

@@ -8,7 +8,8 @@
 // first (the next tile prefetched; scattered lists in the same strided order, their weights
 // gathered per tile). The caller passes the whole kept list of an item at once, so
 // prefetching runs across it. Also the V-row sum for the VMC mean (value_mean absent).
-#include "avx512_pv_rows.h"
+#include "avx512_common.h"
+#include "pv_visit.h"
 
 namespace topth_cpu {
 namespace avx512_level {
@@ -50,6 +51,12 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
     }
 }
 
+// Visit order of a kept list (strided when scattered) and the weights of a block of visits:
+// pv_visit.h, which says why. Rows are prefetched kRowBlock visits ahead into L1 and about
+// kFarBytes ahead into L2.
+using pv_visit::block_weights;
+using pv_visit::visit_stride;
+
 // The direct path (head_dim contiguous) in one pass over the rows: blocks of kRowBlock rows
 // (in visit order); each block serves every head block (up to 4 heads) and column block (up
 // to 4 vectors of 16 floats) with the accumulators in registers, the block's rows re-read
@@ -62,6 +69,9 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
 // half of the 32-bit lanes of one 64-byte line, lines `cstride` bytes apart; the row pointer
 // points at its own first element, so its parity is bit 1 of the address (regions are 4-byte
 // aligned) and the conversion is one shift or one mask.
+constexpr int kSplit = 3;   // pseudo dtype: bfloat16, pairwise conversion
+constexpr int kPacked = 4;  // pseudo dtype: bfloat16 in vLLM's AMX V packing
+constexpr int64_t kRowBlock = 16;
 
 // acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block, rows at byte offset `off`;
 // vector NV - 1 masked by `last` (plain dtypes).
@@ -132,14 +142,33 @@ inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    permute_chunks(acc, G, d, dpad, to_split ? ev : lo, to_split ? od : hi);
+    for (int32_t h = 0; h < G; ++h)
+        for (int32_t c = 0; c < d; c += 32) {
+            float* p = acc + int64_t(h) * dpad + c;
+            const __m512 x = _mm512_loadu_ps(p), y = _mm512_loadu_ps(p + 16);
+            _mm512_storeu_ps(p, _mm512_permutex2var_ps(x, to_split ? ev : lo, y));
+            _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(x, to_split ? od : hi, y));
+        }
+}
+
+// One row for the prefetches: its d elements, or (kPacked) its d / 16 lines.
+template <int DT>
+inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, int32_t d, bool l2) {
+    if constexpr (DT == kPacked) {
+        for (int32_t c = 0; c < d; c += 16, p += cstride)
+            if (l2)
+                prefetch_l2(p);
+            else
+                prefetch_l1(p);
+    } else if (l2) {
+        prefetch_row_l2(p, row_bytes);
+    } else {
+        prefetch_row(p, row_bytes);
+    }
 }
 
 // cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 16
-// elements). The row walk is written out here rather than through visit_row_blocks (which
-// the bfloat16-pairs P.V uses): with the block as a lambda GCC kept more of this function's
-// state on the stack (about 1.6x the stack accesses in the object code), and the inner
-// loops of this level were measured sensitive to such changes (docs/cpu.md).
+// elements).
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                    int32_t G, float* acc, int64_t stride, int64_t cstride = 0) {

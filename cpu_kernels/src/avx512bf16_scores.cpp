@@ -103,7 +103,7 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
 // Constant-initialised (no code of this translation unit runs before the CPU check).
 const SimdOps* ops_avx512bf16() {
     static const SimdOps ops = {"avx512bf16", avx512bf16_level::scores, avx512_level::max_bad,
-                                avx512_level::sum_exp, avx512_level::select, avx512bf16_level::pv,
+                                avx512_level::sum_exp, avx512_level::select, avx512_level::pv,
                                 avx512_level::vsum, nullptr, avx512_level::pv_packed,
                                 avx512_level::scores_kt};
     return &ops;

@@ -1,5 +1,5 @@
 // The visit order of a kept list and the weights of a block of visits, shared by the P.V
-// stages of the SIMD levels (avx2_pv.cpp, avx512_pv_rows.h). Scalar code with internal
+// stages of the SIMD levels (avx2_pv.cpp, avx512_pv.cpp). Scalar code with internal
 // linkage: each level's file gets its own copy, compiled with its own flags.
 #pragma once
 
