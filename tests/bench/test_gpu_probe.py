@@ -31,3 +31,9 @@ def test_rows_sum_refuses_a_wrong_gather(monkeypatch):
     monkeypatch.setattr(gpu_probe, "_rows_sum_kernel", Broken())
     with pytest.raises(RuntimeError, match="gather is wrong"):
         gpu_probe.rows_sum(x, idx, block=8)
+
+
+def test_probe_refuses_full_shape_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the full shape is the probe's job there")
+    assert gpu_probe.main([]) == 2
