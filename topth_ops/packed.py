@@ -57,9 +57,14 @@ def offsets(block_size: int, head_dim: int, kind: str, device=None) -> torch.Ten
         A block size or head_dim the layout does not have, or another ``kind``.
     """
     check_dims(block_size, head_dim)
+    check_kind(kind)
+    return _cached(block_size, head_dim, kind, device).clone()
+
+
+def check_kind(kind: str) -> None:
+    """Raises ValueError unless ``kind`` is "key" or "value"."""
     if kind not in ("key", "value"):
         raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
-    return _cached(block_size, head_dim, kind, device).clone()
 
 
 def _cached(block_size: int, head_dim: int, kind: str, device=None) -> torch.Tensor:
@@ -86,8 +91,11 @@ def check_dims(block_size: int, head_dim: int) -> None:
 
 def unpack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """Rows ``[..., block_size, head_dim]`` (a new tensor) of packed regions ``blocks``
-    (``[..., block_size, head_dim]``, each region as vLLM's writer left it)."""
+    (``[..., block_size, head_dim]``, each region as vLLM's writer left it).
+
+    Raises ValueError for a ``kind`` other than "key" / "value" or sizes the layout lacks."""
     *lead, bs, d = blocks.shape
+    check_kind(kind)
     check_dims(bs, d)
     flat = blocks.reshape(*lead, bs * d)
     return flat[..., _cached(bs, d, kind, flat.device)].reshape(*lead, bs, d)
@@ -95,8 +103,11 @@ def unpack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
 
 def pack(rows: torch.Tensor, kind: str) -> torch.Tensor:
     """The inverse of :func:`unpack`: regions ``[..., block_size, head_dim]`` holding ``rows``
-    in the layout's order."""
+    in the layout's order.
+
+    Raises ValueError for a ``kind`` other than "key" / "value" or sizes the layout lacks."""
     *lead, bs, d = rows.shape
+    check_kind(kind)
     check_dims(bs, d)
     out = torch.empty(*lead, bs * d, dtype=rows.dtype, device=rows.device)
     out[..., _cached(bs, d, kind, rows.device)] = rows.reshape(*lead, bs * d)

@@ -104,3 +104,10 @@ def test_offsets_are_a_copy():
     off = packed.offsets(32, 64, "key")
     off.zero_()
     assert not torch.equal(packed.offsets(32, 64, "key"), off)
+
+
+@pytest.mark.parametrize("fn", [packed.pack, packed.unpack])
+def test_unknown_kind_is_refused(fn):
+    x = torch.zeros(2, 32, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kind must be 'key' or 'value', got 'values'"):
+        fn(x, "values")
