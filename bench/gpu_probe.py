@@ -96,8 +96,10 @@ def main(argv=None) -> int:
     row_bytes = D * k.element_size()
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def ours(thresholds, dense=False):
-        out = torch.empty_like(x.query)
+    outs = {}
+
+    def ours(name, thresholds, dense=False):
+        out = outs[name] = torch.empty_like(x.query)
         return lambda: decode_attn_fwd(x.query, k, v, x.seq_lens, thresholds, out, scale=x.scale,
                                        placement="pre_softmax", dense=dense)
 
@@ -106,20 +108,18 @@ def main(argv=None) -> int:
     for f in (0.1, 0.3):
         idx = torch.sort(torch.randperm(rows, generator=gen, device=dev)[: int(rows * f)])[0].to(torch.int32)
         variants.append((f"gather V f={f}", rows_sum(v2, idx), idx.numel()))
-    variants += [("ours keep none", ours(inf), rows),
-                 ("ours f=0.1", ours(x.thresholds), rows * 1.1),
-                 ("ours keep all", ours(-inf), 2 * rows),
-                 ("ours dense mode", ours(x.thresholds, dense=True), 2 * rows)]
+    variants += [(name, ours(name, th, dense), nrows) for name, th, dense, nrows in (
+        ("ours keep none", inf, False, rows), ("ours f=0.1", x.thresholds, False, rows * 1.1),
+        ("ours keep all", -inf, False, 2 * rows), ("ours dense mode", x.thresholds, True, 2 * rows))]
     q4 = x.query.view(B, Hkv * (x.query.shape[1] // Hkv), 1, D)
     variants.append(("torch SDPA", lambda: torch.nn.functional.scaled_dot_product_attention(
         q4, k, v, scale=x.scale, enable_gqa=True), 2 * rows))
 
     # our launches against each other: keeping every row is the dense result
-    o_all, o_dense = torch.empty_like(x.query), torch.empty_like(x.query)
-    decode_attn_fwd(x.query, k, v, x.seq_lens, -inf, o_all, scale=x.scale, placement="pre_softmax")
-    decode_attn_fwd(x.query, k, v, x.seq_lens, x.thresholds, o_dense, scale=x.scale, placement="pre_softmax",
-                    dense=True)
-    err = float((o_all.float() - o_dense.float()).abs().max())
+    fns = {name: fn for name, fn, _ in variants}
+    fns["ours keep all"]()
+    fns["ours dense mode"]()
+    err = float((outs["ours keep all"].float() - outs["ours dense mode"].float()).abs().max())
     if not err < 2e-2:
         raise RuntimeError(f"gpu_probe: keep-all and dense outputs differ by {err:.3g}")
     print(f"shape B{B} Hq{x.query.shape[1]} Hkv{Hkv} S{S} D{D} {k.dtype}; device "
