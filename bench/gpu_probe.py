@@ -43,7 +43,29 @@ def _rows_sum_kernel(X, IDX, OUT, n_idx, D: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def rows_sum(x2d: torch.Tensor, idx: torch.Tensor, block: int = 64):
-    """A callable summing the rows ``idx`` (int32, sorted) of the contiguous ``x2d`` [R, D]."""
+    """A callable summing the rows ``idx`` of ``x2d``, launched once and checked first.
+
+    Parameters
+    ----------
+    x2d : torch.Tensor
+        ``[R, D]``, contiguous (any float dtype; D a power of two for ``tl.arange``).
+    idx : torch.Tensor
+        ``[n]`` int32 row numbers in ``[0, R)`` (sorted for the gather timings).
+    block : int
+        Rows per program.
+
+    Returns
+    -------
+    callable
+        One launch of the gather kernel (its float32 sums of each block of rows are kept in
+        a buffer it owns).
+
+    Raises
+    ------
+    RuntimeError
+        The first launch's total differs from torch's float64 sum of the same rows by more
+        than 1e-4 relative to its largest element.
+    """
     n, d = idx.numel(), x2d.shape[1]
     out = torch.empty(triton.cdiv(n, block), d, dtype=torch.float32, device=x2d.device)
     grid = (triton.cdiv(n, block),)
