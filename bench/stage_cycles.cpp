@@ -25,12 +25,6 @@
 
 #if defined(STAGE_AVX512)
 #include "avx512_common.h"
-namespace topth_cpu {
-namespace avx512bf16_level {
-void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
-}
-}  // namespace topth_cpu
 namespace level = topth_cpu::avx512_level;
 namespace score_level = topth_cpu::avx512bf16_level;
 #else

@@ -27,6 +27,16 @@ void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, 
 void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,
                int64_t ldw, int32_t G, float* acc, int32_t scattered);
 
+}  // namespace avx512_level
+
+// The avx512bf16 level's own stage (avx512bf16_scores.cpp, compiled with -mavx512bf16), also
+// used by the amx level; every other stage of the avx512bf16 level is the avx512 level's.
+namespace avx512bf16_level {
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
+}  // namespace avx512bf16_level
+
+namespace avx512_level {
 namespace {
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
