@@ -72,6 +72,13 @@ class TopthAttention:
     score_hook : callable or None
         ``hook(layer, scores, row_ids, m, log_z)`` for every chunk of rows of every
         forward (calibration); forces the reference path for every layer.
+    dense_prefix : int
+        0 (default), or N > 0: in a multi-row forward, rows with row id n <= N (the first
+        N positions) attend densely through SDPA and are not added to the stats, as a
+        serving engine's own prefill serves a prompt of N tokens; later rows are
+        thresholded and see the prefix's K and V as dense layers produced them (the
+        engine's decode rows after that prompt, teacher-forced). Single-row (decode)
+        forwards are thresholded at every row id.
     """
 
     def __init__(self, model, settings: TopthSettings, *, prefill_stats: Optional[StatsCollector] = None,
@@ -89,6 +96,7 @@ class TopthAttention:
         self.prefill_stats = prefill_stats
         self.decode_stats = decode_stats
         self.score_hook = score_hook
+        self.dense_prefix = 0
         self.max_chunk_elems = max_chunk_elems
         self._rules: dict[tuple, RowRule] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
@@ -199,6 +207,8 @@ class TopthAttention:
             out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
             stats = self.decode_stats if T == 1 else self.prefill_stats
             if stats is not None:
+                if T > 1 and self.dense_prefix > 0:  # the prefix rows are not counted (as thresholded layers do)
+                    row_ids = torch.where(row_ids > self.dense_prefix, row_ids, 0)
                 stats.add_dense(layer, row_ids)
             return out
 
@@ -206,6 +216,9 @@ class TopthAttention:
         if T == 1 and rule.kind == "table" and not calibrating:
             return self._decode_op(layer, query, key, value, row_ids, key_valid, rule, scale, sliding)
 
+        if T > 1 and self.dense_prefix > 0 and not calibrating:
+            return self._dense_prefix_forward(module, query, key, value, attention_mask, row_ids, key_valid,
+                                              rule, scale, kwargs)
         hook = None
         if calibrating:
             hook = functools.partial(self.score_hook, layer)
@@ -217,6 +230,31 @@ class TopthAttention:
         if stats is not None:
             stats.add(layer, row_ids, *st)
         return out.transpose(1, 2)
+
+    def _dense_prefix_forward(self, module, query, key, value, attention_mask, row_ids, key_valid, rule, scale,
+                              kwargs) -> torch.Tensor:
+        """A multi-row forward with rows n <= ``dense_prefix`` through SDPA, later rows thresholded."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        B, Hq, T, D = query.shape
+        mask = None if sdpa_can_skip_mask(row_ids, key_valid, key.shape[2]) else attention_mask
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
+        late = row_ids > self.dense_prefix  # [B, T]; 0 rows (padding) are never late
+        cols = late.any(0).nonzero()
+        if cols.numel() == 0:
+            return out
+        t0 = int(cols[0])
+        stats = self.prefill_stats
+        sub, st = prefill_attention(query[:, :, t0:], key, value, row_ids[:, t0:], rule, scale=scale,
+                                    key_valid=None if key_valid is None else key_valid[:, t0:],
+                                    return_stats=stats is not None, max_chunk_elems=self.max_chunk_elems,
+                                    threshold_set=self._threshold_set(B, query.device) if rule.kind == "table" else None)
+        keep = late[:, t0:]
+        out = out.clone()
+        out[:, t0:] = torch.where(keep[:, :, None, None], sub.transpose(1, 2).to(out.dtype), out[:, t0:])
+        if stats is not None:
+            stats.add(module.layer_idx, torch.where(keep, row_ids[:, t0:], 0), *st)
+        return out
 
     def _decode_op(self, layer, query, key, value, row_ids, key_valid, rule, scale, sliding=False) -> torch.Tensor:
         from .. import decode_attention

@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per long document (default {d.long_tokens}; perplexity over rows >= --long-min-row)")
     p.add_argument("--long-min-row", type=int, default=d.long_min_row, metavar="N",
                    help=f"long documents: perplexity and V rows over rows of at least N keys (default {d.long_min_row})")
+    p.add_argument("--long-dense-prefix", type=int, default=d.long_dense_prefix, metavar="N",
+                   help="long documents only: rows of at most N keys attend densely, as a serving engine's "
+                        "own prefill serves an N-token prompt, and only later rows are thresholded (its "
+                        "decode rows, teacher-forced); perplexity, V rows and k~/k over those rows "
+                        "(default 0: every row thresholded)")
     p.add_argument("--backend", default=None, metavar="NAME", help="decode-op backend (default automatic)")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the records here")
     p.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots here")
@@ -165,9 +170,13 @@ def _run(args) -> int:
 
     cfg = EvalConfig(problems=args.problems, agreement_problems=min(args.agreement_problems, args.problems),
                      agreement_tokens=args.agreement_tokens, long_docs=args.long_docs,
-                     long_tokens=args.long_tokens, long_min_row=args.long_min_row, backend=args.backend)
-    if cfg.long_docs and cfg.long_tokens <= cfg.long_min_row:
-        raise ValueError(f"--long-tokens must exceed {cfg.long_min_row} (perplexity is over rows >= {cfg.long_min_row})")
+                     long_tokens=args.long_tokens, long_min_row=args.long_min_row,
+                     long_dense_prefix=args.long_dense_prefix, backend=args.backend)
+    if cfg.long_dense_prefix < 0:
+        raise ValueError(f"--long-dense-prefix must be >= 0, got {cfg.long_dense_prefix}")
+    if cfg.long_docs and cfg.long_tokens <= cfg.long_first_row:
+        raise ValueError(f"--long-tokens must exceed {cfg.long_first_row} (perplexity is over rows >= "
+                         f"{cfg.long_first_row}: --long-min-row, or the first row after --long-dense-prefix)")
     problems = humaneval_problems()  # read once: checked against, held out of calibration, scored
     if cfg.problems > len(problems):  # recorded as asked, so never fewer than asked
         raise ValueError(f"--problems {cfg.problems}: HumanEval has {len(problems)} problems; give at most that")
@@ -197,7 +206,7 @@ def _run(args) -> int:
     progress = (lambda it, desc: tqdm(it, desc=desc, leave=False)) if bars else (lambda it, desc: it)
     print(f"model {lm.name} loaded in {time.time() - t_start:.1f} s")
 
-    long_docs = (stdlib_documents(lm.tokenizer, cfg.long_docs, cfg.long_min_row + 256, cfg.long_tokens)
+    long_docs = (stdlib_documents(lm.tokenizer, cfg.long_docs, cfg.long_first_row + 256, cfg.long_tokens)
                  if cfg.long_docs else [])
     thresholds: dict = {}
     calibration = None
@@ -272,7 +281,7 @@ def _run(args) -> int:
                         f"{num(p['v_rows_frac'])} ({p['ratio']:.2f}x)" for p in c["pairs"]))
     result = dict(
         model=lm.name, created=time.strftime("%Y-%m-%d %H:%M:%S"), python=platform.python_version(),
-        config=dict(cfg.__dict__, variants=args.variants, k=ks),
+        config=dict(cfg.__dict__, long_first_row=cfg.long_first_row, variants=args.variants, k=ks),
         calibration=calibration,
         dense=dict(ppl=dense["ppl"], tokens=dense["tokens"], long_ppl=dense["long_ppl"],
                    long_tokens=dense["long_tokens"]),

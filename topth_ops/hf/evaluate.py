@@ -11,7 +11,9 @@ Per variant (a family such as "topth-post-vmc" at one k):
 - V rows read per GQA group during those decode steps (union over the group's heads) as
   a fraction of dense, and attention elements kept;
 - long documents (standard-library module sources): teacher-forced perplexity over the
-  rows of ``long_min_row``+ tokens, V-row fraction of those rows;
+  rows of ``long_min_row``+ tokens, V-row fraction of those rows; with ``long_dense_prefix``
+  N > 0 the first N rows attend densely (a serving engine's prefill of an N-token prompt)
+  and only the rows after them are thresholded, scored and counted;
 - k~/k by row-length bucket over every thresholded row seen (HumanEval, decode, long
   documents), with the buckets beyond the calibration text's longest row marked.
 
@@ -121,7 +123,14 @@ class EvalConfig:
     long_docs: int = 2
     long_tokens: int = 3072
     long_min_row: int = 2048
+    long_dense_prefix: int = 0
     backend: Optional[str] = None
+
+    @property
+    def long_first_row(self) -> int:
+        """Long documents: perplexity, k~/k and V rows are over rows with at least this many
+        keys (``long_min_row``, or the first thresholded row after a dense prefix)."""
+        return max(self.long_min_row, self.long_dense_prefix + 1)
 
 
 def _nll_rows(model, ids: torch.Tensor, first_target: int) -> tuple[float, int]:
@@ -190,7 +199,7 @@ def _he_ppl(model, texts: TextSet, n: int, progress, desc) -> tuple[float, float
 def _long_ppl(model, texts: TextSet, cfg: EvalConfig, progress, desc) -> tuple[float, int]:
     nll = cnt = 0
     for _, ids in progress(texts.long_docs, desc):
-        x, c = _nll_rows(model, ids, cfg.long_min_row)
+        x, c = _nll_rows(model, ids, cfg.long_first_row)
         nll += x
         cnt += c
     return (math.exp(nll / cnt) if cnt else float("nan")), cnt
@@ -283,7 +292,7 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
         JSON-serializable record: ``ppl`` / ``ppl_dense`` / ``ppl_rel_change``,
         ``token_agreement``, V-row and kept-element fractions of the decode steps
         (``v_rows_frac``, ``attn_kept_frac``, ``*_sparse_layers``), of the prefill rows
-        and of long-document rows with row id >= ``cfg.long_min_row``, k~/k overall and by
+        and of long-document rows with row id >= ``cfg.long_first_row``, k~/k overall and by
         row-length bucket, ``seconds``, and ``targets`` (:func:`targets_met`).
 
     Raises
@@ -306,6 +315,7 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
             agree += sum(int(x == y) for x, y in zip(chosen, cont))
             total += len(cont)
         ctl.decode_stats, ctl.prefill_stats = None, long
+        ctl.dense_prefix = cfg.long_dense_prefix
         long_ppl, _ = (_long_ppl(model, texts, cfg, progress, f"{variant.label}: long docs")
                        if texts.long_docs else (float("nan"), 0))
     finally:
@@ -339,9 +349,9 @@ def evaluate_variant(lm, variant: Variant, texts: TextSet, dense: dict, cfg: Eva
         k_tilde_over_k=ktk, k_tilde_over_k_by_bucket=buckets,
         long_ppl=long_ppl, long_ppl_dense=dense["long_ppl"],
         long_ppl_rel_change=long_ppl / dense["long_ppl"] - 1.0 if texts.long_docs else float("nan"),
-        long_v_rows_frac=long.v_rows_frac(lo=cfg.long_min_row - 1),
-        long_v_rows_frac_sparse_layers=long.v_rows_frac(lo=cfg.long_min_row - 1, layers=sparse_layers),
-        long_attn_kept_frac=long.attn_kept_frac(lo=cfg.long_min_row - 1),
+        long_v_rows_frac=long.v_rows_frac(lo=cfg.long_first_row - 1),
+        long_v_rows_frac_sparse_layers=long.v_rows_frac(lo=cfg.long_first_row - 1, layers=sparse_layers),
+        long_attn_kept_frac=long.attn_kept_frac(lo=cfg.long_first_row - 1),
         calibration_max_row_id=calib_max,
         thresholds_file=variant.thresholds.path if variant.thresholds is not None else None,
         seconds=time.time() - t0,
