@@ -32,7 +32,11 @@ def test_evaluate_layerwise_refuses_variants_of_another_rule(variants, needle, t
 
 @pytest.mark.parametrize("flags, needle", [(["--long-min-row", "0"], "--long-min-row must be >= 1, got 0"),
                                            (["--long-tokens", "-1"], "--long-tokens must be >= 0, got -1"),
-                                           (["--problems", "100000"], "--problems 100000: HumanEval has 164 problems")])
+                                           (["--problems", "100000"], "--problems 100000: HumanEval has 164 problems"),
+                                           (["--long-dense-prefix", "-1"], "--long-dense-prefix must be >= 0, got -1"),
+                                           (["--long-dense-prefix", "64", "--long-docs", "0"],
+                                            "--long-dense-prefix applies to the long documents"),
+                                           (["--long-dense-prefix", "3071"], "--long-tokens must exceed 3072")])
 def test_evaluate_refuses_bad_long_document_flags_before_the_model_loads(flags, needle, tmp_path, capsys,
                                                                          monkeypatch):
     import topth_ops.hf.model

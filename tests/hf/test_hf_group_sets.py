@@ -174,3 +174,32 @@ def test_gemma_model_name_without_its_packages_says_how_to_install(monkeypatch):
         model_mod.load_model("gemma3-270m")
     with pytest.raises(model_mod.ModelNotAvailable, match="nor one of smollm2-135m, gemma3-270m"):
         model_mod.load_model("gemma-3-270m-typo")
+
+
+def test_dense_prefix_on_sliding_layers(gemma, gemma_sets, collector):
+    """A dense prefix below the window equals the engine's dense prefill followed by decode
+    steps (sliding layers thresholded too); at or above the window, where a sliding layer's
+    row ids stop at the window, it is refused instead of leaving those layers dense."""
+    s = TopthSettings(mode="topth", thresholds=gemma_sets[(0, "post_softmax", "head")], vmc=True)
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(9))
+    N = 8
+    pre, dec = collector(gemma), collector(gemma)
+    ctl = enable(gemma, s, prefill_stats=pre)
+    ctl.dense_prefix = N
+    try:
+        full = forward(gemma, ids)
+        ctl.dense_prefix = 12
+        with pytest.raises(ValueError, match="dense_prefix=12: layer 0 attends over a sliding window of 12"):
+            forward(gemma, ids)
+    finally:
+        disable(gemma)
+    cache = new_cache(gemma)
+    forward(gemma, ids[:, :N], cache)
+    enable(gemma, s, decode_stats=dec)
+    try:
+        steps = torch.cat([forward(gemma, ids[:, i:i + 1], cache) for i in range(N, ids.shape[1])], 1)
+    finally:
+        disable(gemma)
+    torch.testing.assert_close(full[:, N:], steps, rtol=1e-4, atol=1e-4)
+    assert pre.rows.sum(1).tolist() == [ids.shape[1] - N] * 3  # every layer, the sliding ones too
+    assert torch.equal(pre.rows, dec.rows) and torch.equal(pre.kept, dec.kept)

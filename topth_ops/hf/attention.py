@@ -78,7 +78,9 @@ class TopthAttention:
         serving engine's own prefill serves a prompt of N tokens; later rows are
         thresholded and see the prefix's K and V as dense layers produced them (the
         engine's decode rows after that prompt, teacher-forced). Single-row (decode)
-        forwards are thresholded at every row id.
+        forwards are thresholded at every row id; calibration (``score_hook``, layer-wise)
+        ignores it. A sliding-window layer's row id is capped at its window, so N must be
+        below the window there (ValueError in the forward otherwise).
     """
 
     def __init__(self, model, settings: TopthSettings, *, prefill_stats: Optional[StatsCollector] = None,
@@ -202,6 +204,11 @@ class TopthAttention:
         rule = self._rule(layer, dev, calibrating)
         s = self.settings
 
+        window = kwargs.get("sliding_window")
+        if T > 1 and self.dense_prefix > 0 and not calibrating and window is not None and self.dense_prefix >= window:
+            raise ValueError(f"dense_prefix={self.dense_prefix}: layer {layer} attends over a sliding window of "
+                             f"{window} keys, where row ids stop at {window} and cannot tell the first "
+                             f"{self.dense_prefix} positions from later ones; use a prefix below {window}")
         if rule is None or (T > 1 and s.prefill == "dense" and not calibrating):
             mask = None if sdpa_can_skip_mask(row_ids, key_valid, S) else attention_mask
             out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)

@@ -57,12 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-tokens", type=int, default=d.long_tokens, metavar="T",
                    help=f"tokens per long document (default {d.long_tokens}; perplexity over rows >= --long-min-row)")
     p.add_argument("--long-min-row", type=int, default=d.long_min_row, metavar="N",
-                   help=f"long documents: perplexity and V rows over rows of at least N keys (default {d.long_min_row})")
+                   help=f"long documents: perplexity and V rows over rows of at least N keys (default {d.long_min_row}; "
+                        "--long-dense-prefix can raise it)")
     p.add_argument("--long-dense-prefix", type=int, default=d.long_dense_prefix, metavar="N",
-                   help="long documents only: rows of at most N keys attend densely, as a serving engine's "
-                        "own prefill serves an N-token prompt, and only later rows are thresholded (its "
-                        "decode rows, teacher-forced); perplexity, V rows and k~/k over those rows "
-                        "(default 0: every row thresholded)")
+                   help="long documents only: the first N rows attend densely, as a serving engine's own "
+                        "prefill serves an N-token prompt, and only later rows are thresholded (its decode "
+                        "rows, teacher-forced) and counted in k~/k; perplexity and V rows are over rows of at "
+                        "least max(--long-min-row, N + 1) keys, and documents must have 256 tokens more than "
+                        "that; below the sliding window on models that have one (default 0: every row "
+                        "thresholded)")
     p.add_argument("--backend", default=None, metavar="NAME", help="decode-op backend (default automatic)")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the records here")
     p.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots here")
@@ -164,6 +167,7 @@ def _run(args) -> int:
     from tqdm.auto import tqdm
 
     from ..thresholds import load_threshold_sets, parse_layer_k, save_threshold_sets
+    from .cache_view import sliding_window_of
     from .model import load_model
     from .report import format_table, group_vs_head, make_plots, num, pct
     from .texts import humaneval_problems, stdlib_documents
@@ -174,6 +178,8 @@ def _run(args) -> int:
                      long_dense_prefix=args.long_dense_prefix, backend=args.backend)
     if cfg.long_dense_prefix < 0:
         raise ValueError(f"--long-dense-prefix must be >= 0, got {cfg.long_dense_prefix}")
+    if cfg.long_dense_prefix and not cfg.long_docs:
+        raise ValueError("--long-dense-prefix applies to the long documents; give --long-docs N (N >= 1) with it")
     if cfg.long_docs and cfg.long_tokens <= cfg.long_first_row:
         raise ValueError(f"--long-tokens must exceed {cfg.long_first_row} (perplexity is over rows >= "
                          f"{cfg.long_first_row}: --long-min-row, or the first row after --long-dense-prefix)")
@@ -205,6 +211,11 @@ def _run(args) -> int:
     L = int(lm.config.num_hidden_layers)
     progress = (lambda it, desc: tqdm(it, desc=desc, leave=False)) if bars else (lambda it, desc: it)
     print(f"model {lm.name} loaded in {time.time() - t_start:.1f} s")
+    window = sliding_window_of(lm.model)
+    if cfg.long_docs and cfg.long_dense_prefix and window is not None and cfg.long_dense_prefix >= window:
+        raise ValueError(f"--long-dense-prefix must be below the model's sliding window ({window} keys): on its "
+                         f"sliding-window layers row ids stop at {window}, so rows after a longer prefix "
+                         f"cannot be told apart from the prefix; got {cfg.long_dense_prefix}")
 
     long_docs = (stdlib_documents(lm.tokenizer, cfg.long_docs, cfg.long_first_row + 256, cfg.long_tokens)
                  if cfg.long_docs else [])

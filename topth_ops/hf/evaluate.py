@@ -13,7 +13,8 @@ Per variant (a family such as "topth-post-vmc" at one k):
 - long documents (standard-library module sources): teacher-forced perplexity over the
   rows of ``long_min_row``+ tokens, V-row fraction of those rows; with ``long_dense_prefix``
   N > 0 the first N rows attend densely (a serving engine's prefill of an N-token prompt)
-  and only the rows after them are thresholded, scored and counted;
+  and only the rows after them are thresholded and counted in k~/k; perplexity and V rows
+  then start at row max(``long_min_row``, N + 1);
 - k~/k by row-length bucket over every thresholded row seen (HumanEval, decode, long
   documents), with the buckets beyond the calibration text's longest row marked.
 
@@ -128,8 +129,8 @@ class EvalConfig:
 
     @property
     def long_first_row(self) -> int:
-        """Long documents: perplexity, k~/k and V rows are over rows with at least this many
-        keys (``long_min_row``, or the first thresholded row after a dense prefix)."""
+        """Long documents: perplexity and V rows are over rows with at least this many keys
+        (``long_min_row``, or the first thresholded row after a dense prefix)."""
         return max(self.long_min_row, self.long_dense_prefix + 1)
 
 
