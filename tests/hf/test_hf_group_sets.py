@@ -176,21 +176,18 @@ def test_gemma_model_name_without_its_packages_says_how_to_install(monkeypatch):
         model_mod.load_model("gemma-3-270m-typo")
 
 
-def test_dense_prefix_on_sliding_layers(gemma, gemma_sets, collector):
-    """A dense prefix below the window equals the engine's dense prefill followed by decode
-    steps (sliding layers thresholded too); at or above the window, where a sliding layer's
-    row ids stop at the window, it is refused instead of leaving those layers dense."""
+@pytest.mark.parametrize("N", [8, 20])  # below and above the window of 12
+def test_dense_prefix_on_sliding_layers(gemma, gemma_sets, collector, N):
+    """A dense prefix equals the engine's dense prefill followed by decode steps, with the
+    sliding-window layers thresholded after the prefix too: above the window, where their
+    row ids stop at 12, the rows are told apart by the position_ids transformers passes."""
     s = TopthSettings(mode="topth", thresholds=gemma_sets[(0, "post_softmax", "head")], vmc=True)
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(9))
-    N = 8
     pre, dec = collector(gemma), collector(gemma)
     ctl = enable(gemma, s, prefill_stats=pre)
     ctl.dense_prefix = N
     try:
         full = forward(gemma, ids)
-        ctl.dense_prefix = 12
-        with pytest.raises(ValueError, match="dense_prefix=12: layer 0 attends over a sliding window of 12"):
-            forward(gemma, ids)
     finally:
         disable(gemma)
     cache = new_cache(gemma)
@@ -203,3 +200,19 @@ def test_dense_prefix_on_sliding_layers(gemma, gemma_sets, collector):
     torch.testing.assert_close(full[:, N:], steps, rtol=1e-4, atol=1e-4)
     assert pre.rows.sum(1).tolist() == [ids.shape[1] - N] * 3  # every layer, the sliding ones too
     assert torch.equal(pre.rows, dec.rows) and torch.equal(pre.kept, dec.kept)
+
+
+def test_dense_prefix_at_the_window_without_positions_is_refused(gemma, gemma_sets):
+    ctl = enable(gemma, TopthSettings(mode="topth", thresholds=gemma_sets[(0, "post_softmax", "head")]))
+    try:
+        ctl.dense_prefix = 12
+        rows = torch.tensor([[5, 12, 12]])
+        with pytest.raises(ValueError, match="dense_prefix=12: layer 0 attends over a sliding window of 12"):
+            ctl._late_rows(0, rows, {"sliding_window": 12})
+        ctl.dense_prefix = 11
+        assert ctl._late_rows(0, rows, {"sliding_window": 12}).tolist() == [[False, True, True]]
+        ctl.dense_prefix = 12
+        got = ctl._late_rows(0, rows, {"sliding_window": 12, "position_ids": torch.tensor([[4, 12, 30]])})
+        assert got.tolist() == [[False, True, True]]
+    finally:
+        disable(gemma)

@@ -79,8 +79,8 @@ class TopthAttention:
         thresholded and see the prefix's K and V as dense layers produced them (the
         engine's decode rows after that prompt, teacher-forced). Single-row (decode)
         forwards are thresholded at every row id; calibration (``score_hook``, layer-wise)
-        ignores it. A sliding-window layer's row id is capped at its window, so N must be
-        below the window there (ValueError in the forward otherwise).
+        ignores it. On sliding-window layers, whose row ids stop at the window, positions
+        come from the ``position_ids`` transformers passes along.
     """
 
     def __init__(self, model, settings: TopthSettings, *, prefill_stats: Optional[StatsCollector] = None,
@@ -204,18 +204,15 @@ class TopthAttention:
         rule = self._rule(layer, dev, calibrating)
         s = self.settings
 
-        window = kwargs.get("sliding_window")
-        if T > 1 and self.dense_prefix > 0 and not calibrating and window is not None and self.dense_prefix >= window:
-            raise ValueError(f"dense_prefix={self.dense_prefix}: layer {layer} attends over a sliding window of "
-                             f"{window} keys, where row ids stop at {window} and cannot tell the first "
-                             f"{self.dense_prefix} positions from later ones; use a prefix below {window}")
+        late = (self._late_rows(layer, row_ids, kwargs)
+                if T > 1 and self.dense_prefix > 0 and not calibrating else None)
         if rule is None or (T > 1 and s.prefill == "dense" and not calibrating):
             mask = None if sdpa_can_skip_mask(row_ids, key_valid, S) else attention_mask
             out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
             stats = self.decode_stats if T == 1 else self.prefill_stats
             if stats is not None:
-                if T > 1 and self.dense_prefix > 0:  # the prefix rows are not counted (as thresholded layers do)
-                    row_ids = torch.where(row_ids > self.dense_prefix, row_ids, 0)
+                if late is not None:  # the prefix rows are not counted (as thresholded layers do)
+                    row_ids = torch.where(late, row_ids, 0)
                 stats.add_dense(layer, row_ids)
             return out
 
@@ -223,9 +220,9 @@ class TopthAttention:
         if T == 1 and rule.kind == "table" and not calibrating:
             return self._decode_op(layer, query, key, value, row_ids, key_valid, rule, scale, sliding)
 
-        if T > 1 and self.dense_prefix > 0 and not calibrating:
+        if late is not None:
             return self._dense_prefix_forward(module, query, key, value, attention_mask, row_ids, key_valid,
-                                              rule, scale, kwargs)
+                                              late, rule, scale, kwargs)
         hook = None
         if calibrating:
             hook = functools.partial(self.score_hook, layer)
@@ -238,15 +235,36 @@ class TopthAttention:
             stats.add(layer, row_ids, *st)
         return out.transpose(1, 2)
 
-    def _dense_prefix_forward(self, module, query, key, value, attention_mask, row_ids, key_valid, rule, scale,
-                              kwargs) -> torch.Tensor:
-        """A multi-row forward with rows n <= ``dense_prefix`` through SDPA, later rows thresholded."""
+    def _late_rows(self, layer: int, row_ids: torch.Tensor, kwargs) -> torch.Tensor:
+        """``[B, T]`` bool: the rows past ``dense_prefix`` (padding rows never are).
+
+        On a full-attention layer a row's id is its position + 1. A sliding-window layer caps
+        row ids at the window, so there the positions come from the model's ``position_ids``
+        (which transformers passes on to the attention function); without them, a prefix
+        at or above the window cannot be told apart and is refused.
+        """
+        window = kwargs.get("sliding_window")
+        if window is None:
+            return row_ids > self.dense_prefix
+        pos = kwargs.get("position_ids")
+        if pos is not None and pos.shape[-1] == row_ids.shape[1]:
+            n = (pos.to(device=row_ids.device, dtype=torch.int64) + 1).expand_as(row_ids)
+            return (row_ids > 0) & (n > self.dense_prefix)
+        if self.dense_prefix < window:  # row ids up to the window are positions + 1 as well
+            return row_ids > self.dense_prefix
+        raise ValueError(f"dense_prefix={self.dense_prefix}: layer {layer} attends over a sliding window of "
+                         f"{window} keys, where row ids stop at {window}, and the model passed no position_ids "
+                         f"to tell the first {self.dense_prefix} positions from later ones; use a prefix below "
+                         f"{window}")
+
+    def _dense_prefix_forward(self, module, query, key, value, attention_mask, row_ids, key_valid, late, rule,
+                              scale, kwargs) -> torch.Tensor:
+        """A multi-row forward with the rows before ``late`` through SDPA, the late rows thresholded."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         B, Hq, T, D = query.shape
         mask = None if sdpa_can_skip_mask(row_ids, key_valid, key.shape[2]) else attention_mask
         out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
-        late = row_ids > self.dense_prefix  # [B, T]; 0 rows (padding) are never late
         cols = late.any(0).nonzero()
         if cols.numel() == 0:
             return out

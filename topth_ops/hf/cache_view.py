@@ -109,32 +109,6 @@ def sdpa_can_skip_mask(row_ids: torch.Tensor, key_valid: Optional[torch.Tensor],
     return bool((row_ids == torch.arange(1, T + 1, device=row_ids.device)).all())
 
 
-def _text_config(model):
-    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-
-
-def _layer_types(cfg) -> list:
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        layer_types, _ = get_layer_types_and_kwargs(cfg)
-    except (ImportError, AttributeError, TypeError):  # other transformers versions
-        layer_types = list(getattr(cfg, "layer_types", None) or [])
-        if getattr(cfg, "sliding_window", None) is not None and not layer_types:
-            layer_types = ["sliding_attention"]
-    return list(layer_types)
-
-
-def sliding_window_of(model) -> Optional[int]:
-    """The sliding window (keys per row) of a model with sliding-window attention layers,
-    None when every layer attends to the full context."""
-    cfg = _text_config(model)
-    if "sliding_attention" not in _layer_types(cfg):
-        return None
-    w = getattr(cfg, "sliding_window", None)
-    return int(w) if w else None
-
-
 def check_supported(model) -> None:
     """Refuse, before anything runs, a model whose attention the integration would get wrong.
 
@@ -153,10 +127,17 @@ def check_supported(model) -> None:
         bidirectional (``is_causal=False``) config, or a generation config that asks for
         the paged cache of continuous batching (which runs its own attention functions).
     """
-    cfg = _text_config(model)
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     if getattr(cfg, "is_causal", True) is False:
         raise ValueError("topth attention is causal decode attention; this model's config has is_causal=False")
-    layer_types = _layer_types(cfg)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        layer_types, _ = get_layer_types_and_kwargs(cfg)
+    except (ImportError, AttributeError, TypeError):  # other transformers versions
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        if getattr(cfg, "sliding_window", None) is not None and not layer_types:
+            layer_types = ["sliding_attention"]
     ok = ("full_attention", "sliding_attention")
     other = sorted({t for t in layer_types if t not in ok})
     if other:

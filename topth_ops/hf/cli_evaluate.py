@@ -64,8 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prefill serves an N-token prompt, and only later rows are thresholded (its decode "
                         "rows, teacher-forced) and counted in k~/k; perplexity and V rows are over rows of at "
                         "least max(--long-min-row, N + 1) keys, and documents must have 256 tokens more than "
-                        "that; below the sliding window on models that have one (default 0: every row "
-                        "thresholded)")
+                        "that (default 0: every row thresholded)")
     p.add_argument("--backend", default=None, metavar="NAME", help="decode-op backend (default automatic)")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the records here")
     p.add_argument("--plots", metavar="DIR", default=None, help="write PNG plots here")
@@ -167,7 +166,6 @@ def _run(args) -> int:
     from tqdm.auto import tqdm
 
     from ..thresholds import load_threshold_sets, parse_layer_k, save_threshold_sets
-    from .cache_view import sliding_window_of
     from .model import load_model
     from .report import format_table, group_vs_head, make_plots, num, pct
     from .texts import humaneval_problems, stdlib_documents
@@ -211,11 +209,6 @@ def _run(args) -> int:
     L = int(lm.config.num_hidden_layers)
     progress = (lambda it, desc: tqdm(it, desc=desc, leave=False)) if bars else (lambda it, desc: it)
     print(f"model {lm.name} loaded in {time.time() - t_start:.1f} s")
-    window = sliding_window_of(lm.model)
-    if cfg.long_docs and cfg.long_dense_prefix and window is not None and cfg.long_dense_prefix >= window:
-        raise ValueError(f"--long-dense-prefix must be below the model's sliding window ({window} keys): on its "
-                         f"sliding-window layers row ids stop at {window}, so rows after a longer prefix "
-                         f"cannot be told apart from the prefix; got {cfg.long_dense_prefix}")
 
     long_docs = (stdlib_documents(lm.tokenizer, cfg.long_docs, cfg.long_first_row + 256, cfg.long_tokens)
                  if cfg.long_docs else [])
