@@ -216,3 +216,38 @@ def test_dense_prefix_at_the_window_without_positions_is_refused(gemma, gemma_se
         assert got.tolist() == [[False, True, True]]
     finally:
         disable(gemma)
+
+
+def test_dense_prefix_left_padded_batch_on_sliding_layers(gemma, gemma_sets, collector):
+    """B = 2, one sequence left-padded: with positions that count valid tokens (as generate
+    builds them) each sequence's rows and logits are those of the sequence alone, in every
+    layer; with positions that count the pads (the model's default) the prefix is refused
+    above the window rather than thresholding different rows in sliding and full layers."""
+    s = TopthSettings(mode="topth", thresholds=gemma_sets[(0, "post_softmax", "head")], vmc=True)
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randint(0, 96, (40,), generator=g), torch.randint(0, 96, (30,), generator=g)
+    pad = torch.zeros(10, dtype=torch.long)
+    ids = torch.stack([a, torch.cat([pad, b])])
+    mask = torch.stack([torch.ones(40, dtype=torch.long), torch.cat([pad, torch.ones(30, dtype=torch.long)])])
+
+    def run(N, **kw):
+        c = collector(gemma)
+        ctl = enable(gemma, s, prefill_stats=c)
+        ctl.dense_prefix = N
+        try:
+            with torch.inference_mode():
+                return gemma(use_cache=False, **kw).logits.float(), c
+        finally:
+            disable(gemma)
+
+    for N in (8, 20):  # below and above the window
+        la, ca = run(N, input_ids=a[None])
+        lb, cb = run(N, input_ids=b[None])
+        lab, cab = run(N, input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+        torch.testing.assert_close(lab[0], la[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lab[1, 10:], lb[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(cab.rows, ca.rows + cb.rows) and torch.equal(cab.kept, ca.kept + cb.kept)
+    _, c = run(8, input_ids=ids, attention_mask=mask)  # below the window, row ids alone decide
+    assert c.rows.sum(1).tolist() == [(40 - 8) + (30 - 8)] * 3
+    with pytest.raises(ValueError, match="position_ids disagree with the valid keys"):
+        run(20, input_ids=ids, attention_mask=mask)

@@ -73,14 +73,15 @@ class TopthAttention:
         ``hook(layer, scores, row_ids, m, log_z)`` for every chunk of rows of every
         forward (calibration); forces the reference path for every layer.
     dense_prefix : int
-        0 (default), or N > 0: in a multi-row forward, rows with row id n <= N (the first
-        N positions) attend densely through SDPA and are not added to the stats, as a
-        serving engine's own prefill serves a prompt of N tokens; later rows are
-        thresholded and see the prefix's K and V as dense layers produced them (the
-        engine's decode rows after that prompt, teacher-forced). Single-row (decode)
-        forwards are thresholded at every row id; calibration (``score_hook``, layer-wise)
-        ignores it. On sliding-window layers, whose row ids stop at the window, positions
-        come from the ``position_ids`` transformers passes along.
+        0 (default), or N > 0: in a multi-row forward, the first N valid positions (rows
+        with row id n <= N on full-attention layers) attend densely through SDPA and are
+        not added to the stats, as a serving engine's own prefill serves a prompt of N
+        tokens; later rows are thresholded and see the prefix's K and V as dense layers
+        produced them (the engine's decode rows after that prompt, teacher-forced).
+        Single-row (decode) forwards are thresholded at every row id; calibration
+        (``score_hook``, layer-wise) ignores it. On sliding-window layers, whose row ids
+        stop at the window, a prefix at or above the window takes positions from the
+        ``position_ids`` transformers passes along (:meth:`_late_rows`).
     """
 
     def __init__(self, model, settings: TopthSettings, *, prefill_stats: Optional[StatsCollector] = None,
@@ -238,24 +239,35 @@ class TopthAttention:
     def _late_rows(self, layer: int, row_ids: torch.Tensor, kwargs) -> torch.Tensor:
         """``[B, T]`` bool: the rows past ``dense_prefix`` (padding rows never are).
 
-        On a full-attention layer a row's id is its position + 1. A sliding-window layer caps
-        row ids at the window, so there the positions come from the model's ``position_ids``
-        (which transformers passes on to the attention function); without them, a prefix
-        at or above the window cannot be told apart and is refused.
+        A row's id is its position + 1 among the valid tokens, except on a sliding-window
+        layer, which caps row ids at the window: a prefix at or above the window takes the
+        positions there from the model's ``position_ids`` (which transformers passes on to
+        the attention function; they must count valid tokens only, as ``generate`` builds
+        them for left-padded batches). Without them, or where they disagree with the row
+        ids below the window, ValueError.
         """
         window = kwargs.get("sliding_window")
-        if window is None:
+        if window is None or self.dense_prefix < window:
             return row_ids > self.dense_prefix
+        B, T = row_ids.shape
         pos = kwargs.get("position_ids")
-        if pos is not None and pos.shape[-1] == row_ids.shape[1]:
-            n = (pos.to(device=row_ids.device, dtype=torch.int64) + 1).expand_as(row_ids)
-            return (row_ids > 0) & (n > self.dense_prefix)
-        if self.dense_prefix < window:  # row ids up to the window are positions + 1 as well
-            return row_ids > self.dense_prefix
+        why = None
+        if pos is None:
+            why = "the model passed no position_ids"
+        elif pos.dim() != 2 or pos.shape[0] not in (1, B) or pos.shape[1] != T:
+            why = f"position_ids of shape {list(pos.shape)} (expected [{B} or 1, {T}])"
+        else:
+            n = (pos.to(device=row_ids.device, dtype=torch.int64) + 1).expand(B, T)
+            below = (row_ids > 0) & (row_ids < window)
+            if bool((n[below] != row_ids[below]).any()):
+                why = ("its position_ids disagree with the valid keys of the rows below the window (left "
+                       "padding with positions that count the pads?)")
+            else:
+                return (row_ids > 0) & (n > self.dense_prefix)
         raise ValueError(f"dense_prefix={self.dense_prefix}: layer {layer} attends over a sliding window of "
-                         f"{window} keys, where row ids stop at {window}, and the model passed no position_ids "
-                         f"to tell the first {self.dense_prefix} positions from later ones; use a prefix below "
-                         f"{window}")
+                         f"{window} keys, where row ids stop at {window}, and {why}, so the first "
+                         f"{self.dense_prefix} positions cannot be told from later ones; pass position_ids "
+                         f"that count the valid tokens, or use a prefix below {window}")
 
     def _dense_prefix_forward(self, module, query, key, value, attention_mask, row_ids, key_valid, late, rule,
                               scale, kwargs) -> torch.Tensor:
