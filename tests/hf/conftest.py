@@ -3,6 +3,8 @@
 * ``prefill_equals_steps(model, settings, ids)``: a thresholded prefill equals feeding the
   tokens one by one through the KV cache and the decode op; ``collector(model)``: a
   StatsCollector shaped for ``model``;
+* ``dense_prefix_and_steps(model, settings, ids, N)``: one forward with a dense prefix of N
+  rows, and the serving engine's way (dense prefill of N tokens, then decode steps);
 * ``sharp_llama(layers, q_heads, kv_heads, head_dim, hidden, vocab)``: a tiny random Llama
   (seed 0) with sharpened attention, so that rows differ clearly;
 * ``oracle_logits(model, ids, settings=None)``: float64 attention logits of every layer,
@@ -43,6 +45,28 @@ def _prefill_equals_steps(model, settings, ids):
     dense = forward(model, ids)
     assert (full - dense).abs().max() > 1e-3  # thresholding changed something
     return full, dec
+
+
+def _dense_prefix_and_steps(model, settings, ids, N):
+    """Logits and stats of ``ids`` run two ways: one forward with ``dense_prefix = N``
+    (``full``, ``pre``), and a plain dense prefill of the first N tokens into a KV cache
+    followed by the rest one by one through the decode op (``steps``, ``dec``; the logits
+    of rows N..T-1). Returns (full, steps, pre, dec)."""
+    pre, dec = _collector(model), _collector(model)
+    ctl = enable(model, settings, prefill_stats=pre)
+    ctl.dense_prefix = N
+    try:
+        full = forward(model, ids)
+    finally:
+        disable(model)
+    cache = new_cache(model)
+    forward(model, ids[:, :N], cache)  # the engine's own (dense) prefill
+    enable(model, settings, decode_stats=dec)
+    try:
+        steps = torch.cat([forward(model, ids[:, i:i + 1], cache) for i in range(N, ids.shape[1])], 1)
+    finally:
+        disable(model)
+    return full, steps, pre, dec
 
 
 def _sharp_llama(layers, q_heads, kv_heads, head_dim, hidden, vocab):
@@ -127,6 +151,11 @@ def collector():
 @pytest.fixture(scope="session")
 def prefill_equals_steps():
     return _prefill_equals_steps
+
+
+@pytest.fixture(scope="session")
+def dense_prefix_and_steps():
+    return _dense_prefix_and_steps
 
 
 @pytest.fixture(scope="session")

@@ -153,12 +153,10 @@ def test_calibration_files_describe_the_run(files):
 
 @pytest.mark.parametrize("spec", [SETTINGS[0], SETTINGS[2], SETTINGS[5]],
                          ids=lambda s: "-".join(str(v) for v in s.values()))
-def test_dense_prefix_equals_dense_prefill_then_decode_steps(model, files, spec, collector):
+def test_dense_prefix_equals_dense_prefill_then_decode_steps(model, files, spec, dense_prefix_and_steps):
     """``dense_prefix = N`` in one forward == what a serving engine does: the first N tokens
     prefilled densely (plain SDPA) into the KV cache, then the rest fed one by one through
     the decode op. Same logits, and the stats hold exactly the decode rows."""
-    from topth_ops.hf.runner import new_cache
-
     if spec["mode"] == "topth":
         s = TopthSettings(mode="topth", thresholds=files[spec["placement"]], sdc=spec["sdc"], vmc=spec["vmc"])
     else:
@@ -166,20 +164,7 @@ def test_dense_prefix_equals_dense_prefill_then_decode_steps(model, files, spec,
                           sdc=spec["sdc"], vmc=spec["vmc"])
     ids, N = _ids(5, 60), 24
     dense = forward(model, ids)
-    pre, dec = collector(model), collector(model)
-    ctl = enable(model, s, prefill_stats=pre)
-    ctl.dense_prefix = N
-    try:
-        full = forward(model, ids)
-    finally:
-        disable(model)
-    cache = new_cache(model)
-    forward(model, ids[:, :N], cache)  # the engine's own (dense) prefill
-    enable(model, s, decode_stats=dec)
-    try:
-        steps = torch.cat([forward(model, ids[:, i:i + 1], cache) for i in range(N, ids.shape[1])], 1)
-    finally:
-        disable(model)
+    full, steps, pre, dec = dense_prefix_and_steps(model, s, ids, N)
     torch.testing.assert_close(full[:, :N], dense[:, :N], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full[:, N:], steps, rtol=1e-4, atol=1e-4)
     assert (full[:, N:] - dense[:, N:]).abs().max() > 1e-3  # the late rows were thresholded

@@ -177,26 +177,13 @@ def test_gemma_model_name_without_its_packages_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.parametrize("N", [8, 20])  # below and above the window of 12
-def test_dense_prefix_on_sliding_layers(gemma, gemma_sets, collector, N):
+def test_dense_prefix_on_sliding_layers(gemma, gemma_sets, dense_prefix_and_steps, N):
     """A dense prefix equals the engine's dense prefill followed by decode steps, with the
     sliding-window layers thresholded after the prefix too: above the window, where their
     row ids stop at 12, the rows are told apart by the position_ids transformers passes."""
     s = TopthSettings(mode="topth", thresholds=gemma_sets[(0, "post_softmax", "head")], vmc=True)
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(9))
-    pre, dec = collector(gemma), collector(gemma)
-    ctl = enable(gemma, s, prefill_stats=pre)
-    ctl.dense_prefix = N
-    try:
-        full = forward(gemma, ids)
-    finally:
-        disable(gemma)
-    cache = new_cache(gemma)
-    forward(gemma, ids[:, :N], cache)
-    enable(gemma, s, decode_stats=dec)
-    try:
-        steps = torch.cat([forward(gemma, ids[:, i:i + 1], cache) for i in range(N, ids.shape[1])], 1)
-    finally:
-        disable(gemma)
+    full, steps, pre, dec = dense_prefix_and_steps(gemma, s, ids, N)
     torch.testing.assert_close(full[:, N:], steps, rtol=1e-4, atol=1e-4)
     assert pre.rows.sum(1).tolist() == [ids.shape[1] - N] * 3  # every layer, the sliding ones too
     assert torch.equal(pre.rows, dec.rows) and torch.equal(pre.kept, dec.kept)
