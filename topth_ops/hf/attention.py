@@ -189,8 +189,6 @@ class TopthAttention:
 
     def forward(self, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor:
         """One layer's attention; returns ``[B, T, num_q_heads, head_dim]``."""
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
             raise NotImplementedError("topth attention is causal decode attention; got a non-causal call")
         layer = module.layer_idx
@@ -208,8 +206,7 @@ class TopthAttention:
         late = (self._late_rows(layer, row_ids, kwargs)
                 if T > 1 and self.dense_prefix > 0 and not calibrating else None)
         if rule is None or (T > 1 and s.prefill == "dense" and not calibrating):
-            mask = None if sdpa_can_skip_mask(row_ids, key_valid, S) else attention_mask
-            out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
+            out = _sdpa(module, query, key, value, attention_mask, row_ids, key_valid, scale, kwargs)
             stats = self.decode_stats if T == 1 else self.prefill_stats
             if stats is not None:
                 if late is not None:  # the prefix rows are not counted (as thresholded layers do)
@@ -272,11 +269,8 @@ class TopthAttention:
     def _dense_prefix_forward(self, module, query, key, value, attention_mask, row_ids, key_valid, late, rule,
                               scale, kwargs) -> torch.Tensor:
         """A multi-row forward with the rows before ``late`` through SDPA, the late rows thresholded."""
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        B, Hq, T, D = query.shape
-        mask = None if sdpa_can_skip_mask(row_ids, key_valid, key.shape[2]) else attention_mask
-        out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
+        B = query.shape[0]
+        out = _sdpa(module, query, key, value, attention_mask, row_ids, key_valid, scale, kwargs)
         cols = late.any(0).nonzero()
         if cols.numel() == 0:
             return out
@@ -325,6 +319,16 @@ class TopthAttention:
         else:
             out = res
         return out.unsqueeze(1)  # [B, 1, Hq, D]
+
+
+def _sdpa(module, query, key, value, attention_mask, row_ids, key_valid, scale, kwargs) -> torch.Tensor:
+    """Dense attention of every row through transformers' SDPA function, ``[B, T, Hq, D]``
+    (the mask is dropped where the rows are plain causal prefixes)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask = None if sdpa_can_skip_mask(row_ids, key_valid, key.shape[2]) else attention_mask
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
+    return out
 
 
 def model_display_name(model) -> str:

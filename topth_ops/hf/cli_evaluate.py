@@ -109,7 +109,8 @@ def _run(args) -> int:
 
     args.variants = list(dict.fromkeys(args.variants or DEFAULT_FAMILIES))  # order kept, no repeats
     check_backend(args.backend)
-    for name in ("problems", "agreement_problems", "agreement_tokens", "long_docs", "long_tokens"):
+    for name in ("problems", "agreement_problems", "agreement_tokens", "long_docs", "long_tokens",
+                 "long_dense_prefix"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.problems < 1:
@@ -174,8 +175,6 @@ def _run(args) -> int:
                      agreement_tokens=args.agreement_tokens, long_docs=args.long_docs,
                      long_tokens=args.long_tokens, long_min_row=args.long_min_row,
                      long_dense_prefix=args.long_dense_prefix, backend=args.backend)
-    if cfg.long_dense_prefix < 0:
-        raise ValueError(f"--long-dense-prefix must be >= 0, got {cfg.long_dense_prefix}")
     if cfg.long_dense_prefix and not cfg.long_docs:
         raise ValueError("--long-dense-prefix applies to the long documents; give --long-docs N (N >= 1) with it")
     if cfg.long_docs and cfg.long_tokens <= cfg.long_first_row:
