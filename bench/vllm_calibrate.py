@@ -15,6 +15,11 @@ prefix caching off, one engine per configuration, one after another:
    engine (prompt rows only) and through the offline calibration (transformers, the same
    token ids), and the thresholds compared per set.
 
+With ``--second-round FILE`` (and ``--threshold-set``, ``--vmc``) the calibrating engines run
+a second round: every row of the file's thresholded layers goes through the op with that
+set while the rows are recorded, and the file records the set's own target; the offline
+side of ``--compare`` is ``calibrate(..., second_round=set)``.
+
 Usage::
 
     python -m topth_ops.bench.vllm_calibrate --model out/smol-hf --prompts 64 --k 32,128 \\
@@ -117,7 +122,8 @@ def compare(engine_files: dict, offline: dict) -> dict:
     return out
 
 
-def offline_sets(model: str, ids: list, ks: list, placements: list, selections: list) -> dict:
+def offline_sets(model: str, ids: list, ks: list, placements: list, selections: list, second=None,
+                 vmc: bool = True) -> dict:
     import torch
 
     from topth_ops.hf.calibrate import CalibrationText, calibrate
@@ -129,8 +135,10 @@ def offline_sets(model: str, ids: list, ks: list, placements: list, selections: 
     L = int(lm.config.num_hidden_layers)
     targets = [parse_layer_k(DEFAULT_LAYER_K, k, L) for k in ks]
     text = CalibrationText([torch.tensor(p) for p in ids], "the engine's prompts")
+    if second is not None:
+        targets = [list(second.layer_k)]
     sets = calibrate(lm.model, text, targets, placements, sdc_table=False, model_name=lm.name, progress=False,
-                     selections=selections)
+                     selections=selections, second_round=second, layerwise_vmc=vmc)
     return {(p, s): [sets[(i, p, s)] for i in range(len(ks))] for p in placements for s in selections}
 
 
@@ -148,16 +156,31 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="threshold files of the calibrating run ({placement}, {selection})")
     ap.add_argument("--compare", type=int, default=0, help="prompts of the engine-vs-offline comparison (0: skip)")
     ap.add_argument("--skip", nargs="*", default=[], choices=("vllm", "calibrate_decode", "calibrate"))
+    ap.add_argument("--second-round", metavar="FILE", default=None,
+                    help="calibrating engines run a second round serving this file (its --threshold-set)")
+    ap.add_argument("--threshold-set", type=int, default=None)
+    ap.add_argument("--vmc", action="store_true", help="with --second-round: serve it with VMC")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    second = None
+    if a.second_round:
+        from topth_ops.thresholds import load_thresholds
+
+        second = load_thresholds(a.second_round, a.threshold_set)
+        a.k, a.placement, a.selection = str(second.k), second.placement, second.selection
     from .cpu_cold import machine
 
     ids = prompts(a.model, a.prompts, a.min_tokens, a.max_tokens, a.held_out)
     max_len = max(len(p) for p in ids) + a.new_tokens + 16
     base = {"calibrate_k": a.k, "calibrate_placement": a.placement, "calibrate_selection": a.selection,
             "metrics": False, "log_interval": 0}
+    if second is not None:
+        base = {"thresholds": os.path.abspath(a.second_round), "threshold_set": a.threshold_set, "vmc": a.vmc,
+                "metrics": False, "log_interval": 0}  # k, layer-k map, placement, selection: the set's
     res = {"machine": vars(machine()), "prompts": len(ids), "prompt_tokens": [len(p) for p in ids],
-           "new_tokens": a.new_tokens, "k": a.k, "date": time.strftime("%Y-%m-%d")}
+           "new_tokens": a.new_tokens, "k": a.k, "date": time.strftime("%Y-%m-%d"),
+           "second_round": None if second is None else {"file": a.second_round, "set": a.threshold_set,
+                                                         "vmc": a.vmc, "summary": second.summary()}}
     tmp = tempfile.mkdtemp(prefix="topth-calibrate-bench-")
     pl = ["pre_softmax", "post_softmax"] if a.placement == "both" else [a.placement]
     se = ["head", "group"] if a.selection == "both" else [a.selection]
@@ -196,10 +219,12 @@ def main(argv=None) -> int:
         out = os.path.join(tmp, "cmp_{placement}_{selection}.safetensors")
         files = paths(out)
         run(a.model, sub, 1, {**base, "mode": "calibrate", "calibrate_out": out}, False, max_len, list(files.values()))
-        ks = [int(k) for k in a.k.split(",")]
-        off = offline_sets(a.model, sub, ks, pl, se)
+        ks = [int(k) for k in a.k.split(",")]  # (a second round: its set's map, not re-parsed)
+        off = offline_sets(a.model, sub, ks, pl, se, second, a.vmc)
         res["engine_vs_offline"] = compare(files, off)
         print(json.dumps(res["engine_vs_offline"], indent=1), flush=True)
+        if second is not None:  # how far the round moved from the set it served (the scale of the agreement)
+            res["engine_vs_served"] = compare(files, {(pl[0], se[0]): [second]})
     res.pop("tokens", None)
     save_json(a.json, res)
     return 0

@@ -165,3 +165,40 @@ def test_extend_to_k_and_model_flags_are_checked_before_the_model_loads(argv, ne
     assert main(argv + out) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_calibrate_second_round_refusals(tmp_path, capsys, monkeypatch):
+    """--second-round needs one set of the file matching --k, --placement and --selection, and
+    --no-sdc-table for pre_softmax; refused before the model loads, naming what the file holds."""
+    import torch
+
+    import topth_ops.hf.model
+    from topth_ops.thresholds import DENSE, ThresholdSet, save_threshold_sets
+
+    def no_model(*args, **kwargs):
+        raise RuntimeError("model loading reached")
+
+    monkeypatch.setattr(topth_ops.hf.model, "load_model", no_model)
+    cfg = dict(model_type="llama", num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    path = tmp_path / "th.safetensors"
+    th = torch.full((2, 2, 6), 0.5)
+    th[0] = -torch.inf
+    th[1, :, :2] = -torch.inf
+    save_threshold_sets(path, [ThresholdSet(thresholds=th, counts=torch.full((2, 2, 6), 2), layer_k=[DENSE, 2],
+                                            placement="pre_softmax", model_name="tiny", attention_config=cfg,
+                                            alpha=None, estimator="count")])
+    base = ["calibrate", "--out", str(tmp_path / "o.safetensors"), "--second-round", str(path)]
+    for extra, needle in (
+        (["--k", "2", "4", "--placement", "pre_softmax", "--no-sdc-table"], "give one --k"),
+        (["--k", "2", "--placement", "both", "--no-sdc-table"], "give one --k"),
+        (["--k", "2", "--placement", "pre_softmax"], "add --no-sdc-table"),
+        (["--k", "4", "--placement", "pre_softmax", "--no-sdc-table"], "holds k=2 pre_softmax head"),
+        (["--k", "2", "--placement", "post_softmax"], "needs one set with k=2, post_softmax, head selection"),
+        (["--k", "2", "--placement", "pre_softmax", "--no-sdc-table", "--layerwise-calibration"],
+         "--second-round replaces --layerwise-calibration"),
+    ):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+    with pytest.raises(RuntimeError, match="model loading reached"):
+        main(base + ["--k", "2", "--placement", "pre_softmax", "--no-sdc-table"])

@@ -175,7 +175,7 @@ def test_sigusr1_writes_a_snapshot(tmp_path, make_cfg):
     ({"calibrate_selection": "kv"}, "calibrate_selection must be one of"),
     ({"calibrate_requests": "-1"}, "calibrate_requests must be an integer >= 0"),
     ({"calibrate_layer_k": "0:x"}, "calibrate_layer_k"),
-    ({"thresholds": "/x.safetensors"}, "takes no thresholds file"),
+    ({"thresholds": "/x.safetensors", "dense_beyond": "8"}, "dense_beyond does not apply to a second"),
 ])
 def test_bad_calibrate_settings(tmp_path, kw, msg):
     with pytest.raises(TopthConfigError, match=msg):

@@ -319,3 +319,33 @@ def test_engine_calibration_tp2_and_request_count(tiny, tmp_path):
     assert torch.equal(fin, torch.isfinite(two.thresholds))
     assert float((one.thresholds[fin] - two.thresholds[fin]).abs().max()) < 1e-3
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".part")]
+
+
+def test_engine_second_round_equals_offline_second_round_on_the_same_tokens(smol, tmp_path):
+    """Mode calibrate with a served file (every row of its thresholded layers through the op,
+    prompt rows included) and `calibrate(..., second_round=set)` through transformers on the
+    same token ids: the same rows, thresholds close; the round moves them several times
+    further from the set it served (the control that shows the agreement is not trivial)."""
+    import torch
+
+    from topth_ops.bench.vllm_calibrate import offline_sets, prompts
+    from topth_ops.thresholds import save_threshold_sets
+
+    tiny4 = vc.write_tiny_llama(str(tmp_path / "tiny4"), smol, layers=4)
+    ids = prompts(tiny4, 2, 300, 420, 8)
+    first, = offline_sets(tiny4, ids, [16], ["pre_softmax"], ["group"])[("pre_softmax", "group")]
+    served = save_threshold_sets(tmp_path / "first.safetensors", [first])
+    out = tmp_path / "r2.json"
+    r = _run(["-m", "topth_ops.bench.vllm_calibrate", "--model", tiny4, "--prompts", "2", "--min-tokens", "300",
+              "--max-tokens", "420", "--second-round", str(served), "--vmc", "--skip", "vllm", "calibrate_decode",
+              "calibrate", "--out", str(tmp_path / "e_{placement}_{selection}.safetensors"), "--compare", "2",
+              "--json", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (key, c), = res["engine_vs_offline"].items()
+    (_, moved), = res["engine_vs_served"].items()
+    assert key.startswith("pre_softmax/group") and c["counts_equal"] and c["same_dense_entries"], c
+    assert c["max_abs_diff"] <= 0.01 * c["value_span"] and c["median_abs_diff"] <= 1e-3 * c["value_span"], c
+    assert moved["max_abs_diff"] >= 3 * c["max_abs_diff"], (moved, c)
+    assert res["second_round"]["vmc"] and "pre_softmax" in res["second_round"]["summary"]
+    assert torch.isfinite(first.thresholds).any()

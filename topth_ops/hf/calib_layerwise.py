@@ -16,7 +16,12 @@ inference compensation), layer l
    above.
 
 One batched pass suffices, instead of one pass per layer, because a layer's statistics are
-complete when every sample has reached it. The activations depend on k, placement and
+complete when every sample has reached it.
+
+A second round (``propagate``) runs the same pass with the thresholds of an earlier file in
+step 3 instead of the ones just solved: the layers below are thresholded as that file
+thresholds them. It is the reference of the vLLM engine's second round (mode ``calibrate``
+with a served file: docs/vllm.md), which cannot solve a layer before the layers above run. The activations depend on k, placement and
 selection, so each (target, placement, selection) is its own pass (as with top-k at
 calibration, one pass per target).
 """
@@ -54,11 +59,16 @@ class LayerwiseCalibrator:
         Apply V-mean compensation while propagating (as the inference variant will).
     max_chunk_elems : int
         Score chunk bound of :func:`topth_ops.prefill.prefill_attention`.
+    propagate : torch.Tensor, optional
+        float32 ``[num_layers, H, R]`` (H as the selection; R >= 1 row ids, the last column
+        serving longer rows): a second round: every thresholded layer returns its attention
+        under these thresholds (an earlier file's) instead of the ones solved in this pass.
 
     Raises
     ------
     ValueError
-        ``layer_k`` without one entry per layer, or ``sdc`` with post_softmax.
+        ``layer_k`` without one entry per layer, ``sdc`` with post_softmax or with
+        ``propagate``, or ``propagate`` of another shape.
 
     Notes
     -----
@@ -68,11 +78,19 @@ class LayerwiseCalibrator:
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, lengths: Sequence[int],
                  layer_k: list, placement: str, selection: str, extend_to: int, *, sdc: bool, vmc: bool,
-                 max_chunk_elems: int = MAX_CHUNK_ELEMS):
+                 max_chunk_elems: int = MAX_CHUNK_ELEMS, propagate: Optional[torch.Tensor] = None):
         if len(layer_k) != num_layers:
             raise ValueError(f"layer_k must have {num_layers} entries, got {len(layer_k)}")
         if sdc and placement != "pre_softmax":
             raise ValueError("the offline SDC table applies to pre_softmax thresholds only")
+        H = num_q_heads if selection == "head" else num_kv_heads
+        if propagate is not None:
+            if sdc:
+                raise ValueError("a second round (propagate) records no offline SDC table")
+            if propagate.dim() != 3 or tuple(propagate.shape[:2]) != (num_layers, H):
+                raise ValueError(f"propagate must be [num_layers={num_layers}, H={H}, R] thresholds ({selection} "
+                                 f"selection), got {tuple(propagate.shape)}")
+        self.propagate = propagate
         self.L, self.Hq = num_layers, num_q_heads
         self.lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
         self.max_len = int(self.lengths.max())
@@ -84,7 +102,6 @@ class LayerwiseCalibrator:
         ks = sorted({k for k in layer_k if k != DENSE})
         self.acc = CountAccumulator(num_layers, num_q_heads, num_kv_heads, self.max_len, ks, [placement],
                                     [selection])
-        H = num_q_heads if selection == "head" else num_kv_heads
         self._thresholds = torch.full((num_layers, H, self.extend_to), float("-inf"))
         self._sdc_acc: Optional[SdcAccumulator] = None
         if self.sdc:
@@ -150,6 +167,8 @@ class LayerwiseCalibrator:
         acc = self.acc
         run(RowRule("dense"), score_hook=lambda a, n, m, lz: acc.record(layer, a, n, m, lz))
         th = self._layer_thresholds(layer)
+        if self.propagate is not None:
+            th = self.propagate[layer].float()
         sdc_row = None
         if self.sdc:
             run(RowRule("dense"), score_hook=lambda a, n, m, lz: self._sdc_acc.record(layer, a, n))

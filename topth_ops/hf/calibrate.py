@@ -20,7 +20,8 @@ import torch
 
 from ..calibration import CalibrationResult, CountAccumulator, SdcAccumulator, ThresholdAccumulator
 from ..contract import SELECTIONS
-from ..thresholds import DENSE, MAX_ROW_IDS, ThresholdSet, attention_config_of, base_k, default_extend_to
+from ..thresholds import (DENSE, MAX_ROW_IDS, ThresholdSet, attention_config_of, base_k, default_extend_to,
+                          format_layer_k)
 from .attention import TopthSettings, disable, enable, model_display_name
 
 
@@ -87,7 +88,7 @@ def _layerwise_rule(placement: str, sdc_table: bool, vmc: bool) -> dict:
 
 
 def _calibrate_layerwise(model, text, targets, placements, selections, extend_to, shape, *, sdc, vmc, progress,
-                         pairs=None) -> dict:
+                         pairs=None, propagate=None) -> dict:
     from tqdm.auto import tqdm
 
     from .calib_layerwise import LayerwiseCalibrator, run_layerwise
@@ -100,10 +101,25 @@ def _calibrate_layerwise(model, text, targets, placements, selections, extend_to
     for i, p, s in tqdm(jobs, desc="calibrate layer-wise", unit="pass", disable=not progress):
         rule = _layerwise_rule(p, sdc, vmc)
         cal = LayerwiseCalibrator(L, Hq, Hkv, lengths, list(targets[i]), p, s, extend_to,
-                                  sdc=rule["sdc"] == "offline", vmc=rule["vmc"])
+                                  sdc=rule["sdc"] == "offline", vmc=rule["vmc"], propagate=propagate)
         run_layerwise(model, text.samples, cal, TopthSettings(mode="dense"))
         out[(i, p, s)] = cal.result()
     return out
+
+
+def _check_second_round(ts: ThresholdSet, targets, placements, selections, *, estimator: str, other: bool,
+                        sdc_table: bool) -> None:
+    if other or estimator != "count":
+        raise ValueError("a second round (second_round) needs the kept-count estimator and replaces layer-wise "
+                         "calibration and top-k at calibration (give one of them)")
+    want = ([list(ts.layer_k)], [ts.placement], [ts.selection])
+    got = ([list(t) for t in targets], list(placements), list(selections))
+    if got != want:
+        raise ValueError(f"a second round calibrates its set's own target: layer-k map {format_layer_k(ts.layer_k)}, "
+                         f"{ts.placement}, {ts.selection} selection; got layer-k maps "
+                         f"{[format_layer_k(t) for t in got[0]]}, placements {got[1]}, selections {got[2]}")
+    if sdc_table and ts.placement == "pre_softmax":
+        raise ValueError("a second round records no offline SDC table: pass sdc_table=False (--no-sdc-table)")
 
 
 def calibrate(model, text: CalibrationText, targets: Sequence[list], placements: Sequence[str],
@@ -111,7 +127,8 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
               sdc_table: bool = True, model_name: Optional[str] = None, progress: bool = True,
               estimator: str = "count", selections: Sequence[str] = ("head",),
               extend_to: Optional[int] = None, layerwise: bool = False,
-              layerwise_vmc: bool = True, pairs: Optional[set] = None) -> dict[tuple[int, str, str], ThresholdSet]:
+              layerwise_vmc: bool = True, pairs: Optional[set] = None,
+              second_round: Optional[ThresholdSet] = None) -> dict[tuple[int, str, str], ThresholdSet]:
     """Calibrate thresholds for several layer-k maps, placements and selection modes.
 
     Parameters
@@ -161,6 +178,15 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         With ``layerwise``: calibrate only these pairs (each is its own pass); default all.
         Each must be in ``placements`` x ``selections`` (the one-pass calibration records
         every pair anyway).
+    second_round : ThresholdSet, optional
+        Calibrate again on the activations this earlier set gives: every thresholded
+        layer runs the set's thresholds (with VMC per ``layerwise_vmc``) while the pass
+        records every layer's dense scores, so a one-pass pre_softmax file, whose layers
+        keep above k once the layers below are thresholded, is re-fitted to them. One
+        target, the set's own layer-k map, placement and selection; estimator "count";
+        no offline SDC table. The reference of the vLLM engine's second round (mode
+        ``calibrate`` with a served file, docs/vllm.md); offline, ``layerwise`` fits the
+        layers below exactly instead.
 
     Returns
     -------
@@ -173,9 +199,10 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         No samples, a target with a k that is not an integer >= 1 (or DENSE), ``pairs``
         empty or naming a pair outside placements x selections, no calibration row
         longer than some layer's k, a non-finite alpha, alpha != 0 with "count", group
-        selection with "mean", ``layerwise`` with "mean" or with top-k at calibration, or a
-        negative alpha that makes post_softmax thresholds
-        negative.
+        selection with "mean", ``layerwise`` with "mean" or with top-k at calibration, a
+        negative alpha that makes post_softmax thresholds negative, or ``second_round``
+        with another target, placement or selection than its set's, with ``layerwise``,
+        top-k at calibration, the "mean" estimator or the offline SDC table.
     """
     if not text.samples:
         raise ValueError("calibration needs at least one text sample (the calibration text is empty)")
@@ -195,6 +222,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     if layerwise and (estimator != "count" or topk_at_calibration):
         raise ValueError("layer-wise calibration needs the kept-count estimator (estimator='count') and "
                          "replaces top-k at calibration (give one of them)")
+    if second_round is not None:
+        _check_second_round(second_round, targets, placements, selections, estimator=estimator,
+                            other=layerwise or topk_at_calibration, sdc_table=sdc_table)
     if estimator == "count" and alpha != 0:
         raise ValueError(f"alpha (--alpha {alpha}) applies to the 'mean' estimator (algorithm 1); the "
                          "'count' estimator targets the mean kept count directly")
@@ -231,10 +261,11 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         raise ValueError(f"extend_to must be an integer from the longest calibration sample ({max_len} tokens) "
                          f"to {MAX_ROW_IDS}, got {extend_to!r}")
     results: dict[tuple[int, str, str], CalibrationResult] = {}
-    if layerwise:
+    if layerwise or second_round is not None:
         results = _calibrate_layerwise(model, text, targets, placements, selections, extend_to, (L, Hq, Hkv),
-                                       sdc=sdc_table, vmc=layerwise_vmc, progress=progress, pairs=pairs)
-    passes = [] if layerwise else [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
+                                       sdc=sdc_table and second_round is None, vmc=layerwise_vmc, progress=progress,
+                                       pairs=pairs, propagate=None if second_round is None else second_round.thresholds)
+    passes = [] if layerwise or second_round is not None else [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
     for idx in passes:
         if estimator == "count":
             ks = sorted({k for i in idx for k in targets[i] if k != DENSE})
@@ -260,7 +291,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             for p in placements:
                 results[(i, p, "head")] = acc.result(j, p, alpha)
 
-    if sdc_table and "pre_softmax" in placements and not layerwise:
+    if sdc_table and "pre_softmax" in placements and not layerwise and second_round is None:
         pre = [key for key in results if key[1] == "pre_softmax"]
         groups = [[key for key in pre if key[0] == i] for i in range(len(targets))] if topk_at_calibration else [pre]
         for grp in groups:
@@ -284,7 +315,9 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         out[key] = ThresholdSet(
             thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=key[1],
             model_name=model_name or model_display_name(model), attention_config=attention_config_of(cfg),
-            alpha=r.alpha, sdc_table=r.sdc_table, calibration_text=text.description,
+            alpha=r.alpha, sdc_table=r.sdc_table,
+            calibration_text=text.description + (f"; second round of {second_round.path or second_round.name}"
+                                                 if second_round is not None else ""),
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
             topk_at_calibration=topk_at_calibration, layerwise=layerwise, selection=r.selection,
             layerwise_rule=_layerwise_rule(key[1], sdc_table, layerwise_vmc) if layerwise else None,

@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output .safetensors; several k go into one file as threshold sets (per-request "
                         "sparsity), or one file per k when the name contains {k}; with both placements / "
                         "selections it must contain {placement} / {selection}, e.g. th_{placement}.safetensors")
+    p.add_argument("--second-round", metavar="FILE", default=None,
+                   help="calibrate again with every layer running this earlier file's thresholds (its set of the "
+                        "same k, placement and selection; VMC): re-fits a one-pass pre_softmax file, whose upper "
+                        "layers keep above k, to the activations it gives. The reference of the vLLM engine's "
+                        "second round (`topth-ops serve --calibrate OUT --thresholds FILE`); offline, "
+                        "--layerwise-calibration fits exactly. One k; needs --no-sdc-table for pre_softmax")
     p.add_argument("--import-reference", metavar="TH_TXT", default=None,
                    help="instead of calibrating, import th.txt from the paper's reference code "
                         "(needs --placement pre_softmax or post_softmax; --k is ignored)")
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         check_extend_to(args, "--max-tokens")
         check_alpha(args.alpha)
         check_layerwise(args)
+        second = _second_round_set(args) if args.second_round else None
         check_layer_k_syntax(args.layer_k)
         placements = ["pre_softmax", "post_softmax"] if args.placement == "both" else [args.placement]
         selections = ["head", "group"] if args.selection == "both" else [args.selection]
@@ -109,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         sets = calibrate(lm.model, text, targets, placements, alpha=args.alpha,
                          topk_at_calibration=args.topk_at_calibration, layerwise=args.layerwise_calibration,
                          sdc_table=not args.no_sdc_table, model_name=lm.name, progress=show_progress(args),
-                         estimator=args.estimator, selections=selections, extend_to=args.extend_to)
+                         estimator=args.estimator, selections=selections, extend_to=args.extend_to,
+                         second_round=second)
         for p in placements:
             for sel in selections:
                 mine = [sets[(i, p, sel)] for i in range(len(ks))]
@@ -123,6 +131,28 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except (ValueError, OSError, ModelNotAvailable) as e:
         return fail(str(e))
+
+
+def _second_round_set(args):
+    """The set of ``--second-round`` that this calibration refits (before the model loads):
+    the file's set with the one --k, --placement and --selection given."""
+    from ..thresholds import load_threshold_sets
+
+    if args.layerwise_calibration or args.topk_at_calibration:
+        raise ValueError("--second-round replaces --layerwise-calibration and --topk-at-calibration (give one)")
+    ks = flat_k(args.k)
+    if len(ks) != 1 or args.placement == "both" or args.selection == "both":
+        raise ValueError("--second-round refits one set: give one --k, --placement pre_softmax or post_softmax and "
+                         "--selection head or group")
+    if args.placement == "pre_softmax" and not args.no_sdc_table:
+        raise ValueError("--second-round records no offline SDC table: add --no-sdc-table")
+    sets = load_threshold_sets(args.second_round)
+    match = [t for t in sets if (t.k, t.placement, t.selection) == (ks[0], args.placement, args.selection)]
+    if len(match) != 1:
+        have = ", ".join(f"k={t.k} {t.placement} {t.selection}" for t in sets)
+        raise ValueError(f"--second-round {args.second_round!r} needs one set with k={ks[0]}, {args.placement}, "
+                         f"{args.selection} selection; it holds {have}")
+    return match[0]
 
 
 def _import(args) -> int:

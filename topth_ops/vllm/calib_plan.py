@@ -8,7 +8,7 @@ import torch
 from .. import packed
 from ..cli import check_output_file
 from ..contract import PLACEMENTS
-from ..thresholds import attention_config_of, parse_layer_k
+from ..thresholds import attention_config_of, format_layer_k, parse_layer_k
 from ..thresholds.save import sets_file_path
 from .settings import TopthConfigError, VllmTopthSettings
 
@@ -50,6 +50,44 @@ def row_scores(q: torch.Tensor, keys: torch.Tensor, row_ids: torch.Tensor, scale
     return a.masked_fill_(invalid[None], float("-inf"))
 
 
+def token_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+               block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query token of a batch as one decode row of the op (a second calibration
+    round serves prompt rows this way).
+
+    Parameters
+    ----------
+    query_start_loc : torch.Tensor
+        ``[num_reqs + 1]`` token offsets of the requests (0 first).
+    seq_lens : torch.Tensor
+        ``[num_reqs]`` lengths after the step.
+    block_table : torch.Tensor
+        ``[num_reqs, width]``.
+
+    Returns
+    -------
+    row_ids : torch.Tensor
+        ``[num_tokens]`` int32: the keys each token attends to (its position + 1).
+    block_table : torch.Tensor
+        ``[num_tokens, width]`` int32: its request's block-table row.
+
+    Raises
+    ------
+    ValueError
+        A request with more query tokens than its length.
+    """
+    qsl = query_start_loc.to(torch.int64)
+    ql = qsl[1:] - qsl[:-1]
+    n = seq_lens.to(torch.int64)
+    if bool((ql > n).any()):
+        raise ValueError(f"query_start_loc gives a request more query tokens than its seq_lens: {ql.tolist()} vs "
+                         f"{n.tolist()}")
+    req = torch.repeat_interleave(torch.arange(ql.numel()), ql)
+    tok = torch.arange(req.numel())
+    rows = n[req] - ql[req] + (tok - qsl[:-1][req]) + 1
+    return rows.to(torch.int32), block_table[req].to(torch.int32)
+
+
 def output_paths(template: str, ks: list, placements: list, selections: list) -> dict:
     """``{(k or None, placement, selection): path}`` of the files a calibration writes
     (``{k}`` in ``template``: one file per k)."""
@@ -62,9 +100,14 @@ def output_paths(template: str, ks: list, placements: list, selections: list) ->
     return out
 
 
-def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int) -> tuple:
+def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int, served=None) -> tuple:
     """The calibration a mode-``calibrate`` engine runs, checked against the model (engine
     start, and ``topth-ops serve --calibrate`` before the engine loads).
+
+    ``served`` (ThresholdSet): a second round serving that set; its target (layer-k map,
+    placement, selection) is the one recorded (with ``calibrate_k`` unset the layer-k
+    settings are not read), and a k, layer-k map, placement or selection given that
+    differs from it is refused.
 
     Returns
     -------
@@ -75,17 +118,29 @@ def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int) -> t
     ------
     TopthConfigError
         A layer-k map for another model, group selection with a TP size above the KV
-        heads, a bad output template, or an output path that cannot be written.
+        heads, a bad output template, an output path that cannot be written, or a
+        second round told to record another target than its served set's.
     """
     cfg = attention_config_of(hf_config)
-    ks = settings.calibrate_ks()
-    try:
-        targets = [list(parse_layer_k(settings.calibrate_layer_k, k, cfg["num_layers"])) for k in ks]
-    except ValueError as e:
-        raise TopthConfigError(f"topth vLLM backend: calibrate_layer_k: {e}") from None
-    p, s = settings.calibrate_placement, settings.calibrate_selection
+    if served is not None and not settings.calibrate_k:  # the served set's own layer-k map
+        ks, targets = [served.k], [list(served.layer_k)]
+    else:
+        ks = settings.calibrate_ks()
+        try:
+            targets = [list(parse_layer_k(settings.calibrate_layer_k, k, cfg["num_layers"])) for k in ks]
+        except ValueError as e:
+            raise TopthConfigError(f"topth vLLM backend: calibrate_layer_k: {e}") from None
+    p = settings.calibrate_placement or (served.placement if served is not None else "post_softmax")
+    s = settings.calibrate_selection or (served.selection if served is not None else "head")
     placements = list(PLACEMENTS) if p == "both" else [p]
     selections = ["head", "group"] if s == "both" else [s]
+    if served is not None and (targets, placements, selections) != ([list(served.layer_k)], [served.placement],
+                                                                      [served.selection]):
+        raise TopthConfigError(
+            f"topth vLLM backend: a second calibration round records the target of the set it serves ({served.name()}: "
+            f"k per layer {format_layer_k(served.layer_k)}, {served.placement}, {served.selection} selection); the "
+            f"calibrate settings ask for k per layer {[format_layer_k(t) for t in targets]}, {placements}, {selections} "
+            "(the activations depend on the served set: leave calibrate_k, placement and selection unset)")
     if "group" in selections and tp_size > cfg["num_kv_heads"]:
         raise TopthConfigError(f"topth vLLM backend: group-selection calibration needs whole GQA groups on a rank; "
                                f"tensor-parallel size {tp_size} exceeds the model's {cfg['num_kv_heads']} KV heads")

@@ -40,7 +40,7 @@ import torch
 
 from ..calibration import CountAccumulator
 from ..prefill import MAX_CHUNK_ELEMS
-from ..thresholds import DENSE, ThresholdSet, attention_config_of, default_extend_to
+from ..thresholds import DENSE, ThresholdSet, attention_config_of, default_extend_to, format_layer_k
 from ..thresholds.save import save_threshold_sets
 from . import requests as requests_mod
 from .calib_plan import check_calibration, output_paths, paged_keys, row_scores
@@ -71,6 +71,9 @@ class EngineCalibration:
     tp_rank, tp_size : int
     max_model_len : int
         The engine's longest row (sizes the accumulator).
+    served : ThresholdSet, optional
+        A second round: the set every row of its thresholded layers is served with
+        (prompt rows too); its own target is recorded.
 
     Raises
     ------
@@ -81,12 +84,13 @@ class EngineCalibration:
     """
 
     def __init__(self, settings: VllmTopthSettings, hf_config, model_name: Optional[str], tp_rank: int,
-                 tp_size: int, max_model_len: int):
+                 tp_size: int, max_model_len: int, served: Optional[ThresholdSet] = None):
         cfg = attention_config_of(hf_config)
+        self.served = served
         self.cfg, self.model_name, self.rank, self.tp = cfg, model_name, tp_rank, tp_size
         L, Hq, Hkv = cfg["num_layers"], cfg["num_q_heads"], cfg["num_kv_heads"]
         self.template = settings.calibrate_out
-        self.ks, self.targets, self.placements, self.selections = check_calibration(settings, hf_config, tp_size)
+        self.ks, self.targets, self.placements, self.selections = check_calibration(settings, hf_config, tp_size, served)
         self.context = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
         self.prefill = settings.calibrate_prefill
         self.requests_target = settings.calibrate_requests
@@ -115,10 +119,13 @@ class EngineCalibration:
             logger.warning("topth: calibration: k=%s reach the engine's max_model_len %d; no row is longer, so layers "
                            "at those k will be dense in the file", never, max_model_len)
         nbytes = sum(h.numel() * 8 for h in self.acc.hist.values()) + self.acc.rows_per_id.numel() * 8
-        logger.info("topth: calibrating from served traffic (every row served by vLLM's own attention): k=%s, %s, "
+        how = ("every row served by vLLM's own attention" if served is None else
+               f"second round: every row of the thresholded layers through the op with {served.name()}")
+        logger.info("topth: calibrating from served traffic (%s): k=%s, %s, "
                     "%s selection, layer-k %r, prefill rows %s; writing %s %s; accumulators %.1f MB (rank %d of %d); "
-                    "`kill -USR1 %d` writes a snapshot", self.ks, "/".join(self.placements), "/".join(self.selections),
-                    settings.calibrate_layer_k, "on" if self.prefill else "off", ", ".join(self.paths().values()),
+                    "`kill -USR1 %d` writes a snapshot", how, self.ks, "/".join(self.placements), "/".join(self.selections),
+                    settings.calibrate_layer_k if served is None else format_layer_k(served.layer_k),
+                    "on" if self.prefill else "off", ", ".join(self.paths().values()),
                     f"after {self.requests_target} requests" if self.requests_target else "at shutdown",
                     nbytes / 1e6, tp_rank, tp_size, os.getpid())
 
@@ -292,9 +299,11 @@ class EngineCalibration:
     # ------------------------------------------------------------------ writing
 
     def source(self) -> str:
+        second = "" if self.served is None else f"; second round, every row served with {self.served.name()}"
         return (f"served traffic: {self.prompts} prompts ({self.finished_requests()} requests finished), "
                 f"{self.tokens} tokens in {self.steps} steps; "
-                f"rows recorded per layer: {self.prefill_rows} prompt, {self.decode_rows} decode; row ids 1-{self.max_row}")
+                f"rows recorded per layer: {self.prefill_rows} prompt, {self.decode_rows} decode; row ids 1-{self.max_row}"
+                f"{second}")
 
     def write(self, reason: str, final: bool = False) -> list:
         """Write the files now (``final``: and stop recording once written). Returns the

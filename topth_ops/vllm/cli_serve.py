@@ -20,7 +20,8 @@ CPU_DEFAULTS = [("--dtype", "float32"), ("--enforce-eager", None), ("--max-model
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="Hugging Face model folder (e.g. from `topth-ops export-hf`)")
-    p.add_argument("--thresholds", help="threshold file from `topth-ops calibrate` (mode topth)")
+    p.add_argument("--thresholds", help="threshold file from `topth-ops calibrate` (mode topth; with --calibrate a "
+                                        "second round: every row thresholded by it while the rows are recorded)")
     p.add_argument("--mode", choices=("topth", "dense", "calibrate", "vllm"), default=None,
                    help="topth (default with --thresholds), dense (this backend keeping every row), calibrate "
                         "(default with --calibrate), or vllm (vLLM's own attention, no Top-Theta: the baseline)")
@@ -175,11 +176,11 @@ def build(args) -> tuple[list[str], dict[str, str]]:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("default")
-                load_for_model(settings, cfg, model_name_of(cfg, args.model), tp)
+                served = load_for_model(settings, cfg, model_name_of(cfg, args.model), tp)
             if settings.mode == "calibrate":
                 from .calib_plan import check_calibration
 
-                check_calibration(settings, cfg, tp)
+                check_calibration(settings, cfg, tp, served)
         except (TopthConfigError, ThresholdFileError, ValueError) as e:
             raise CliError(str(e)) from None
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,

@@ -42,7 +42,7 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
     Returns
     -------
     ThresholdSet or None
-        None in modes dense and calibrate.
+        None in mode dense and in mode calibrate without a file.
 
     Raises
     ------
@@ -59,7 +59,7 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
             f"{cfg['num_q_heads']} query heads, so the threshold rows cannot be split per rank")
     if settings.op_backend:
         _check_op_backend(settings.op_backend)
-    if settings.mode != "topth":  # dense, calibrate: no file to serve
+    if settings.mode == "dense" or not settings.thresholds:  # dense, calibrate's first round: no file to serve
         return None
     path = settings.thresholds
     if not os.path.isfile(path):

@@ -150,7 +150,8 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
     if settings.mode == "calibrate":
         from .calibration import EngineCalibration
 
-        calib = EngineCalibration(settings, hf, name, tp_rank, tp_size, int(vcfg.model_config.max_model_len))
+        calib = EngineCalibration(settings, hf, name, tp_rank, tp_size, int(vcfg.model_config.max_model_len),
+                                  served=ts)
         calib.start_triggers()
         if st is not None:
             st.sections["calibration"] = calib.report

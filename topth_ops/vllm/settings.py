@@ -34,7 +34,9 @@ TOPTH_VLLM_CALIBRATE_*    [calibrate_*]       mode ``calibrate`` (serve dense, w
                                               ``LAYER_K`` (``0:256,1:256``), ``PLACEMENT``,
                                               ``SELECTION`` (or ``both``), ``REQUESTS`` (write
                                               after this many requests; 0: at shutdown or on
-                                              SIGUSR1), ``PREFILL`` (1/0: prompt rows too)
+                                              SIGUSR1), ``PREFILL`` (1/0: prompt rows too);
+                                              with a threshold file, a second round (every
+                                              row thresholded by it while rows are recorded)
 ========================  ==================  ==============================================
 
 The backend is active when TOPTH_VLLM_MODE or TOPTH_VLLM_THRESHOLDS is set, or when
@@ -88,7 +90,10 @@ class VllmTopthSettings:
     ----------
     mode : {"topth", "dense", "calibrate"}
         ``calibrate``: every row dense (vLLM's own attention) while the served rows are
-        recorded for a threshold file (:mod:`topth_ops.vllm.calibration`).
+        recorded for a threshold file (:mod:`topth_ops.vllm.calibration`); with
+        ``thresholds`` a second round: every row of the file's thresholded layers,
+        prompt rows included, goes through the op with that file while the rows are
+        recorded (answers are Top-Theta's).
     thresholds : str or None
         Path of the threshold file; required by mode "topth".
     threshold_set : int or None
@@ -118,7 +123,9 @@ class VllmTopthSettings:
         Decode rows whose row id exceeds it are served dense; 0 turns it off.
     calibrate_out, calibrate_k, calibrate_layer_k, calibrate_placement, calibrate_selection : str
         Mode ``calibrate``: output file template, the k list, the layer-k overrides, and
-        which placements / selections to write (as ``topth-ops calibrate``).
+        which placements / selections to write (as ``topth-ops calibrate``; placement
+        and selection None: post_softmax and head, or in a second round the served set's;
+        a second round's k list defaults to the set's k).
     calibrate_requests : int
         Write the file once this many requests have finished (0: at shutdown / SIGUSR1).
     calibrate_prefill : bool
@@ -142,8 +149,8 @@ class VllmTopthSettings:
     calibrate_out: Optional[str] = None
     calibrate_k: Optional[str] = None
     calibrate_layer_k: str = "0:256,1:256"
-    calibrate_placement: str = "post_softmax"
-    calibrate_selection: str = "head"
+    calibrate_placement: Optional[str] = None
+    calibrate_selection: Optional[str] = None
     calibrate_requests: int = 0
     calibrate_prefill: bool = True
 
@@ -197,19 +204,23 @@ class VllmTopthSettings:
         where = "(TOPTH_VLLM_CALIBRATE_* or additional_config['topth']['calibrate_*'])"
         if not self.calibrate_out:
             raise TopthConfigError(f"topth vLLM backend: mode 'calibrate' needs an output file: calibrate_out {where}")
-        if self.thresholds:
-            raise TopthConfigError("topth vLLM backend: mode 'calibrate' serves every row dense and writes a threshold "
-                                   f"file; it takes no thresholds file (got {self.thresholds!r})")
-        decode_only = [k for k, dflt in (("threshold_set", None), ("vmc", False), ("sdc", "none"),
-                                         ("dense_beyond", 0)) if getattr(self, k) != dflt]
-        if decode_only:
-            raise TopthConfigError(f"topth vLLM backend: {', '.join(decode_only)} "
-                                   f"{'applies' if len(decode_only) == 1 else 'apply'} to Top-Theta decode; mode "
-                                   "'calibrate' serves every row dense (drop it)")
-        self.calibrate_ks()
+        if self.thresholds:  # a second round: every row of the file's thresholded layers through the op
+            if self.dense_beyond:
+                raise TopthConfigError("topth vLLM backend: dense_beyond does not apply to a second calibration round "
+                                       "(mode 'calibrate' with a threshold file thresholds every row; drop it)")
+        else:
+            decode_only = [k for k, dflt in (("threshold_set", None), ("vmc", False), ("sdc", "none"),
+                                             ("dense_beyond", 0)) if getattr(self, k) != dflt]
+            if decode_only:
+                raise TopthConfigError(f"topth vLLM backend: {', '.join(decode_only)} "
+                                       f"{'applies' if len(decode_only) == 1 else 'apply'} to Top-Theta decode; mode "
+                                       "'calibrate' without a threshold file serves every row dense (drop it, or give "
+                                       "the file of a second round)")
+        if self.calibrate_k or not self.thresholds:  # a second round takes the k of its file
+            self.calibrate_ks()
         for key, choices in CALIBRATE_CHOICES.items():
             v = getattr(self, f"calibrate_{key}")
-            if v not in choices:
+            if v is not None and v not in choices:
                 raise TopthConfigError(f"topth vLLM backend: calibrate_{key} must be one of {choices}, got {v!r} {where}")
         if self.calibrate_requests < 0:
             raise TopthConfigError(f"topth vLLM backend: calibrate_requests must be an integer >= 0, got "

@@ -230,6 +230,8 @@ class SplitImpl:
         if B and m.sets is None and (self.rule.thresholded or rt.settings.metrics or rt.stats is not None):
             # once per step, shared by every layer (statistics sampling decides per step)
             m.sets = decode_sets(rt, B, m.seq_lens)
+        if rt.calib is not None and rt.thresholds is not None and self.rule.thresholded:
+            return self._second_round(layer, query, kv_cache, m, output)
         if not (B and self.rule.thresholded and self.rule.serves(m.sets.present)):
             super().forward(layer, query, key, value, kv_cache, m.full, output, output_scale, output_block_scale)
             if rt.stats is not None or rt.settings.metrics:
@@ -253,4 +255,25 @@ class SplitImpl:
         if m.prefill is not None:
             super().forward(layer, query[B:], key[B:], value[B:], kv_cache, m.prefill, output[B:])
         record(rt, self.layer, self.rule, m.sets, n, self.num_kv_heads, op_stats, m.num_prefill_tokens)
+        return output
+
+    def _second_round(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, m: SplitMetadata,
+                      output: torch.Tensor) -> torch.Tensor:
+        """A second calibration round (mode ``calibrate`` with a file): every token of the
+        batch, prompt rows included, is one decode row of the op with the served set,
+        then the rows are recorded (the layers above see thresholded activations, as
+        they will when the file is served). No statistics."""
+        from .calib_plan import token_rows
+
+        f, rt = m.full, self.rt
+        kc, vc, lay = self._views(layer, kv_cache)
+        n, bt = token_rows(f.query_start_loc, f.seq_lens, f.block_table)
+        R = n.shape[0]
+        ts = torch.full((R,), rt.default_set, dtype=torch.int32)
+        sets = DecodeSets(ts, None, None, frozenset({rt.default_set}), False)
+        value_mean = self._value_sum(vc, lay).mean(bt, n, vc) if self.rule.vmc else None
+        res, _ = decode_rows(rt, self.rule, query[:R], kc, vc, n, bt, self.scale, lay, sets, value_mean)
+        output[:R] = res.reshape(output[:R].shape).to(output.dtype)
+        rt.calib.observe(self.layer, query, kc, lay, f.query_start_loc, f.seq_lens, f.block_table, m.num_decodes,
+                         self.scale)
         return output
