@@ -196,9 +196,15 @@ def test_calibrate_second_round_refusals(tmp_path, capsys, monkeypatch):
         (["--k", "2", "--placement", "post_softmax"], "needs one set with k=2, post_softmax, head selection"),
         (["--k", "2", "--placement", "pre_softmax", "--no-sdc-table", "--layerwise-calibration"],
          "--second-round replaces --layerwise-calibration"),
+        (["--k", "2", "--placement", "pre_softmax", "--no-sdc-table", "--estimator", "mean"],
+         "--second-round needs the kept-count estimator"),
     ):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err
     with pytest.raises(RuntimeError, match="model loading reached"):
         main(base + ["--k", "2", "--placement", "pre_softmax", "--no-sdc-table"])
+    (tmp_path / "th.txt").write_text("1 2 3\n")
+    assert main(["calibrate", "--import-reference", str(tmp_path / "th.txt"), "--placement", "pre_softmax",
+                 "--out", str(tmp_path / "i.safetensors"), "--second-round", str(path)]) == 2
+    assert "--second-round calibrates; --import-reference only converts" in capsys.readouterr().err

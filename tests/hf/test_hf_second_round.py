@@ -60,7 +60,7 @@ def test_second_round_keeps_k_on_the_forward_of_the_set_it_refits(model, samples
                                                                   oracle_logits):
     first = _one_pass(model, samples, placement, selection)
     second = _second(model, samples, first)
-    assert not second.layerwise and "second round of" in second.calibration_text
+    assert not second.layerwise and second.calibration_text == "random token ids; second round of thresholds file"
     assert second.thresholds.shape == first.thresholds.shape and second.length_model is not None
     oracle = [oracle_logits(model, ids, _served(first)) for ids in samples]
     errors = _kept_errors(second, oracle)
@@ -140,3 +140,15 @@ def test_calibrator_refuses_a_propagate_table_of_another_shape():
     with pytest.raises(ValueError, match="no offline SDC table"):
         LayerwiseCalibrator(L, HQ, HKV, [8], TARGET, "pre_softmax", "head", 64, sdc=True, vmc=True,
                             propagate=torch.zeros(L, HQ, 64))
+
+
+def test_second_round_refuses_a_set_for_another_model(model, samples):
+    import dataclasses
+
+    from topth_ops.thresholds import ThresholdFileError
+
+    first = _one_pass(model, samples, "pre_softmax", "head")
+    cfg = dict(first.attention_config, num_layers=L + 1)
+    other = dataclasses.replace(first, attention_config=cfg)
+    with pytest.raises(ThresholdFileError, match="layers"):
+        _second(model, samples, other)

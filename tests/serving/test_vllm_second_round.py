@@ -47,7 +47,7 @@ def test_second_round_thresholds_every_row_and_records_the_first_rounds_rows(
     s = _settings(tmp_path, vmc=vmc)
     calib = EngineCalibration(s, cfg, "tiny", 0, 1, 256, served=ts)
     assert (calib.placements, calib.selections, calib.targets) == ([placement], ["head"], [list(ts.layer_k)])
-    impl, _ = make_impl(monkeypatch, ts, s, Hq, Hkv, D, sets=[ts], calib=calib)
+    impl, stats = make_impl(monkeypatch, ts, s, Hq, Hkv, D, sets=[ts], calib=calib)
     eng = Engine(impl, isa, dtype, Hq, nb=12, bs=32, H=Hkv, D=D)
     steps, scale, kept, dense = [], 1 / math.sqrt(D), 0, 0
     lens = {}
@@ -71,6 +71,8 @@ def test_second_round_thresholds_every_row_and_records_the_first_rounds_rows(
     ref = _reference(eng, steps, True)
     assert torch.equal(calib.acc.rows_per_id[LAYER], ref.rows_per_id[LAYER])
     assert (calib.decode_rows, calib.prefill_rows) == (4, 62 + 4 + 57 + 1)
+    rep = stats.report()
+    assert not rep["last_steps"] and rep["prefill_tokens_dense"] == 0, rep  # no statistics in a second round
     path, = calib.write("test")
     assert "second round, every row served with thresholds file" in calib.source()
     calib.done = True
@@ -99,7 +101,7 @@ def test_second_round_settings(tmp_path, make_cfg, make_threshold_set):
     with pytest.raises(TopthConfigError, match="dense_beyond does not apply to a second calibration round"):
         _settings(tmp_path, dense_beyond=64)
     for kw in ({"calibrate_placement": "post_softmax"}, {"calibrate_selection": "group"},
-               {"calibrate_k": "16", "calibrate_layer_k": ""}):
+               {"calibrate_k": "16", "calibrate_layer_k": ""}, {"calibrate_layer_k": "1:dense"}):
         with pytest.raises(TopthConfigError, match="records the target of the set it serves"):
             check_calibration(_settings(tmp_path, **kw), cfg, 1, ts)
     # a k given that is the set's own map is accepted

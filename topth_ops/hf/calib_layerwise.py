@@ -16,14 +16,15 @@ inference compensation), layer l
    above.
 
 One batched pass suffices, instead of one pass per layer, because a layer's statistics are
-complete when every sample has reached it.
+complete when every sample has reached it. The activations depend on k, placement and
+selection, so each (target, placement, selection) is its own pass (as with top-k at
+calibration, one pass per target).
 
 A second round (``propagate``) runs the same pass with the thresholds of an earlier file in
 step 3 instead of the ones just solved: the layers below are thresholded as that file
 thresholds them. It is the reference of the vLLM engine's second round (mode ``calibrate``
-with a served file: docs/vllm.md), which cannot solve a layer before the layers above run. The activations depend on k, placement and
-selection, so each (target, placement, selection) is its own pass (as with top-k at
-calibration, one pass per target).
+with a served file: docs/vllm.md), which cannot solve a layer before the layers above it
+run.
 """
 
 from __future__ import annotations

@@ -229,6 +229,8 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         raise ValueError(f"alpha (--alpha {alpha}) applies to the 'mean' estimator (algorithm 1); the "
                          "'count' estimator targets the mean kept count directly")
     cfg = model.config
+    if second_round is not None:
+        second_round.check_model(cfg, model_name, compare_name=model_name is not None)
     L, Hq = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
     Hkv = int(getattr(cfg, "num_key_value_heads", None) or Hq)
     for t in targets:
@@ -316,7 +318,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=key[1],
             model_name=model_name or model_display_name(model), attention_config=attention_config_of(cfg),
             alpha=r.alpha, sdc_table=r.sdc_table,
-            calibration_text=text.description + (f"; second round of {second_round.path or second_round.name}"
+            calibration_text=text.description + (f"; second round of {second_round.name()}"
                                                  if second_round is not None else ""),
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
             topk_at_calibration=topk_at_calibration, layerwise=layerwise, selection=r.selection,

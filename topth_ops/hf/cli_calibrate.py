@@ -65,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.import_reference:
-            if args.layerwise_calibration:
-                raise ValueError("--layerwise-calibration calibrates; --import-reference only converts a file")
+            for flag, on in (("--layerwise-calibration", args.layerwise_calibration),
+                             ("--second-round", args.second_round)):
+                if on:
+                    raise ValueError(f"{flag} calibrates; --import-reference only converts a file")
             if args.align != "stream":
                 raise ValueError("--align chooses calibration samples; --import-reference only converts a file")
             if args.extend_to is not None:
@@ -140,6 +142,8 @@ def _second_round_set(args):
 
     if args.layerwise_calibration or args.topk_at_calibration:
         raise ValueError("--second-round replaces --layerwise-calibration and --topk-at-calibration (give one)")
+    if args.estimator != "count":
+        raise ValueError("--second-round needs the kept-count estimator (--estimator count)")
     ks = flat_k(args.k)
     if len(ks) != 1 or args.placement == "both" or args.selection == "both":
         raise ValueError("--second-round refits one set: give one --k, --placement pre_softmax or post_softmax and "

@@ -9,7 +9,7 @@ from typing import Optional
 
 from ..cli import check_output_dir, check_output_file  # noqa: F401 (the commands import them from here)
 
-DEFAULT_LAYER_K = "0:256,1:256"
+from ..thresholds.layer_k import DEFAULT_LAYER_K  # noqa: F401 (the commands import it from here)
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from .format import (
                      exported_model_name,
                      fingerprint,
 )
-from .layer_k import DENSE, LayerK, base_k, format_layer_k, layer_k_overrides, parse_layer_k
+from .layer_k import DEFAULT_LAYER_K, DENSE, LayerK, base_k, format_layer_k, layer_k_overrides, parse_layer_k
 from .length_model import (
                      DOMAINS,
                      FEATURES,
@@ -41,7 +41,8 @@ from .sets import ThresholdSet, stack_sets
 from .tables import dense_rows, fill_unsampled
 from .validate import extend_sdc, extend_table, validate_set
 
-__all__ = ["DENSE", "DOMAINS", "ESTIMATORS", "FEATURES", "FORMAT", "FORMAT_VERSION", "MAX_ROW_IDS", "MODEL_NAME_KEY",
+__all__ = ["DEFAULT_LAYER_K", "DENSE", "DOMAINS", "ESTIMATORS", "FEATURES", "FORMAT", "FORMAT_VERSION", "MAX_ROW_IDS",
+           "MODEL_NAME_KEY",
            "THRESHOLD_FEATURE",
            "LayerK", "LengthModel", "ThresholdFileError", "ThresholdSet", "as_index", "attention_config_of", "base_k",
            "default_extend_to", "exported_model_name",

@@ -7,6 +7,10 @@ from typing import Optional, Sequence
 
 DENSE = 0  # layer k value meaning "not thresholded" (every row dense)
 
+#: The ``--layer-k`` overrides calibration uses unless told otherwise (the paper keeps
+#: layers 0 and 1 at a higher k).
+DEFAULT_LAYER_K = "0:256,1:256"
+
 LayerK = list[int]  # k per layer; DENSE (0) keeps the layer dense
 
 

@@ -8,7 +8,7 @@ import torch
 from .. import packed
 from ..cli import check_output_file
 from ..contract import PLACEMENTS
-from ..thresholds import attention_config_of, format_layer_k, parse_layer_k
+from ..thresholds import DEFAULT_LAYER_K, attention_config_of, format_layer_k, parse_layer_k
 from ..thresholds.save import sets_file_path
 from .settings import TopthConfigError, VllmTopthSettings
 
@@ -105,9 +105,8 @@ def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int, serv
     start, and ``topth-ops serve --calibrate`` before the engine loads).
 
     ``served`` (ThresholdSet): a second round serving that set; its target (layer-k map,
-    placement, selection) is the one recorded (with ``calibrate_k`` unset the layer-k
-    settings are not read), and a k, layer-k map, placement or selection given that
-    differs from it is refused.
+    placement, selection) is the one recorded, and a k, layer-k map, placement or
+    selection given that differs from it is refused.
 
     Returns
     -------
@@ -122,12 +121,13 @@ def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int, serv
         second round told to record another target than its served set's.
     """
     cfg = attention_config_of(hf_config)
-    if served is not None and not settings.calibrate_k:  # the served set's own layer-k map
-        ks, targets = [served.k], [list(served.layer_k)]
+    if served is not None and not settings.calibrate_k and settings.calibrate_layer_k is None:
+        ks, targets = [served.k], [list(served.layer_k)]  # the served set's own layer-k map
     else:
-        ks = settings.calibrate_ks()
+        ks = settings.calibrate_ks() if settings.calibrate_k or served is None else [served.k]
+        spec = DEFAULT_LAYER_K if settings.calibrate_layer_k is None else settings.calibrate_layer_k
         try:
-            targets = [list(parse_layer_k(settings.calibrate_layer_k, k, cfg["num_layers"])) for k in ks]
+            targets = [list(parse_layer_k(spec, k, cfg["num_layers"])) for k in ks]
         except ValueError as e:
             raise TopthConfigError(f"topth vLLM backend: calibrate_layer_k: {e}") from None
     p = settings.calibrate_placement or (served.placement if served is not None else "post_softmax")
@@ -140,7 +140,8 @@ def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int, serv
             f"topth vLLM backend: a second calibration round records the target of the set it serves ({served.name()}: "
             f"k per layer {format_layer_k(served.layer_k)}, {served.placement}, {served.selection} selection); the "
             f"calibrate settings ask for k per layer {[format_layer_k(t) for t in targets]}, {placements}, {selections} "
-            "(the activations depend on the served set: leave calibrate_k, placement and selection unset)")
+            "(the activations depend on the served set: leave calibrate_k, calibrate_layer_k, placement and "
+            "selection unset)")
     if "group" in selections and tp_size > cfg["num_kv_heads"]:
         raise TopthConfigError(f"topth vLLM backend: group-selection calibration needs whole GQA groups on a rank; "
                                f"tensor-parallel size {tp_size} exceeds the model's {cfg['num_kv_heads']} KV heads")

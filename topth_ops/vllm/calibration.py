@@ -1,7 +1,9 @@
 """Threshold calibration inside the vLLM engine (mode ``calibrate``; paper section 3.1).
 
 The engine serves every row through the platform's own attention, so answers are those of
-dense serving, while this module records the rows the engine computes in the bounded-memory
+dense serving (a second round, with a served file: every row of its thresholded layers
+through the op with that file, :meth:`topth_ops.vllm.split.SplitImpl._second_round`),
+while this module records the rows the engine computes in the bounded-memory
 kept-count accumulator of offline calibration
 (:class:`topth_ops.calibration.CountAccumulator`), for every requested k, placement and
 selection at once:
@@ -124,7 +126,7 @@ class EngineCalibration:
         logger.info("topth: calibrating from served traffic (%s): k=%s, %s, "
                     "%s selection, layer-k %r, prefill rows %s; writing %s %s; accumulators %.1f MB (rank %d of %d); "
                     "`kill -USR1 %d` writes a snapshot", how, self.ks, "/".join(self.placements), "/".join(self.selections),
-                    settings.calibrate_layer_k if served is None else format_layer_k(served.layer_k),
+                    format_layer_k(self.targets[0]) if len(self.targets) == 1 else settings.calibrate_layer_k,
                     "on" if self.prefill else "off", ", ".join(self.paths().values()),
                     f"after {self.requests_target} requests" if self.requests_target else "at shutdown",
                     nbytes / 1e6, tp_rank, tp_size, os.getpid())

@@ -49,16 +49,18 @@ def add_arguments(p) -> None:
                         "rows); 0: off (the default)")
     c = p.add_argument_group("calibration from served traffic (docs/vllm.md, \"Calibrating in the engine\")")
     c.add_argument("--calibrate", metavar="OUT", default=None,
-                   help="serve every row dense (vLLM's own attention) and write a threshold file from the served "
-                        "rows: at shutdown, on SIGUSR1 to the worker, or after --calibrate-requests; OUT as "
-                        "`topth-ops calibrate --out` ({placement}, {selection}, {k})")
+                   help="serve every row dense (vLLM's own attention; with --thresholds, a second round: every row "
+                        "thresholded by that file) and write a threshold file from the served rows: at shutdown, on "
+                        "SIGUSR1 to the worker, or after --calibrate-requests; OUT as `topth-ops calibrate --out` "
+                        "({placement}, {selection}, {k})")
     c.add_argument("--k", default=None, metavar="K,K", help="with --calibrate: the k list, e.g. 16,32,64")
     c.add_argument("--layer-k", default=None, metavar="SPEC",
-                   help="with --calibrate: per-layer k overrides (default 0:256,1:256, as `topth-ops calibrate`)")
+                   help="with --calibrate: per-layer k overrides (default 0:256,1:256, as `topth-ops calibrate`; a "
+                        "second round: the file's map)")
     c.add_argument("--placement", default=None, choices=("post_softmax", "pre_softmax", "both"),
-                   help="with --calibrate (default post_softmax)")
+                   help="with --calibrate (default post_softmax; a second round: the file's)")
     c.add_argument("--selection", default=None, choices=("head", "group", "both"),
-                   help="with --calibrate (default head)")
+                   help="with --calibrate (default head; a second round: the file's)")
     c.add_argument("--calibrate-requests", type=int, default=None, metavar="N",
                    help="with --calibrate: write the file once N requests have finished (default: at shutdown)")
     c.add_argument("--no-calibrate-prefill", action="store_true",

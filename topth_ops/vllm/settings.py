@@ -123,9 +123,10 @@ class VllmTopthSettings:
         Decode rows whose row id exceeds it are served dense; 0 turns it off.
     calibrate_out, calibrate_k, calibrate_layer_k, calibrate_placement, calibrate_selection : str
         Mode ``calibrate``: output file template, the k list, the layer-k overrides, and
-        which placements / selections to write (as ``topth-ops calibrate``; placement
-        and selection None: post_softmax and head, or in a second round the served set's;
-        a second round's k list defaults to the set's k).
+        which placements / selections to write (as ``topth-ops calibrate``). Unset
+        (None): layer-k ``0:256,1:256``, post_softmax and head, or in a second round the
+        served set's own k per layer, placement and selection ("" for the layer-k map:
+        no overrides).
     calibrate_requests : int
         Write the file once this many requests have finished (0: at shutdown / SIGUSR1).
     calibrate_prefill : bool
@@ -148,7 +149,7 @@ class VllmTopthSettings:
     dense_beyond: int = 0
     calibrate_out: Optional[str] = None
     calibrate_k: Optional[str] = None
-    calibrate_layer_k: str = "0:256,1:256"
+    calibrate_layer_k: Optional[str] = None
     calibrate_placement: Optional[str] = None
     calibrate_selection: Optional[str] = None
     calibrate_requests: int = 0
@@ -192,8 +193,8 @@ class VllmTopthSettings:
             self._check_calibrate()
         elif self.calibrate_out:
             raise TopthConfigError(f"topth vLLM backend: calibrate_out is set but mode is {self.mode!r}: calibration "
-                                   "runs in mode 'calibrate' only (it serves every row dense; drop the threshold file "
-                                   "or the mode to calibrate, or calibrate_out to serve)")
+                                   "runs in mode 'calibrate' only (drop the mode to calibrate, or calibrate_out to "
+                                   "serve)")
         if not (0 < self.sdc_gamma < float("inf")):
             raise TopthConfigError(f"topth vLLM backend: sdc_gamma must be finite and > 0, got {self.sdc_gamma!r} "
                                    f"({ENV['sdc_gamma']} or additional_config['topth']['sdc_gamma'])")
@@ -215,7 +216,7 @@ class VllmTopthSettings:
                 raise TopthConfigError(f"topth vLLM backend: {', '.join(decode_only)} "
                                        f"{'applies' if len(decode_only) == 1 else 'apply'} to Top-Theta decode; mode "
                                        "'calibrate' without a threshold file serves every row dense (drop it, or give "
-                                       "the file of a second round)")
+                                       "the threshold file of a second round)")
         if self.calibrate_k or not self.thresholds:  # a second round takes the k of its file
             self.calibrate_ks()
         for key, choices in CALIBRATE_CHOICES.items():
@@ -282,6 +283,8 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         if raw is None or (isinstance(raw, str) and raw.strip() == ""):
             return None
         return _parse_int(raw, where, "an integer index")
+    if key == "calibrate_layer_k" and isinstance(raw, str) and raw.strip() == "":
+        return ""  # no overrides (None: the default map)
     if key == "calibrate_k" and isinstance(raw, (int, list, tuple)) and not isinstance(raw, bool):
         return ",".join(str(x) for x in (raw if isinstance(raw, (list, tuple)) else [raw]))
     if key in ("sdc_gamma", "log_interval"):

@@ -227,11 +227,16 @@ class SplitImpl:
         m = attn_metadata
         B = m.num_decodes
         rt = self.rt
+        if rt.calib is not None and rt.thresholds is not None:  # a second calibration round: no statistics
+            if self.rule.thresholded:
+                return self._second_round(layer, query, kv_cache, m, output, output_scale, output_block_scale)
+            super().forward(layer, query, key, value, kv_cache, m.full, output, output_scale, output_block_scale)
+            if self._platform is None:
+                self._observe(layer, query, kv_cache, m)
+            return output
         if B and m.sets is None and (self.rule.thresholded or rt.settings.metrics or rt.stats is not None):
             # once per step, shared by every layer (statistics sampling decides per step)
             m.sets = decode_sets(rt, B, m.seq_lens)
-        if rt.calib is not None and rt.thresholds is not None and self.rule.thresholded:
-            return self._second_round(layer, query, kv_cache, m, output)
         if not (B and self.rule.thresholded and self.rule.serves(m.sets.present)):
             super().forward(layer, query, key, value, kv_cache, m.full, output, output_scale, output_block_scale)
             if rt.stats is not None or rt.settings.metrics:
@@ -239,10 +244,7 @@ class SplitImpl:
                 n = m.seq_lens if w is None else m.seq_lens.clamp(max=w)
                 record(rt, self.layer, self.rule, m.sets, n, self.num_kv_heads, None, m.num_prefill_tokens)
             if rt.calib is not None and self._platform is None:
-                f = m.full
-                kc, _, lay = self._views(layer, kv_cache)
-                rt.calib.observe(self.layer, query, kc, lay, f.query_start_loc, f.seq_lens, f.block_table, B,
-                                 self.scale)
+                self._observe(layer, query, kv_cache, m)
             return output
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("topth vLLM backend: fused output quantization is not supported")
@@ -258,13 +260,15 @@ class SplitImpl:
         return output
 
     def _second_round(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, m: SplitMetadata,
-                      output: torch.Tensor) -> torch.Tensor:
+                      output: torch.Tensor, output_scale=None, output_block_scale=None) -> torch.Tensor:
         """A second calibration round (mode ``calibrate`` with a file): every token of the
-        batch, prompt rows included, is one decode row of the op with the served set,
-        then the rows are recorded (the layers above see thresholded activations, as
-        they will when the file is served). No statistics."""
+        batch, prompt rows included, is one decode row of the op with the served set (the
+        file's set for every request), then the rows are recorded (the layers above see
+        thresholded activations, as they will when the file is served). No statistics."""
         from .calib_plan import token_rows
 
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("topth vLLM backend: fused output quantization is not supported")
         f, rt = m.full, self.rt
         kc, vc, lay = self._views(layer, kv_cache)
         n, bt = token_rows(f.query_start_loc, f.seq_lens, f.block_table)
@@ -274,6 +278,12 @@ class SplitImpl:
         value_mean = self._value_sum(vc, lay).mean(bt, n, vc) if self.rule.vmc else None
         res, _ = decode_rows(rt, self.rule, query[:R], kc, vc, n, bt, self.scale, lay, sets, value_mean)
         output[:R] = res.reshape(output[:R].shape).to(output.dtype)
-        rt.calib.observe(self.layer, query, kc, lay, f.query_start_loc, f.seq_lens, f.block_table, m.num_decodes,
-                         self.scale)
+        self._observe(layer, query, kv_cache, m)
         return output
+
+    def _observe(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, m: SplitMetadata) -> None:
+        """Mode ``calibrate``: record this layer's rows of the step (after the forward wrote them)."""
+        f = m.full
+        kc, _, lay = self._views(layer, kv_cache)
+        self.rt.calib.observe(self.layer, query, kc, lay, f.query_start_loc, f.seq_lens, f.block_table,
+                              m.num_decodes, self.scale)
