@@ -18,20 +18,10 @@ from topth_ops.hf.attention import TopthSettings
 from topth_ops.hf.calibrate import CalibrationText, calibrate
 from topth_ops.thresholds import DENSE
 
-from .test_hf_layerwise import D, HIDDEN, HKV, HQ, L, LENGTHS, TARGET, VOCAB, _kept_errors
+from .test_hf_layerwise import HKV, HQ, L, TARGET, _kept_errors
+from .test_hf_layerwise import model, samples  # noqa: F401 (the same tiny Llama and samples, as fixtures)
 
 EXTEND = 320
-
-
-@pytest.fixture(scope="module")
-def model(sharp_llama):
-    return sharp_llama(layers=L, q_heads=HQ, kv_heads=HKV, head_dim=D, hidden=HIDDEN, vocab=VOCAB)
-
-
-@pytest.fixture(scope="module")
-def samples():
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
 
 
 def _text(samples):
