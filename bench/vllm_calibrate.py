@@ -133,10 +133,8 @@ def offline_sets(model: str, ids: list, ks: list, placements: list, selections: 
 
     lm = load_model(model, progress=False)
     L = int(lm.config.num_hidden_layers)
-    targets = [parse_layer_k(DEFAULT_LAYER_K, k, L) for k in ks]
+    targets = [list(second.layer_k)] if second is not None else [parse_layer_k(DEFAULT_LAYER_K, k, L) for k in ks]
     text = CalibrationText([torch.tensor(p) for p in ids], "the engine's prompts")
-    if second is not None:
-        targets = [list(second.layer_k)]
     sets = calibrate(lm.model, text, targets, placements, sdc_table=False, model_name=lm.name, progress=False,
                      selections=selections, second_round=second, layerwise_vmc=vmc)
     return {(p, s): [sets[(i, p, s)] for i in range(len(ks))] for p in placements for s in selections}

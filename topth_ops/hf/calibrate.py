@@ -222,14 +222,13 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
     if layerwise and (estimator != "count" or topk_at_calibration):
         raise ValueError("layer-wise calibration needs the kept-count estimator (estimator='count') and "
                          "replaces top-k at calibration (give one of them)")
-    if second_round is not None:
-        _check_second_round(second_round, targets, placements, selections, estimator=estimator,
-                            other=layerwise or topk_at_calibration, sdc_table=sdc_table)
     if estimator == "count" and alpha != 0:
         raise ValueError(f"alpha (--alpha {alpha}) applies to the 'mean' estimator (algorithm 1); the "
                          "'count' estimator targets the mean kept count directly")
     cfg = model.config
     if second_round is not None:
+        _check_second_round(second_round, targets, placements, selections, estimator=estimator,
+                            other=layerwise or topk_at_calibration, sdc_table=sdc_table)
         second_round.check_model(cfg, model_name, compare_name=model_name is not None)
     L, Hq = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
     Hkv = int(getattr(cfg, "num_key_value_heads", None) or Hq)
@@ -263,11 +262,12 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
         raise ValueError(f"extend_to must be an integer from the longest calibration sample ({max_len} tokens) "
                          f"to {MAX_ROW_IDS}, got {extend_to!r}")
     results: dict[tuple[int, str, str], CalibrationResult] = {}
-    if layerwise or second_round is not None:
+    batched = layerwise or second_round is not None  # one layer-wise pass per target (calib_layerwise)
+    if batched:
         results = _calibrate_layerwise(model, text, targets, placements, selections, extend_to, (L, Hq, Hkv),
-                                       sdc=sdc_table and second_round is None, vmc=layerwise_vmc, progress=progress,
-                                       pairs=pairs, propagate=None if second_round is None else second_round.thresholds)
-    passes = [] if layerwise or second_round is not None else [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
+                                       sdc=sdc_table, vmc=layerwise_vmc, progress=progress, pairs=pairs,
+                                       propagate=None if second_round is None else second_round.thresholds)
+    passes = [] if batched else [(list(range(len(targets))))] if not topk_at_calibration else [[i] for i in range(len(targets))]
     for idx in passes:
         if estimator == "count":
             ks = sorted({k for i in idx for k in targets[i] if k != DENSE})
@@ -293,7 +293,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
             for p in placements:
                 results[(i, p, "head")] = acc.result(j, p, alpha)
 
-    if sdc_table and "pre_softmax" in placements and not layerwise and second_round is None:
+    if sdc_table and "pre_softmax" in placements and not batched:
         pre = [key for key in results if key[1] == "pre_softmax"]
         groups = [[key for key in pre if key[0] == i] for i in range(len(targets))] if topk_at_calibration else [pre]
         for grp in groups:

@@ -121,10 +121,10 @@ def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int, serv
         second round told to record another target than its served set's.
     """
     cfg = attention_config_of(hf_config)
+    ks = settings.calibrate_ks() if settings.calibrate_k or served is None else [served.k]
     if served is not None and not settings.calibrate_k and settings.calibrate_layer_k is None:
-        ks, targets = [served.k], [list(served.layer_k)]  # the served set's own layer-k map
+        targets = [list(served.layer_k)]  # the served set's own layer-k map
     else:
-        ks = settings.calibrate_ks() if settings.calibrate_k or served is None else [served.k]
         spec = DEFAULT_LAYER_K if settings.calibrate_layer_k is None else settings.calibrate_layer_k
         try:
             targets = [list(parse_layer_k(spec, k, cfg["num_layers"])) for k in ks]

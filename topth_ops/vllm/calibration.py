@@ -124,9 +124,9 @@ class EngineCalibration:
         how = ("every row served by vLLM's own attention" if served is None else
                f"second round: every row of the thresholded layers through the op with {served.name()}")
         logger.info("topth: calibrating from served traffic (%s): k=%s, %s, "
-                    "%s selection, layer-k %r, prefill rows %s; writing %s %s; accumulators %.1f MB (rank %d of %d); "
+                    "%s selection, k per layer %s, prefill rows %s; writing %s %s; accumulators %.1f MB (rank %d of %d); "
                     "`kill -USR1 %d` writes a snapshot", how, self.ks, "/".join(self.placements), "/".join(self.selections),
-                    format_layer_k(self.targets[0]) if len(self.targets) == 1 else settings.calibrate_layer_k,
+                    "; ".join(format_layer_k(t) for t in self.targets),
                     "on" if self.prefill else "off", ", ".join(self.paths().values()),
                     f"after {self.requests_target} requests" if self.requests_target else "at shutdown",
                     nbytes / 1e6, tp_rank, tp_size, os.getpid())
