@@ -42,9 +42,9 @@ import torch
 
 from ..calibration import CountAccumulator
 from ..prefill import MAX_CHUNK_ELEMS
-from ..thresholds import DENSE, ThresholdSet, attention_config_of, default_extend_to, format_layer_k
-from ..thresholds.save import save_threshold_sets
+from ..thresholds import DENSE, ThresholdSet, attention_config_of, format_layer_k
 from . import requests as requests_mod
+from .calib_files import CalibrationFiles
 from .calib_plan import check_calibration, output_paths, paged_keys, row_scores
 from .settings import VllmTopthSettings
 
@@ -52,14 +52,12 @@ logger = logging.getLogger("vllm.topth_ops")
 
 #: Score rows computed at once are capped at this many float32 values (bounded memory).
 CHUNK_VALUES = 1 << 24
-#: Seconds rank 0 waits for the other ranks' parts.
-MERGE_WAIT_S = 120.0
 #: Seconds without a forward (at least; and twice the last step) after which the engine is idle:
 #: every request of the last batch has finished, and writes happen from the trigger thread.
 IDLE_S = 5.0
 
 
-class EngineCalibration:
+class EngineCalibration(CalibrationFiles):
     """Records served rows and writes threshold files (module docstring).
 
     Parameters
@@ -297,114 +295,3 @@ class EngineCalibration:
                 "steps": self.steps, "prompt_rows_per_layer": self.prefill_rows,
                 "decode_rows_per_layer": self.decode_rows, "longest_row": self.max_row,
                 "record_seconds": dict(self.seconds), "files_written": self.generation, "done": self.done}
-
-    # ------------------------------------------------------------------ writing
-
-    def source(self) -> str:
-        second = "" if self.served is None else f"; second round, every row served with {self.served.name()}"
-        return (f"served traffic: {self.prompts} prompts ({self.finished_requests()} requests finished), "
-                f"{self.tokens} tokens in {self.steps} steps; "
-                f"rows recorded per layer: {self.prefill_rows} prompt, {self.decode_rows} decode; row ids 1-{self.max_row}"
-                f"{second}")
-
-    def write(self, reason: str, final: bool = False) -> list:
-        """Write the files now (``final``: and stop recording once written). Returns the
-        paths written (none on ranks > 0, and none without recorded rows, which is logged).
-        Layers without a recorded row longer than their k are written dense, with a warning."""
-        with self.lock:
-            if self.done:
-                return []
-            if not (self.prefill_rows or self.decode_rows):
-                # nothing to write yet: keep recording (a trigger that comes before the rows of
-                # the requests it counts, e.g. all of them entering one step, fires again later)
-                if not self._warned_empty:
-                    logger.warning("topth: calibration (%s): no rows were recorded yet (no request longer than "
-                                   "k=%d), so no threshold file was written", reason, self.acc.min_k)
-                    self._warned_empty = True
-                return []
-            self.generation += 1
-            acc, max_row = self.acc, self.max_row
-            if self.tp > 1:
-                acc, max_row = self._merge_parts()
-                if acc is None:
-                    self.done = final and self.rank > 0  # rank 0 merges; the other ranks are done with their part
-                    return []
-            extend_to = default_extend_to(max_row, self.context)
-            targets = [self._covered(acc, t) for t in self.targets]
-            if all(all(k == DENSE for k in t) for t in targets):
-                logger.warning("topth: calibration (%s): no layer has a recorded row longer than its k (%s); no "
-                               "threshold file was written yet", reason, self.ks)
-                return []
-            results = acc.results(targets, extend_to, calibrated_rows=max_row)
-            written = []
-            # the recommended placement first (a shutdown write may be cut short by the engine)
-            for (k, p, s), path in sorted(self.paths().items(), key=lambda e: e[0][1] != "post_softmax"):
-                sets = [self._threshold_set(results[(i, p, s)]) for i, kk in enumerate(self.ks) if k in (None, kk)]
-                save_threshold_sets(path, sets)
-                written.append(path)
-                logger.info("topth: calibration (%s) wrote %s: %s", reason, path, "; ".join(t.summary() for t in sets))
-            self.done = final
-            return written
-
-    def _covered(self, acc: CountAccumulator, layer_k: list) -> list:
-        """``layer_k`` with the layers that saw no recorded row longer than their k made
-        dense (warned about once per layer and k)."""
-        out = list(layer_k)
-        for layer, k in enumerate(layer_k):
-            if k == DENSE:
-                continue
-            rows = acc.rows[layer].numpy()
-            if not (rows[acc.edges[:-1] >= k] > 0).any():
-                out[layer] = DENSE
-                if (layer, k) not in self._warned_dense:
-                    self._warned_dense.add((layer, k))
-                    logger.warning("topth: calibration: layer %d saw no row longer than its k=%d; it is dense in the "
-                                   "file (longer requests, or a smaller --layer-k for it, calibrate it)", layer, k)
-        return out
-
-    def _threshold_set(self, r) -> ThresholdSet:
-        return ThresholdSet(thresholds=r.thresholds, counts=r.counts, layer_k=r.layer_k, placement=r.placement,
-                            model_name=self.model_name, attention_config=dict(self.cfg), alpha=None, sdc_table=None,
-                            calibration_text=self.source(), calibration_samples=max(1, self.prompts),
-                            calibration_tokens=self.tokens, selection=r.selection, estimator="count",
-                            length_model=r.length_model)
-
-    def _part_path(self, rank: int) -> str:
-        return f"{next(iter(self.paths().values()))}.rank{rank}.part"
-
-    def _merge_parts(self):
-        """Write this rank's part; on rank 0 wait for every rank's part of the same steps
-        (tokens recorded) and merge the heads (rank order). Returns (accumulator, longest
-        row) or (None, 0)."""
-        a = self.acc
-        part = {"tokens": self.tokens, "max_row": self.max_row, "hist": a.hist, "range": a.range,
-                "rows": a.rows, "log_n": a.log_n, "rows_per_id": a.rows_per_id}
-        tmp = self._part_path(self.rank) + ".tmp"
-        torch.save(part, tmp)
-        os.replace(tmp, self._part_path(self.rank))
-        if self.rank:
-            return None, 0
-        parts, deadline = {}, time.monotonic() + MERGE_WAIT_S
-        while len(parts) < self.tp and time.monotonic() < deadline:
-            for r in range(self.tp):
-                if r not in parts and os.path.exists(self._part_path(r)):
-                    p = torch.load(self._part_path(r), weights_only=True)
-                    if p["tokens"] == self.tokens:  # the same steps recorded
-                        parts[r] = p
-            time.sleep(0.2)
-        if len(parts) < self.tp:
-            logger.error("topth: calibration: parts of ranks %s for the same steps did not arrive within %.0f s; no "
-                         "file written (SIGUSR1 must reach every worker process, e.g. pkill -USR1 -f VllmWorker)",
-                         sorted(set(range(self.tp)) - set(parts)), MERGE_WAIT_S)
-            return None, 0
-        cfg = self.cfg
-        whole = CountAccumulator(cfg["num_layers"], cfg["num_q_heads"], cfg["num_kv_heads"], a.max_row_id,
-                                 sorted({k for t in self.targets for k in t if k != DENSE}), self.placements,
-                                 self.selections)
-        for key in whole.hist:
-            whole.hist[key] = torch.cat([parts[r]["hist"][key] for r in range(self.tp)], dim=1)
-            whole.range[key] = torch.cat([parts[r]["range"][key] for r in range(self.tp)], dim=1)
-        whole.rows, whole.log_n, whole.rows_per_id = a.rows, a.log_n, a.rows_per_id
-        for r in range(self.tp):
-            os.unlink(self._part_path(r))
-        return whole, max(p["max_row"] for p in parts.values())
