@@ -51,6 +51,7 @@ def test_second_round_keeps_k_on_the_forward_of_the_set_it_refits(model, samples
     first = _one_pass(model, samples, placement, selection)
     second = _second(model, samples, first)
     assert not second.layerwise and second.calibration_text == "random token ids; second round of thresholds file"
+    assert second.layerwise_rule == {"sdc": "none", "vmc": True}  # the rule the layers below ran with
     assert second.thresholds.shape == first.thresholds.shape and second.length_model is not None
     oracle = [oracle_logits(model, ids, _served(first)) for ids in samples]
     errors = _kept_errors(second, oracle)

@@ -6,12 +6,14 @@ rows recorded are those a first round records; settings that name another target
 served set's are refused."""
 
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from topth_ops.conformance.oracle import oracle_decode
+from topth_ops.thresholds import load_thresholds
 from topth_ops.vllm.calib_plan import check_calibration, token_rows
 from topth_ops.vllm.calibration import EngineCalibration
 from topth_ops.vllm.settings import TopthConfigError, from_sources
@@ -75,6 +77,7 @@ def test_second_round_thresholds_every_row_and_records_the_first_rounds_rows(
     assert not rep["last_steps"] and rep["prefill_tokens_dense"] == 0, rep  # no statistics in a second round
     path, = calib.write("test")
     assert "second round, every row served with thresholds file" in calib.source()
+    assert load_thresholds(path).layerwise_rule == {"sdc": "none", "vmc": vmc}  # the rule the rows ran with
     calib.done = True
 
 
@@ -100,10 +103,15 @@ def test_second_round_settings(tmp_path, make_cfg, make_threshold_set):
     assert check_calibration(s, cfg, 1, ts)[1:] == ([list(ts.layer_k)], ["pre_softmax"], ["head"])
     with pytest.raises(TopthConfigError, match="dense_beyond does not apply to a second calibration round"):
         _settings(tmp_path, dense_beyond=64)
-    for kw in ({"calibrate_placement": "post_softmax"}, {"calibrate_selection": "group"},
-               {"calibrate_k": "16", "calibrate_layer_k": ""}, {"calibrate_layer_k": "1:dense"}):
-        with pytest.raises(TopthConfigError, match="records the target of the set it serves"):
+    for kw, named in (({"calibrate_placement": "post_softmax"}, ["placement"]),
+                      ({"calibrate_selection": "group"}, ["selection"]),
+                      ({"calibrate_k": "16", "calibrate_layer_k": ""}, ["k per layer"]),
+                      ({"calibrate_layer_k": "1:dense"}, ["k per layer"]),
+                      ({"calibrate_placement": "both", "calibrate_selection": "both"}, ["placement", "selection"])):
+        with pytest.raises(TopthConfigError, match="records the target of the set it serves") as e:
             check_calibration(_settings(tmp_path, **kw), cfg, 1, ts)
+        # the message names exactly the settings that differ
+        assert re.findall(r"(k per layer|placement|selection) \(calibrate_\w+[^)]*\): asked", str(e.value)) == named
     # a k given that is the set's own map is accepted
     ok = _settings(tmp_path, calibrate_k=str(K), calibrate_layer_k="0:dense,1:dense,3:dense",
                    calibrate_placement="pre_softmax")

@@ -85,6 +85,33 @@ def test_wrong_model_file_names_both_models(tmp_path, make_threshold_set, make_c
         load_for_model(from_sources({ENV["thresholds"]: str(p)}), make_cfg(), "tiny", tp_size=1)
 
 
+def test_wrong_model_file_of_several_sets_is_named_before_the_set_choice(tmp_path, make_threshold_set, make_cfg):
+    from topth_ops.thresholds.save import save_threshold_sets
+
+    other = make_cfg(heads=8, kv_heads=2)
+    p = tmp_path / "two.safetensors"
+    save_threshold_sets(p, [make_threshold_set(other, name="other-model", k=k) for k in (4, 8)])
+    with pytest.raises(ThresholdFileError, match=r"other-model.*'tiny'"):  # not "choose one of 2 sets"
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), make_cfg(), "tiny", tp_size=1)
+    with pytest.raises(ThresholdFileError, match="holds 2 threshold sets"):  # the right model: choose a set
+        save_threshold_sets(p, [make_threshold_set(make_cfg(), name="tiny", k=k) for k in (4, 8)])
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), make_cfg(), "tiny", tp_size=1)
+
+
+def test_a_second_round_set_served_with_another_compensation_warns(tmp_path, make_threshold_set, make_cfg):
+    import dataclasses
+    import warnings
+
+    ts = dataclasses.replace(make_threshold_set(make_cfg(), placement="pre_softmax"),
+                             layerwise_rule={"sdc": "none", "vmc": True})  # as a second round with VMC writes it
+    p = ts.save(tmp_path / "r2.safetensors")
+    with pytest.warns(UserWarning, match=r"calibrated in a second round with sdc=none, vmc=True.*vmc=False"):
+        load_for_model(from_sources({ENV["thresholds"]: str(p)}), make_cfg(), "tiny", tp_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # served with its rule: no warning
+        load_for_model(from_sources({ENV["thresholds"]: str(p), ENV["vmc"]: "1"}), make_cfg(), "tiny", tp_size=1)
+
+
 def test_same_shape_other_name_warns(tmp_path, make_threshold_set, make_cfg):
     p = make_threshold_set(make_cfg(), name="base-model").save(tmp_path / "th.safetensors")
     with pytest.warns(UserWarning, match="base-model"):

@@ -322,7 +322,7 @@ def calibrate(model, text: CalibrationText, targets: Sequence[list], placements:
                                                  if second_round is not None else ""),
             calibration_samples=len(text.samples), calibration_tokens=text.tokens,
             topk_at_calibration=topk_at_calibration, layerwise=layerwise, selection=r.selection,
-            layerwise_rule=_layerwise_rule(key[1], sdc_table, layerwise_vmc) if layerwise else None,
+            layerwise_rule=_layerwise_rule(key[1], sdc_table, layerwise_vmc) if batched else None,
             estimator=r.estimator,
             length_model=r.length_model, sdc_length_model=r.sdc_length_model,
         )

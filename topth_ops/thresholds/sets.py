@@ -57,8 +57,9 @@ class ThresholdSet:
     calibration_text, calibration_samples, calibration_tokens, topk_at_calibration, layerwise,
     source : metadata describing how the set was made.
     layerwise_rule : dict or None
-        With ``layerwise``: ``{"sdc": str, "vmc": bool}``, the compensation the layers below
-        ran with during calibration (the inference rule the thresholds fit).
+        With ``layerwise`` or from a second round: ``{"sdc": str, "vmc": bool}``, the
+        compensation the layers below ran with during calibration (the inference rule the
+        thresholds fit).
     path, set_index : where it was loaded from / saved to.
     """
 
@@ -127,18 +128,20 @@ class ThresholdSet:
         return f"sdc={r.get('sdc')}, vmc={r.get('vmc')}" if r else "rule unknown"
 
     def check_rule(self, sdc: str, vmc: bool) -> None:
-        """Warn (UserWarning) when a layer-wise set runs with another compensation than the
-        one it was calibrated with: its upper layers then see other activations and keep
-        another count than k."""
+        """Warn (UserWarning) when a set calibrated layer-wise or in a second round (one
+        with ``layerwise_rule``) runs with another compensation than the one it was
+        calibrated with: its upper layers then see other activations and keep another
+        count than k."""
         r = self.layerwise_rule
-        if not (self.layerwise and r):
+        if not r:
             return
         if (r.get("sdc"), bool(r.get("vmc"))) != (sdc, bool(vmc)):
             import warnings
 
-            warnings.warn(f"{self.name()} was calibrated layer-wise with {self.rule_text()}, but runs with "
-                          f"sdc={sdc}, vmc={vmc}: its upper layers' kept counts will differ from k (calibrate "
-                          "again with the rule you run, or drop --layerwise-calibration)", UserWarning, stacklevel=3)
+            how = "layer-wise" if self.layerwise else "in a second round"
+            warnings.warn(f"{self.name()} was calibrated {how} with {self.rule_text()}, but runs with "
+                          f"sdc={sdc}, vmc={vmc}: its upper layers' kept counts will differ from k (serve it with "
+                          f"{self.rule_text()}, or calibrate again with the rule you run)", UserWarning, stacklevel=3)
 
     def name(self) -> str:
         """How messages refer to this set: ``"thresholds file (PATH)"`` (with ``set i``
@@ -155,7 +158,8 @@ class ThresholdSet:
                 f"[{format_layer_k(self.layer_k)}], estimator={self.estimator}, alpha={self.alpha}, "
                 f"calibrated row ids={self.calibrated_row_ids}{ext}, "
                 f"sdc_table={'yes' if self.sdc_table is not None else 'no'}, "
-                + (f"calibrated layer-wise ({self.rule_text()}), " if self.layerwise else "")
+                + (f"calibrated layer-wise ({self.rule_text()}), " if self.layerwise else
+                   f"calibrated with {self.rule_text()} below, " if self.layerwise_rule else "")
                 + f"calibration: {self.calibration_text}"
                 + (f" ({self.calibration_samples} sample{'s' if self.calibration_samples != 1 else ''}, "
                    f"{self.calibration_tokens} tokens)" if self.calibration_samples else ""))

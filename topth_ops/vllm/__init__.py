@@ -83,8 +83,12 @@ def enable(thresholds: Optional[str] = None, *, mode: Optional[str] = None, vmc:
     Raises
     ------
     TopthConfigError
-        Invalid settings (checked now, before any engine starts); the environment is
-        left unchanged then.
+        Invalid settings: values and combinations of the settings themselves, checked
+        now, before any engine starts; the environment is left unchanged then. What
+        needs the model or the file is checked at engine start, before the weights
+        load (a file for another model, a set index out of range, an SDC mode the file
+        cannot serve, a second round's target, the output path); ``topth-ops serve``
+        runs those checks too before it starts the server.
     """
     values = {"mode": mode, "thresholds": os.path.abspath(os.fspath(thresholds)) if thresholds is not None else None,
               "vmc": "1" if vmc else None, "sdc": None if sdc == "none" else sdc,

@@ -23,7 +23,8 @@ MERGE_WAIT_S = 120.0
 
 class CalibrationFiles:
     """Writes what an :class:`EngineCalibration` recorded (its accumulator ``acc``, counters,
-    targets, output paths, ``lock`` and ``done``); a base class of it, not used alone."""
+    targets, output paths, a second round's ``served`` set and ``rule``, ``lock`` and
+    ``done``); a base class of it, not used alone."""
 
     def source(self) -> str:
         second = "" if self.served is None else f"; second round, every row served with {self.served.name()}"
@@ -92,7 +93,7 @@ class CalibrationFiles:
                             model_name=self.model_name, attention_config=dict(self.cfg), alpha=None, sdc_table=None,
                             calibration_text=self.source(), calibration_samples=max(1, self.prompts),
                             calibration_tokens=self.tokens, selection=r.selection, estimator="count",
-                            length_model=r.length_model)
+                            length_model=r.length_model, layerwise_rule=self.rule)
 
     def _part_path(self, rank: int) -> str:
         return f"{next(iter(self.paths().values()))}.rank{rank}.part"

@@ -134,14 +134,8 @@ def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int, serv
     s = settings.calibrate_selection or (served.selection if served is not None else "head")
     placements = list(PLACEMENTS) if p == "both" else [p]
     selections = ["head", "group"] if s == "both" else [s]
-    if served is not None and (targets, placements, selections) != ([list(served.layer_k)], [served.placement],
-                                                                      [served.selection]):
-        raise TopthConfigError(
-            f"topth vLLM backend: a second calibration round records the target of the set it serves ({served.name()}: "
-            f"k per layer {format_layer_k(served.layer_k)}, {served.placement}, {served.selection} selection); the "
-            f"calibrate settings ask for k per layer {[format_layer_k(t) for t in targets]}, {placements}, {selections} "
-            "(the activations depend on the served set: leave calibrate_k, calibrate_layer_k, placement and "
-            "selection unset)")
+    if served is not None:
+        _check_second_round_target(served, targets, placements, selections)
     if "group" in selections and tp_size > cfg["num_kv_heads"]:
         raise TopthConfigError(f"topth vLLM backend: group-selection calibration needs whole GQA groups on a rank; "
                                f"tensor-parallel size {tp_size} exceeds the model's {cfg['num_kv_heads']} KV heads")
@@ -151,3 +145,20 @@ def check_calibration(settings: VllmTopthSettings, hf_config, tp_size: int, serv
     except ValueError as e:
         raise TopthConfigError(f"topth vLLM backend: {e}") from None
     return ks, targets, placements, selections
+
+
+def _check_second_round_target(served, targets: list, placements: list, selections: list) -> None:
+    """A second round records its served set's own target: name each setting that asks for another."""
+    asked = {"k per layer (calibrate_k / calibrate_layer_k; --k / --layer-k)":
+             ("; ".join(format_layer_k(t) for t in targets), format_layer_k(served.layer_k),
+              targets == [list(served.layer_k)]),
+             "placement (calibrate_placement; --placement)": ("/".join(placements), served.placement,
+                                                              placements == [served.placement]),
+             "selection (calibrate_selection; --selection)": ("/".join(selections), served.selection,
+                                                              selections == [served.selection])}
+    wrong = [f"{name}: asked {got}, the set's {want}" for name, (got, want, ok) in asked.items() if not ok]
+    if wrong:
+        raise TopthConfigError(
+            f"topth vLLM backend: a second calibration round records the target of the set it serves "
+            f"({served.name()}), since the activations it records depend on that set; " + "; ".join(wrong) +
+            " (leave these settings unset in a second round)")

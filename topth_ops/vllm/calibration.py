@@ -87,6 +87,8 @@ class EngineCalibration(CalibrationFiles):
                  tp_size: int, max_model_len: int, served: Optional[ThresholdSet] = None):
         cfg = attention_config_of(hf_config)
         self.served = served
+        # a second round: the compensation its rows ran with, recorded in the file (ThresholdSet.check_rule)
+        self.rule = None if served is None else {"sdc": settings.sdc, "vmc": bool(settings.vmc)}
         self.cfg, self.model_name, self.rank, self.tp = cfg, model_name, tp_rank, tp_size
         L, Hq, Hkv = cfg["num_layers"], cfg["num_q_heads"], cfg["num_kv_heads"]
         self.template = settings.calibrate_out

@@ -53,7 +53,7 @@ def add_arguments(p) -> None:
                         "thresholded by that file) and write a threshold file from the served rows: at shutdown, on "
                         "SIGUSR1 to the worker, or after --calibrate-requests; OUT as `topth-ops calibrate --out` "
                         "({placement}, {selection}, {k})")
-    c.add_argument("--k", default=None, metavar="K,K", help="with --calibrate: the k list, e.g. 16,32,64")
+    c.add_argument("--k", default=None, metavar="K,K", help="with --calibrate: the k list, e.g. 16,32,64 (a second round: the served set's k)")
     c.add_argument("--layer-k", default=None, metavar="SPEC",
                    help="with --calibrate: per-layer k overrides (default 0:256,1:256, as `topth-ops calibrate`; a "
                         "second round: the file's map)")

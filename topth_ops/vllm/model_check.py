@@ -9,7 +9,7 @@ import os
 from typing import Any, Optional
 
 from ..thresholds import (MODEL_NAME_KEY, ThresholdFileError, ThresholdSet, attention_config_of,
-                          exported_model_name, load_thresholds)
+                          exported_model_name, load_threshold_sets, pick_set)
 from .settings import ENV, TopthConfigError, VllmTopthSettings
 
 
@@ -51,6 +51,13 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
     ThresholdFileError
         Missing, unreadable or corrupt file, a file for another model (layers, heads,
         head_dim differ; both are named), or an sdc mode the file cannot serve.
+
+    Warns
+    -----
+    UserWarning
+        The same attention shape under another model name, or a set calibrated layer-wise
+        or in a second round served with another compensation (vmc / sdc) than it was
+        calibrated with (:meth:`ThresholdSet.check_rule`).
     """
     cfg = attention_config_of(hf_config)
     if tp_size < 1 or cfg["num_q_heads"] % tp_size:
@@ -66,12 +73,15 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
         what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
         raise ThresholdFileError(f"topth vLLM backend: threshold file {path!r} {what} "
                                  f"({ENV['thresholds']} / additional_config['topth']['thresholds'])")
+    sets = load_threshold_sets(path)
+    # the sets of a file share model and attention config: a file for another model is named first
+    sets[0].check_model(hf_config, model_name, compare_name=model_name is not None)
     try:
-        ts = load_thresholds(path, settings.threshold_set)
+        ts = pick_set(sets, settings.threshold_set, path)
     except ThresholdFileError as e:
         raise ThresholdFileError(f"{e} (serving picks one set: {ENV['threshold_set']} / "
                                  "additional_config['topth']['threshold_set'] / `topth-ops serve --threshold-set`)") from None
-    ts.check_model(hf_config, model_name, compare_name=model_name is not None)
+    ts.check_rule(settings.sdc, settings.vmc)  # a layer-wise or second-round set served with another compensation
     hkv = cfg["num_kv_heads"]
     if ts.selection == "group" and hkv % tp_size and tp_size % hkv:
         raise TopthConfigError(

@@ -134,8 +134,12 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
             if servable[i] and other is not sets[ts.set_index]:
                 other.check_model(hf, name, compare_name=name is not None)
         sets[ts.set_index] = ts
-        logger.info("topth: requests may choose (extra_args['topth']): %s, or dense; default set %d",
-                    ", ".join(f"set {i} (k={s.k})" for i, s in enumerate(sets) if servable[i]), ts.set_index)
+        if settings.mode == "calibrate":
+            logger.info("topth: second calibration round: every request is served with set %d (k=%d); requests' "
+                        "own choices (extra_args['topth']) are not read", ts.set_index, ts.k)
+        else:
+            logger.info("topth: requests may choose (extra_args['topth']): %s, or dense; default set %d",
+                        ", ".join(f"set {i} (k={s.k})" for i, s in enumerate(sets) if servable[i]), ts.set_index)
     if settings.dense_beyond:
         logger.info("topth: decode rows beyond row id %d are served dense (dense_beyond)", settings.dense_beyond)
     st = None
