@@ -27,6 +27,12 @@ def model_name_of(hf_config: Any, model_path: Optional[str]) -> Optional[str]:
 
 def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Optional[str],
                    tp_size: int) -> Optional[ThresholdSet]:
+    """The set to serve: :func:`load_sets_for_model`'s second value."""
+    return load_sets_for_model(settings, hf_config, model_name, tp_size)[1]
+
+
+def load_sets_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Optional[str],
+                        tp_size: int) -> tuple[list, Optional[ThresholdSet]]:
     """Load the threshold file and check it against the served model and TP size.
 
     Parameters
@@ -41,8 +47,10 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
 
     Returns
     -------
-    ThresholdSet or None
-        None in mode dense and in mode calibrate without a file.
+    (sets, ThresholdSet or None)
+        Every set of the file (they share the model and attention config, checked once)
+        and the one served, which is one of them; ``([], None)`` in mode dense and in
+        mode calibrate without a file.
 
     Raises
     ------
@@ -67,7 +75,7 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
     if settings.op_backend:
         _check_op_backend(settings.op_backend)
     if settings.mode == "dense" or not settings.thresholds:  # dense, calibrate's first round: no file to serve
-        return None
+        return [], None
     path = settings.thresholds
     if not os.path.isfile(path):
         what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
@@ -92,7 +100,7 @@ def load_for_model(settings: VllmTopthSettings, hf_config: Any, model_name: Opti
                                  "pre_softmax thresholds (set TOPTH_VLLM_SDC=none)")
     if settings.sdc == "offline" and ts.sdc_table is None:
         raise ThresholdFileError(f"sdc='offline' needs an sdc_table; {ts.name()} has none")
-    return ts
+    return sets, ts
 
 
 def _check_op_backend(name: str) -> None:

@@ -22,11 +22,11 @@ from vllm.config import get_current_vllm_config
 from .. import decode_attention
 from ..value_sum import PagedValueSum
 from ..contract import DEFAULT_SDC_GAMMA
-from ..thresholds import attention_config_of, load_threshold_sets
+from ..thresholds import attention_config_of
 from . import requests as requests_mod
 from . import stats as stats_mod
 from .fidelity import Fidelity, buckets
-from .model_check import load_for_model, model_name_of
+from .model_check import load_sets_for_model, model_name_of
 from .settings import VllmTopthSettings, from_sources
 from .tp import rank_kv_rows, rank_rows
 
@@ -113,7 +113,7 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
     name = model_name_of(hf, vcfg.model_config.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ts = load_for_model(settings, hf, name, tp_size)
+        sets, ts = load_sets_for_model(settings, hf, name, tp_size)
     for w in caught:
         logger.warning("topth: %s", w.message)
     if vcfg.speculative_config is not None:
@@ -126,14 +126,9 @@ def _load_runtime(vcfg, settings: VllmTopthSettings, tp_rank: int, tp_size: int)
                     f"; dense layers (k = dense in the file's layer map) {dense_layers}" if dense_layers else "")
     elif settings.mode == "dense":
         logger.info("topth: dense mode (every row kept; A/B baseline); TP rank %d of %d", tp_rank, tp_size)
-    sets, servable = [], []
+    servable = []
     if ts is not None:
-        sets = load_threshold_sets(settings.thresholds)
         servable = requests_mod.servable_sets(sets, ts.set_index, settings.sdc)
-        for i, other in enumerate(sets):
-            if servable[i] and other is not sets[ts.set_index]:
-                other.check_model(hf, name, compare_name=name is not None)
-        sets[ts.set_index] = ts
         if settings.mode == "calibrate":
             logger.info("topth: second calibration round: every request is served with set %d (k=%d); requests' "
                         "own choices (extra_args['topth']) are not read", ts.set_index, ts.k)
