@@ -5,16 +5,12 @@ and refuses bad arguments. Timings are not checked."""
 
 from __future__ import annotations
 
-import platform
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "cpu_kernels" / "src"
+from .native import build, cpu_flags
 
 # level: (compiler flags, kernel sources, /proc/cpuinfo flags the binary needs)
 LEVELS = {
@@ -25,33 +21,14 @@ LEVELS = {
 VARIANTS = ("pv all rows", "pv kept", "read all", "read kept asc", "read kept strided")
 
 
-def _cpu_flags() -> set:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 @pytest.fixture(scope="module", params=sorted(LEVELS))
 def binary(request, tmp_path_factory):
     level = request.param
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"the {level} P.V builds only for x86-64 (this machine: {platform.machine()})")
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("no g++ on this machine")
     flags, sources, needs = LEVELS[level]
-    missing = [f for f in needs if f not in _cpu_flags()]
+    missing = [f for f in needs if f not in cpu_flags()]
     if missing:
         pytest.skip(f"the CPU does not report {', '.join(missing)}: the {level} P.V cannot run here")
-    out = tmp_path_factory.mktemp("gather") / f"gather_cost_{level}"
-    cmd = [gxx, "-O3", *flags, f"-I{ROOT / 'cpu_kernels' / 'include'}", f"-I{SRC}",
-           *(str(SRC / f) for f in sources), str(ROOT / "bench" / "gather_cost.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return build("gather_cost.cpp", level, flags, sources, tmp_path_factory.mktemp("gather"))
 
 
 @pytest.mark.parametrize("g, d", [(3, 64), (4, 128)])

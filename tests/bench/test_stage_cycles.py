@@ -5,17 +5,12 @@ Timings are not checked."""
 
 from __future__ import annotations
 
-import platform
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "cpu_kernels" / "src"
-
+from .native import build, cpu_flags
 
 # level: (compiler flags, kernel sources, /proc/cpuinfo flags the binary needs)
 LEVELS = {
@@ -27,39 +22,15 @@ LEVELS = {
 }
 
 
-def _cpu_flags() -> set:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 @pytest.fixture(scope="module", params=sorted(LEVELS))
 def level_binary(request, tmp_path_factory):
     level = request.param
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"the {level} stages build only for x86-64 (this machine: {platform.machine()})")
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("no g++ on this machine")
     flags, sources, _ = LEVELS[level]
-    tmp = tmp_path_factory.mktemp("stage")
-    probe = tmp / "probe.cpp"
-    probe.write_text("int main() { return 0; }\n")
-    if subprocess.run([gxx, *flags, str(probe), "-o", str(tmp / "probe")], capture_output=True).returncode != 0:
-        pytest.skip(f"this compiler rejects the {level} flags ({' '.join(flags)}); setup.py drops that level too")
-    out = tmp / f"stage_cycles_{level}"
-    cmd = [gxx, "-O3", *flags, f"-I{ROOT / 'cpu_kernels' / 'include'}", f"-I{SRC}",
-           *(str(SRC / f) for f in sources), str(ROOT / "bench" / "stage_cycles.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return level, out
+    return level, build("stage_cycles.cpp", level, flags, sources, tmp_path_factory.mktemp("stage"))
 
 
 def _runnable(level: str) -> None:
-    missing = [f for f in LEVELS[level][2] if f not in _cpu_flags()]
+    missing = [f for f in LEVELS[level][2] if f not in cpu_flags()]
     if missing:
         pytest.skip(f"the CPU does not report {', '.join(missing)}: the {level} stages cannot run here")
 
