@@ -173,8 +173,9 @@ int main(int argc, char** argv) {
             const uint64_t t0 = __rdtsc();
             for (int64_t j = 0; j < per; ++j) {
                 const int64_t it = order[size_t((vi * per + j) % items)];
-                const uint8_t* const* rows = v == 0 || v == 2 ? all.data() + it * kRows : kept.data() + first[size_t(it)];
-                const int64_t n = v == 0 || v == 2 ? kRows : count[size_t(it)];
+                const bool every = v == 0 || v == 2;  // every row of the item, else its kept list
+                const uint8_t* const* rows = every ? all.data() + it * kRows : kept.data() + first[size_t(it)];
+                const int64_t n = every ? kRows : count[size_t(it)];
                 if (n == 0) continue;
                 switch (v) {
                     case 0: level::pv(rows, n, kBF16, 1, d, d, w.data(), kRows + 16, G, acc.data(), tile.data(), 0); break;
@@ -182,7 +183,7 @@ int main(int argc, char** argv) {
                         level::pv(rows, n, kBF16, 1, d, d, w.data(), kRows + 16, G, acc.data(), tile.data(),
                                   4 * n <= 3 * kRows);
                         break;
-                    case 2: sink += read_rows(rows, n, row_bytes, 1); break;
+                    case 2:
                     case 3: sink += read_rows(rows, n, row_bytes, 1); break;
                     default: sink += read_rows(rows, n, row_bytes, pv_visit::visit_stride(n)); break;
                 }
