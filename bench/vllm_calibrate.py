@@ -35,7 +35,7 @@ import random
 import tempfile
 import time
 
-from .vllm_common import engine_kwargs, save_json
+from .vllm_common import engine_kwargs, generate_together, save_json
 
 #: Seconds to wait for a calibrating engine's files after its last request.
 WRITE_WAIT_S = 600
@@ -83,10 +83,10 @@ def run(model: str, ids: list, new_tokens: int, topth, prefill_call: bool, max_l
     res = {}
     if prefill_call:
         t = time.perf_counter()
-        llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        generate_together(llm, ps, SamplingParams(temperature=0.0, max_tokens=1))
         res["prefill_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    outs = generate_together(llm, ps, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     res["whole_s"] = time.perf_counter() - t
     res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     if prefill_call:

@@ -12,7 +12,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -86,7 +86,7 @@ def run_llm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, topth:
     llm = LLM(**kw)
     t1 = time.perf_counter()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp, use_tqdm=False)
+    outs = generate_together(llm, [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp)
     t2 = time.perf_counter()
     res = {"tokens": [], "top": [], "load_s": t1 - t0, "gen_s": t2 - t1}
     for o in outs:
@@ -104,6 +104,61 @@ def run_llm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, topth:
     del llm
     gc.collect()
     return res
+
+
+def generate_together(llm, prompts: list, params, on_step: Optional[Callable] = None) -> list:
+    """Generate ``prompts`` with every request in the engine before its first step.
+
+    vLLM's engine core (a separate process by default) starts scheduling as soon as the
+    first request reaches it, so how the prompts are split into chunked-prefill steps
+    would depend on when each request arrives; the step's token mix changes the last bits
+    of the linear layers' and the attention's results, and so greedy tokens at near-ties,
+    even between two runs of vLLM's own attention. Here the scheduler is paused (vLLM's
+    ``pause_scheduler``, mode ``keep``) while the requests are added, so every run of a
+    workload sees the same steps (an in-process engine adds them before any step anyway).
+
+    Parameters
+    ----------
+    llm : vllm.LLM
+    prompts : list
+        Prompts as ``LLMEngine.add_request`` takes them (e.g. ``TokensPrompt``).
+    params : vllm.SamplingParams
+        The same for every request.
+    on_step : callable, optional
+        ``on_step(outputs, now)`` after every engine step: the step's ``RequestOutput``
+        list and ``time.perf_counter()``.
+
+    Returns
+    -------
+    list of vllm.RequestOutput
+        The finished outputs, in prompt order.
+    """
+    eng = llm.llm_engine
+    core = eng.engine_core
+    pause = getattr(core, "call_utility", None)  # the multiprocess client; in-process needs none
+    global _GEN_CALLS
+    _GEN_CALLS += 1
+    rids = [f"g{_GEN_CALLS}-{i}" for i in range(len(prompts))]
+    if pause is not None:
+        pause("pause_scheduler", "keep", False)
+    try:
+        for rid, p in zip(rids, prompts):
+            eng.add_request(rid, p, params)
+    finally:
+        if pause is not None:
+            pause("resume_scheduler")
+    final: dict = {}
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        if on_step is not None:
+            on_step(outs, time.perf_counter())
+        for o in outs:
+            if o.finished:
+                final[o.request_id] = o
+    return [final[r] for r in rids]
+
+
+_GEN_CALLS = 0
 
 
 def tokenize(model_dir: str, prompts: list[str]) -> list[list[int]]:

@@ -13,8 +13,11 @@ Configurations (``--configs``, run one after another with the same engine settin
 Workload: ``--prompts`` distinct prompts of ``--prompt-tokens`` tokens of standard-library
 source (consecutive windows of the concatenated files), ``--new-tokens`` greedy tokens
 each (``ignore_eos``), prefix caching off. Per configuration: the prefill time (all prompts,
-``max_tokens=1``), then the full run on the same engine; decode tokens/s =
-``prompts * (new_tokens - 1) / (full - prefill)``. The ``topth`` run writes the backend's
+``max_tokens=1``), then the full run on the same engine; decode tokens/s counts the tokens
+that arrive after every request has its first one, over that window. Every run puts all
+its prompts in the engine before the first step (:func:`vllm_common.generate_together`),
+so each configuration runs the same steps and greedy agreement compares attention, not
+request arrival timing. The ``topth`` run writes the backend's
 statistics (V rows read over dense). Greedy agreement of each configuration's tokens with
 ``vllm``'s. Printed with the machine (CPU model, ISA flags, cores, vLLM's thread binding)
 and a read-bandwidth probe (sum over a 1 GiB tensor, one thread: the core vLLM's worker
@@ -100,9 +103,9 @@ def run_config(name: str, model: str, ids: list, new_tokens: int, topth, engine:
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
+    vc.generate_together(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    vc.generate_together(llm, prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     prefill_s = time.perf_counter() - t0
     tokens, top, decode_tokens, decode_s = _decode_run(llm, prompts, new_tokens)
     try:
@@ -119,32 +122,25 @@ def _decode_run(llm, prompts, new_tokens: int):
     has its first token are decode tokens, timed over that window."""
     from vllm import SamplingParams
 
-    eng = llm.llm_engine
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, sp)
-    count = {str(i): 0 for i in range(len(prompts))}
-    final: dict = {}
-    window_start = None
-    decode_tokens = 0
-    while eng.has_unfinished_requests():
-        outs = eng.step()
-        now = time.perf_counter()
+    count: dict = {}
+    win = {"start": None, "tokens": 0}
+
+    def on_step(outs, now):
         for o in outs:
             n = len(o.outputs[0].token_ids)
-            if window_start is not None:
-                decode_tokens += n - count[o.request_id]
+            if win["start"] is not None:
+                win["tokens"] += n - count.get(o.request_id, 0)
             count[o.request_id] = n
-            if o.finished:
-                final[o.request_id] = o
-        if window_start is None and all(count.values()):
-            window_start = now
-    decode_s = time.perf_counter() - window_start
-    outs = [final[str(i)] for i in range(len(prompts))]
+        if win["start"] is None and len(count) == len(prompts) and all(count.values()):
+            win["start"] = now
+
+    outs = vc.generate_together(llm, prompts, sp, on_step)
+    decode_s = time.perf_counter() - win["start"]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     top = [[[(int(t), float(v.logprob)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]]
             for lp in (o.outputs[0].logprobs or [])] for o in outs]
-    return tokens, top, decode_tokens, decode_s
+    return tokens, top, win["tokens"], decode_s
 
 
 def main(argv=None) -> int:
