@@ -29,11 +29,13 @@ def humaneval_prompts(n: int) -> list[str]:
     return [probs[k]["prompt"] for k in sorted(probs, key=lambda t: int(t.split("/")[1]))[:n]]
 
 
-def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale: float = 0.5, k: int = 16) -> str:
+def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale: float = 0.5, k: int = 16,
+                         rows: Optional[int] = None) -> str:
     """A threshold file for the model in ``model_dir``: ``kind="dense"`` holds -inf
     everywhere (keeps every row: the op must equal dense attention); ``kind="uniform"``
     is post_softmax theta = scale / n for rows n > k (keeps scores above ``scale`` times
-    the uniform weight), -inf for n <= k. Synthetic, for tests; real files come from
+    the uniform weight), -inf for n <= k. ``rows``: row ids in the file (default the
+    model's positions, at most 4096). Synthetic, for tests; real files come from
     ``topth-ops calibrate``."""
     from transformers import AutoConfig
 
@@ -42,7 +44,9 @@ def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     ac = attention_config_of(cfg)
     L, H, R = ac["num_layers"], ac["num_q_heads"], int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
-    R = min(R, 4096)
+    R = min(R, 4096) if rows is None else int(rows)
+    if R < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
     th = torch.full((L, H, R), float("-inf"))
     if kind == "uniform":
         n = torch.arange(1, R + 1, dtype=torch.float32)
@@ -123,27 +127,43 @@ def generate_together(llm, prompts: list, params, on_step: Optional[Callable] = 
     prompts : list
         Prompts as ``LLMEngine.add_request`` takes them (e.g. ``TokensPrompt``).
     params : vllm.SamplingParams
-        The same for every request.
+        The same for every request. Without ``on_step`` its ``output_kind`` is set to
+        final-only, as ``LLM.generate`` does.
     on_step : callable, optional
         ``on_step(outputs, now)`` after every engine step: the step's ``RequestOutput``
-        list and ``time.perf_counter()``.
+        list (cumulative: each holds its request's tokens so far) and ``time.perf_counter()``.
 
     Returns
     -------
     list of vllm.RequestOutput
         The finished outputs, in prompt order.
+
+    Raises
+    ------
+    Exception
+        Whatever ``add_request`` raises (e.g. a prompt longer than ``max_model_len``); the
+        requests of this call added before it are aborted and the scheduler resumed.
     """
     eng = llm.llm_engine
     core = eng.engine_core
     pause = getattr(core, "call_utility", None)  # the multiprocess client; in-process needs none
+    if on_step is None:
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
     global _GEN_CALLS
     _GEN_CALLS += 1
     rids = [f"g{_GEN_CALLS}-{i}" for i in range(len(prompts))]
-    if pause is not None:
-        pause("pause_scheduler", "keep", False)
+    added: list = []
     try:
+        if pause is not None:
+            pause("pause_scheduler", "keep", False)
         for rid, p in zip(rids, prompts):
-            eng.add_request(rid, p, params)
+            added.append(eng.add_request(rid, p, params))  # vLLM's internal id
+    except BaseException:
+        if added:
+            eng.abort_request(added, internal=True)
+        raise
     finally:
         if pause is not None:
             pause("resume_scheduler")

@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
         ap.error(f"--configs: unknown {bad}; choose from {CONFIGS}")
+    if len(set(configs)) != len(configs):
+        ap.error(f"--configs: each configuration at most once (got {configs}); use --rounds to repeat")
     if any(c.startswith("topth") for c in configs) and not args.thresholds:
         ap.error("--thresholds is required by configurations topth*")
     if args.prompt_tokens + args.new_tokens > args.max_model_len:
