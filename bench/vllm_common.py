@@ -37,6 +37,8 @@ def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale
     the uniform weight), -inf for n <= k. ``rows``: row ids in the file (default the
     model's positions, at most 4096). Synthetic, for tests; real files come from
     ``topth-ops calibrate``."""
+    if rows is not None and (not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
     from transformers import AutoConfig
 
     from topth_ops.thresholds import MODEL_NAME_KEY, ThresholdSet, attention_config_of, exported_model_name
@@ -44,9 +46,7 @@ def write_threshold_file(model_dir: str, out: str, *, kind: str = "dense", scale
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     ac = attention_config_of(cfg)
     L, H, R = ac["num_layers"], ac["num_q_heads"], int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
-    R = min(R, 4096) if rows is None else int(rows)
-    if R < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
+    R = min(R, 4096) if rows is None else rows
     th = torch.full((L, H, R), float("-inf"))
     if kind == "uniform":
         n = torch.arange(1, R + 1, dtype=torch.float32)
@@ -127,8 +127,8 @@ def generate_together(llm, prompts: list, params, on_step: Optional[Callable] = 
     prompts : list
         Prompts as ``LLMEngine.add_request`` takes them (e.g. ``TokensPrompt``).
     params : vllm.SamplingParams
-        The same for every request. Without ``on_step`` its ``output_kind`` is set to
-        final-only, as ``LLM.generate`` does.
+        The same for every request. Its ``output_kind`` is set: cumulative with
+        ``on_step``, final-only without (as ``LLM.generate`` does).
     on_step : callable, optional
         ``on_step(outputs, now)`` after every engine step: the step's ``RequestOutput``
         list (cumulative: each holds its request's tokens so far) and ``time.perf_counter()``.
@@ -147,10 +147,10 @@ def generate_together(llm, prompts: list, params, on_step: Optional[Callable] = 
     eng = llm.llm_engine
     core = eng.engine_core
     pause = getattr(core, "call_utility", None)  # the multiprocess client; in-process needs none
-    if on_step is None:
-        from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind
 
-        params.output_kind = RequestOutputKind.FINAL_ONLY
+    # on_step sees every request's tokens so far; otherwise only the final outputs are built
+    params.output_kind = RequestOutputKind.CUMULATIVE if on_step is not None else RequestOutputKind.FINAL_ONLY
     global _GEN_CALLS
     _GEN_CALLS += 1
     rids = [f"g{_GEN_CALLS}-{i}" for i in range(len(prompts))]

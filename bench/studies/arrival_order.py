@@ -21,13 +21,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
+from pathlib import Path
 
 from .. import vllm_common as vc
 from ..vllm_serving import stdlib_prompts
 
 
 def run(args) -> dict:
+    """One engine on the study's prompts (``args`` as parsed by :func:`main`).
+
+    Returns
+    -------
+    dict
+        ``args``, ``tokens`` (per prompt) and ``top`` (per prompt and step: the two best
+        ``(token, logprob)`` pairs).
+    """
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -60,9 +70,35 @@ def run(args) -> dict:
                      for lp in o.outputs[0].logprobs] for o in outs]}
 
 
+WORKLOAD_KEYS = ("model", "prompts", "prompt_tokens", "new_tokens", "batched_tokens")
+
+
 def compare(a: dict, b: dict) -> dict:
-    """Greedy agreement (:func:`bench.vllm_common.compare_tokens`) and, per prompt, the
-    first step whose two best (token, logprob) pairs differ at all (None: none)."""
+    """Two outputs of this study compared.
+
+    Parameters
+    ----------
+    a, b : dict
+        Outputs of :func:`run` (``tokens``, ``top``) of the same workload.
+
+    Returns
+    -------
+    dict
+        ``identical`` and ``prompts`` (greedy agreement, :func:`bench.vllm_common.compare_tokens`)
+        and ``first_logprob_difference``: per prompt, the first step whose two best
+        ``(token, logprob)`` pairs differ at all (None: none).
+
+    Raises
+    ------
+    ValueError
+        The outputs are of different workloads or lack ``tokens`` / ``top``.
+    """
+    for name, x in (("A", a), ("B", b)):
+        if not isinstance(x, dict) or "tokens" not in x or "top" not in x:
+            raise ValueError(f"{name} is not an output of this study (no 'tokens' / 'top')")
+    wa, wb = ({k: x.get("args", {}).get(k) for k in WORKLOAD_KEYS} for x in (a, b))
+    if wa != wb or len(a["tokens"]) != len(b["tokens"]):
+        raise ValueError(f"A and B ran different workloads: {wa} vs {wb}")
     first = [next((s for s, (x, y) in enumerate(zip(ta, tb)) if x != y), None) for ta, tb in zip(a["top"], b["top"])]
     cmp = vc.compare_tokens(a["tokens"], b["tokens"], a["top"], b["top"])
     return {"identical": cmp["identical"], "prompts": cmp["prompts"], "first_logprob_difference": first}
@@ -83,13 +119,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the tokens and logprobs here (JSON)")
     args = ap.parse_args(argv)
     if args.compare:
-        a, b = (json.load(open(f)) for f in args.compare)
-        print(json.dumps(compare(a, b)))
+        try:
+            a, b = (json.loads(Path(f).read_text()) for f in args.compare)
+            print(json.dumps(compare(a, b)))
+        except (OSError, ValueError) as e:
+            ap.error(f"--compare: {e}")
         return 0
     if not args.model or not args.out:
         ap.error("--model and --out are required unless --compare is given")
-    if args.stagger < 0 or args.prompts < 1 or args.prompt_tokens < 1 or args.new_tokens < 1:
-        ap.error("--stagger must be >= 0; --prompts, --prompt-tokens and --new-tokens >= 1")
+    if not Path(args.model).is_dir():
+        ap.error(f"--model: {args.model!r} is not a model folder")
+    if not (math.isfinite(args.stagger) and args.stagger >= 0):
+        ap.error(f"--stagger must be a finite number >= 0, got {args.stagger}")
+    for name in ("prompts", "prompt_tokens", "new_tokens", "batched_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     res = run(args)
     vc.save_json(args.out, res)
     print(f"{args.config} add={args.add} stagger={args.stagger}: written {args.out}")

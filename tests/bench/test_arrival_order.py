@@ -31,12 +31,40 @@ def test_compare_cli(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == {"identical": 1, "prompts": 1, "first_logprob_difference": [None]}
 
 
+def test_compare_refuses_other_workloads_and_foreign_files(tmp_path, capsys):
+    a = {"args": {"model": "m", "prompts": 1}, **_out([[1]], [[[(1, -0.5), (2, -1.0)]]])}
+    b = {**a, "args": {"model": "m", "prompts": 2}}
+    with pytest.raises(ValueError, match="different workloads"):
+        ao.compare(a, b)
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps({"x": 1}))
+    for argv in ([str(pa), str(pb)], [str(pa), str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit):
+            ao.main(["--compare", *argv])
+        assert "--compare:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--stagger", "-1"], "--stagger must be a finite number >= 0"),
+    (["--stagger", "nan"], "--stagger must be a finite number >= 0"),
+    (["--stagger", "inf"], "--stagger must be a finite number >= 0"),
+    (["--prompts", "0"], "--prompts must be >= 1"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1"),
+    (["--new-tokens", "0"], "--new-tokens must be >= 1"),
+    (["--batched-tokens", "0"], "--batched-tokens must be >= 1"),
+])
+def test_bad_arguments(tmp_path, extra, msg, capsys):
+    with pytest.raises(SystemExit):
+        ao.main(["--model", str(tmp_path), "--out", str(tmp_path / "o.json"), *extra])
+    assert msg in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--config", "vllm"], "--model and --out are required"),
-    (["--model", "m", "--out", "o", "--stagger", "-1"], "--stagger must be >= 0"),
-    (["--model", "m", "--out", "o", "--prompts", "0"], "--stagger must be >= 0"),
+    (["--model", "no/such/folder", "--out", "o.json"], "is not a model folder"),
 ])
-def test_bad_arguments(argv, msg, capsys):
+def test_missing_or_bad_model(argv, msg, capsys):
     with pytest.raises(SystemExit):
         ao.main(argv)
     assert msg in capsys.readouterr().err

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import vllm_common as vc
+from topth_ops.bench import vllm_common as vc
 
 
 class FakeEngine:
@@ -84,18 +84,28 @@ def test_failed_add_aborts_this_calls_requests_and_resumes():
     assert not any(e[0] == "step" for e in log)
 
 
-def test_final_only_without_on_step():
+@pytest.mark.vllm
+def test_output_kind_final_only_without_on_step_cumulative_with():
     from vllm.sampling_params import RequestOutputKind
 
     params = SimpleNamespace(output_kind=None)
     vc.generate_together(_llm(), ["a"], params)
     assert params.output_kind == RequestOutputKind.FINAL_ONLY
+    vc.generate_together(_llm(), ["a"], params, on_step=lambda o, t: None)  # the same params reused
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+
+
+def test_write_threshold_file_rows_checked():
+    with pytest.raises(ValueError, match="rows must be an int >= 1"):
+        vc.write_threshold_file("unused", "unused", rows=0)
+    with pytest.raises(ValueError, match="rows must be an int >= 1"):
+        vc.write_threshold_file("unused", "unused", rows=2.7)
 
 
 def test_serving_bench_refuses_a_configuration_named_twice(capsys):
     """Each configuration's greedy agreement is taken against the first vllm run: a second
     'vllm' would be compared with the first's own tokens (and merged into its medians)."""
-    from bench import vllm_serving
+    from topth_ops.bench import vllm_serving
 
     with pytest.raises(SystemExit):
         vllm_serving.main(["--model", "m", "--configs", "vllm,dense,vllm"])
