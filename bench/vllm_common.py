@@ -7,6 +7,7 @@ greedy reference, and token comparisons. Creating a ``vllm.LLM`` spawns processe
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import os
@@ -92,15 +93,8 @@ def run_llm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, topth:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     outs = generate_together(llm, [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp)
     t2 = time.perf_counter()
-    res = {"tokens": [], "top": [], "load_s": t1 - t0, "gen_s": t2 - t1}
-    for o in outs:
-        c = o.outputs[0]
-        res["tokens"].append(list(c.token_ids))
-        steps = []
-        for lp in c.logprobs or []:
-            best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]
-            steps.append([(int(t), float(v.logprob)) for t, v in best])
-        res["top"].append(steps)
+    res = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "top": [top_two(o) for o in outs],
+           "load_s": t1 - t0, "gen_s": t2 - t1}
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort; the engine also stops when collected
@@ -108,6 +102,25 @@ def run_llm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, topth:
     del llm
     gc.collect()
     return res
+
+
+def top_two(output) -> list:
+    """The two best ``(token id, logprob)`` pairs of every step of a finished request (its
+    first completion; empty without logprobs), best first: what :func:`compare_tokens`
+    takes as ``top_a`` / ``top_b``.
+
+    Parameters
+    ----------
+    output : vllm.RequestOutput
+        Generated with ``logprobs >= 2`` (or None).
+
+    Returns
+    -------
+    list of list of (int, float)
+        ``[steps][2]``, natural-log probabilities.
+    """
+    return [[(int(t), float(v.logprob)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]]
+            for lp in (output.outputs[0].logprobs or [])]
 
 
 def generate_together(llm, prompts: list, params, on_step: Optional[Callable] = None) -> list:
@@ -151,9 +164,8 @@ def generate_together(llm, prompts: list, params, on_step: Optional[Callable] = 
 
     # on_step sees every request's tokens so far; otherwise only the final outputs are built
     params.output_kind = RequestOutputKind.CUMULATIVE if on_step is not None else RequestOutputKind.FINAL_ONLY
-    global _GEN_CALLS
-    _GEN_CALLS += 1
-    rids = [f"g{_GEN_CALLS}-{i}" for i in range(len(prompts))]
+    call = next(_GEN_CALLS)
+    rids = [f"g{call}-{i}" for i in range(len(prompts))]
     added: list = []
     try:
         if pause is not None:
@@ -178,7 +190,7 @@ def generate_together(llm, prompts: list, params, on_step: Optional[Callable] = 
     return [final[r] for r in rids]
 
 
-_GEN_CALLS = 0
+_GEN_CALLS = itertools.count(1)  # request ids unique across calls in this process
 
 
 def tokenize(model_dir: str, prompts: list[str]) -> list[list[int]]:

@@ -138,9 +138,7 @@ def _decode_run(llm, prompts, new_tokens: int):
     outs = vc.generate_together(llm, prompts, sp, on_step)
     decode_s = time.perf_counter() - win["start"]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    top = [[[(int(t), float(v.logprob)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]]
-            for lp in (o.outputs[0].logprobs or [])] for o in outs]
-    return tokens, top, win["tokens"], decode_s
+    return tokens, [vc.top_two(o) for o in outs], win["tokens"], decode_s
 
 
 def main(argv=None) -> int:

@@ -66,8 +66,7 @@ def run(args) -> dict:
         outs = llm.generate(prompts, sp, use_tqdm=False)
     llm.llm_engine.engine_core.shutdown()
     return {"args": vars(args), "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "top": [[[(int(t), float(v.logprob)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]]
-                     for lp in o.outputs[0].logprobs] for o in outs]}
+            "top": [vc.top_two(o) for o in outs]}
 
 
 WORKLOAD_KEYS = ("model", "prompts", "prompt_tokens", "new_tokens", "batched_tokens")

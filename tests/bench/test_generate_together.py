@@ -110,3 +110,11 @@ def test_serving_bench_refuses_a_configuration_named_twice(capsys):
     with pytest.raises(SystemExit):
         vllm_serving.main(["--model", "m", "--configs", "vllm,dense,vllm"])
     assert "each configuration at most once" in capsys.readouterr().err
+
+
+def test_top_two_best_first_per_step():
+    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    steps = [{7: lp(-2.0), 3: lp(-0.1), 9: lp(-1.0)}, {4: lp(-0.5), 5: lp(-0.25)}]
+    out = SimpleNamespace(outputs=[SimpleNamespace(logprobs=steps)])
+    assert vc.top_two(out) == [[(3, -0.1), (9, -1.0)], [(5, -0.25), (4, -0.5)]]
+    assert vc.top_two(SimpleNamespace(outputs=[SimpleNamespace(logprobs=None)])) == []
