@@ -84,7 +84,7 @@ inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
 }
 
 // Software prefetch distances of the stages that walk a list of row pointers: kAhead rows
-// ahead into L1, about kFarBytes ahead into L2 (the hardware prefetchers stop at every 4 KiB
+// ahead into L1 (not always: prefetch_ahead, pv_direct_all), about kFarBytes ahead into L2 (the hardware prefetchers stop at every 4 KiB
 // page and every block of a paged cache; the list knows where the next rows are).
 constexpr int64_t kAhead = 16;
 constexpr int64_t kFarBytes = 12288;
@@ -94,10 +94,17 @@ inline int64_t far_rows(int64_t row_bytes) {
     return r < 32 ? 32 : (r > 128 ? 128 : r);
 }
 
-// Before the tile of rows [t0, t0 + 16) of a list of count rows: the next tile into L1, the
-// tile `far` rows ahead into L2.
-inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far) {
-    for (int64_t t = t0 + 16; t < count && t < t0 + 32; ++t) prefetch_row(rows[t], row_bytes);
+// Before the tile of rows [t0, t0 + 16) of a list of count rows: the tile `far` rows ahead
+// into L2 and, with `near`, the next tile into L1. Rows shorter than kNearMinBytes skip the L1
+// step when they are consecutive positions: from L2 the out-of-order core hides the rest,
+// and the extra prefetches made such rows slower end to end on AMD Zen 4 (docs/cpu.md,
+// "Software prefetch").
+constexpr int64_t kNearMinBytes = 256;
+
+inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far,
+                           bool near = true) {
+    if (near)
+        for (int64_t t = t0 + 16; t < count && t < t0 + 32; ++t) prefetch_row(rows[t], row_bytes);
     for (int64_t t = t0 + far; t < count && t < t0 + far + 16; ++t) prefetch_row_l2(rows[t], row_bytes);
 }
 

@@ -190,10 +190,11 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
             rb[t] = rows[tv];
             tv += stride; tv -= tv >= count ? count : 0;
         }
-        for (int64_t k = k0 + kRowBlock; k < count && k < k0 + 2 * kRowBlock; ++k) {
-            prefetch_one<DT>(rows[tn], row_bytes, cstride, d, false);
-            tn += stride; tn -= tn >= count ? count : 0;
-        }
+        if (stride > 1)  // scattered: into L1 too (rows of an ascending list come from L2 in time)
+            for (int64_t k = k0 + kRowBlock; k < count && k < k0 + 2 * kRowBlock; ++k) {
+                prefetch_one<DT>(rows[tn], row_bytes, cstride, d, false);
+                tn += stride; tn -= tn >= count ? count : 0;
+            }
         for (int64_t k = k0 + far; k < count && k < k0 + far + kRowBlock; ++k) {
             prefetch_one<DT>(rows[tf], row_bytes, cstride, d, true);
             tf += stride; tf -= tf >= count ? count : 0;

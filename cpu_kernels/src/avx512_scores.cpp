@@ -108,7 +108,7 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const void* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        if (row_bytes) prefetch_ahead(rows, t0, count, row_bytes, far);
+        if (row_bytes) prefetch_ahead(rows, t0, count, row_bytes, far, row_bytes >= kNearMinBytes);
         if (direct) {
             for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + (t < T ? t : T - 1)];
         } else {

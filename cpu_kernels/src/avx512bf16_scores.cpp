@@ -22,6 +22,7 @@ namespace {
 using avx512_level::reduce16;
 using avx512_level::store_block;
 using avx512_level::far_rows;
+using avx512_level::kNearMinBytes;
 using avx512_level::prefetch_ahead;
 
 inline __m512bh bf16_chunk(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
@@ -83,7 +84,7 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const uint16_t* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        prefetch_ahead(rows, t0, count, row_bytes, far);
+        prefetch_ahead(rows, t0, count, row_bytes, far, row_bytes >= kNearMinBytes);
         for (int64_t t = 0; t < 16; ++t) r[t] = reinterpret_cast<const uint16_t*>(rows[t0 + (t < T ? t : T - 1)]);
         for (int32_t h0 = 0; h0 < G;) {
             const uint16_t* qh = qraw + int64_t(h0) * dpad;
