@@ -84,8 +84,9 @@ inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
 }
 
 // Software prefetch distances of the stages that walk a list of row pointers: kAhead rows
-// ahead into L1 (not always: prefetch_ahead, pv_direct_all), about kFarBytes ahead into L2 (the hardware prefetchers stop at every 4 KiB
-// page and every block of a paged cache; the list knows where the next rows are).
+// ahead into L1 (where it pays: prefetch_ahead, pv_direct_all), about kFarBytes ahead into
+// L2 (the hardware prefetchers stop at every 4 KiB page and every block of a paged cache; the
+// list knows where the next rows are).
 constexpr int64_t kAhead = 16;
 constexpr int64_t kFarBytes = 12288;
 
@@ -95,10 +96,11 @@ inline int64_t far_rows(int64_t row_bytes) {
 }
 
 // Before the tile of rows [t0, t0 + 16) of a list of count rows: the tile `far` rows ahead
-// into L2 and, with `near`, the next tile into L1. Rows shorter than kNearMinBytes skip the L1
-// step when they are consecutive positions: from L2 the out-of-order core hides the rest,
-// and the extra prefetches made such rows slower end to end on AMD Zen 4 (docs/cpu.md,
-// "Software prefetch").
+// into L2 and, with `near`, the next tile into L1. The avx512 and avx512bf16 scores stages
+// (rows of consecutive positions) pass near = row_bytes >= kNearMinBytes: for 128-byte rows
+// the L1 step made the K pass slower end to end on AMD Zen 4, for 256-byte rows it did not
+// (those two and 512 were measured; the bound between them is a choice; docs/cpu.md,
+// "Software prefetch"). The amx scores keep both.
 constexpr int64_t kNearMinBytes = 256;
 
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far,

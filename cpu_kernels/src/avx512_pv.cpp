@@ -2,12 +2,12 @@
 // pointers (one per kept position, resolved through the block table by the caller); every
 // query head of the group accumulates w_h,t * v_t with register blocking (up to 4 heads x
 // 4 chunks of 16 floats per pass). Rows with contiguous head_dim are read straight from the
-// cache and converted in registers when one pass covers all heads (G <= 4; float32 rows
-// also for larger groups), visited in a strided order when scattered (see visit_stride) with
-// rows prefetched at two distances; other cases convert a tile of 32 rows to float32 in L1
-// first (the next tile prefetched; scattered lists in the same strided order, their weights
-// gathered per tile). The caller passes the whole kept list of an item at once, so
-// prefetching runs across it. Also the V-row sum for the VMC mean (value_mean absent).
+// cache and converted in registers, visited in a strided order when scattered (see
+// visit_stride) and prefetched ahead (pv_direct_all); rows with a strided head_dim are
+// converted a tile of 32 rows at a time to float32 in L1 first (no software prefetch;
+// scattered lists in the same strided order, their weights gathered per tile). The caller
+// passes the whole kept list of an item at once, so prefetching runs across it. Also the
+// V-row sum for the VMC mean (value_mean absent).
 #include "avx512_common.h"
 #include "pv_visit.h"
 
@@ -52,8 +52,8 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
 }
 
 // Visit order of a kept list (strided when scattered) and the weights of a block of visits:
-// pv_visit.h, which says why. Rows are prefetched kRowBlock visits ahead into L1 and about
-// kFarBytes ahead into L2.
+// pv_visit.h, which says why. Rows are prefetched about kFarBytes ahead into L2 and, for a
+// scattered list, kRowBlock visits ahead into L1 too (pv_direct_all).
 using pv_visit::block_weights;
 using pv_visit::visit_stride;
 
@@ -169,9 +169,13 @@ inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, i
 
 // cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 16
 // elements).
+// scattered: the caller's flag (a sparse list); only such lists are also prefetched into L1.
+// An ascending list (dense or nearly dense) relies on the L2 prefetch and the hardware
+// prefetchers: the L1 step on top made it slower end to end (docs/cpu.md, "Software
+// prefetch"). The first `far` rows of a list get no software prefetch into L2.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
-                   int32_t G, float* acc, int64_t stride, int64_t cstride = 0) {
+                   int32_t G, float* acc, int64_t stride, bool scattered, int64_t cstride = 0) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t row_bytes = int64_t(d) * es;
     if (DT != kPacked) cstride = 16 * es;
@@ -190,7 +194,7 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
             rb[t] = rows[tv];
             tv += stride; tv -= tv >= count ? count : 0;
         }
-        if (stride > 1)  // scattered: into L1 too (rows of an ascending list come from L2 in time)
+        if (scattered)
             for (int64_t k = k0 + kRowBlock; k < count && k < k0 + 2 * kRowBlock; ++k) {
                 prefetch_one<DT>(rows[tn], row_bytes, cstride, d, false);
                 tn += stride; tn -= tn >= count ? count : 0;
@@ -234,45 +238,31 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
     if (count <= 0) return;
     const int64_t stride = scattered ? visit_stride(count) : 1;
+    const bool sc = scattered != 0;
     if (sdim == 1) {
         if (dtype == kF32) {
-            pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
         } else if (dtype == kBF16 && d % 32 == 0) {
             split_order(acc, G, d, dpad, true);
-            pv_direct_all<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            pv_direct_all<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
             split_order(acc, G, d, dpad, false);
         } else if (dtype == kBF16) {
-            pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
         } else {
-            pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
         }
         return;
     }
-    // tile path: rows of the steps of one tile converted to float32 first; with a stride, the
-    // tile's weights are gathered per block of 4 heads
+    // tile path (head_dim strided, no software prefetch): rows of the steps of one tile converted
+    // to float32 first; with a stride, the tile's weights are gathered per block of 4 heads
     const int32_t nct = dpad / 16;
-    const int64_t row_bytes = int64_t(d) * (dtype == kF32 ? 4 : 2);
-    const int64_t far = far_rows(row_bytes);
     int64_t vis[kTile];
-    int64_t tv = 0;                               // row of the next step
-    int64_t tn = (kTile * stride) % count;        // row of step t0 + kTile (next tile, into L1)
-    int64_t tf = (far * stride) % count;          // row of step t0 + far (into L2, scattered only)
+    int64_t tv = 0;  // row of the next step
     for (int64_t t0 = 0; t0 < count; t0 += kTile) {
         const int64_t T = count - t0 < kTile ? count - t0 : kTile;
         for (int64_t t = 0; t < T; ++t) {
             vis[t] = tv;
             tv += stride; tv -= tv >= count ? count : 0;
-        }
-        if (sdim == 1) {
-            for (int64_t k = t0 + kTile; k < count && k < t0 + 2 * kTile; ++k) {
-                prefetch_row(rows[tn], row_bytes);
-                tn += stride; tn -= tn >= count ? count : 0;
-            }
-            if (stride > 1)
-                for (int64_t k = t0 + far; k < count && k < t0 + far + kTile; ++k) {
-                    prefetch_row_l2(rows[tf], row_bytes);
-                    tf += stride; tf -= tf >= count ? count : 0;
-                }
         }
         for (int64_t t = 0; t < T; ++t) load_row(rows[vis[t]], dtype, sdim, d, dpad, tile + t * dpad);
         for (int32_t h0 = 0; h0 < G; h0 += 4) {
@@ -298,7 +288,8 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
 void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,
                int64_t ldw, int32_t G, float* acc, int32_t scattered) {
     if (count <= 0) return;
-    pv_direct_all<kPacked>(rows, count, d, dpad, wk, ldw, G, acc, scattered ? visit_stride(count) : 1, gstride);
+    pv_direct_all<kPacked>(rows, count, d, dpad, wk, ldw, G, acc, scattered ? visit_stride(count) : 1, scattered != 0,
+                           gstride);
 }
 
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
