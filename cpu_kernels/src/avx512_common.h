@@ -84,7 +84,7 @@ inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
 }
 
 // Software prefetch distances of the stages that walk a list of row pointers: kAhead rows
-// ahead into L1 (where it pays: prefetch_ahead, pv_direct_all), about kFarBytes ahead into
+// ahead into L1 (not everywhere: prefetch_ahead, pv_direct_all), about kFarBytes ahead into
 // L2 (the hardware prefetchers stop at every 4 KiB page and every block of a paged cache; the
 // list knows where the next rows are).
 constexpr int64_t kAhead = 16;
