@@ -2,7 +2,9 @@
 // contiguous rows, dense (every row kept), in TSC ticks: warm (the item in L1/L2, best of
 // many calls) and cold (C copies of the item rotated, so K and V come from DRAM; median of
 // rounds). It tells how far each stage is from its FMA and load-port bounds and how much the
-// memory stream adds (docs/cpu.md, "Where the time goes per stage"). One source, two builds:
+// memory stream adds (docs/cpu.md, "Where the time goes per stage"). Its cold mode does not
+// predict the end-to-end effect of prefetch changes (twice it ranked variants the other way
+// round from bench/cpu_cold.py: docs/cpu.md, "Software prefetch"). One source, two builds:
 //
 //   AVX2 level:
 //   g++ -O3 -mavx2 -mfma -mf16c -Icpu_kernels/include -Icpu_kernels/src \
