@@ -171,8 +171,8 @@ inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, i
 // elements).
 // scattered: the caller's flag (a sparse list); only such lists are also prefetched into L1.
 // An ascending list (dense or nearly dense) relies on the L2 prefetch and the hardware
-// prefetchers: the L1 step on top made it slower end to end (docs/cpu.md, "Software
-// prefetch"). The first `far` rows of a list get no software prefetch into L2.
+// prefetchers: the L1 step on top did not help it end to end on AMD Zen 4 (docs/cpu.md,
+// "Software prefetch"). The first `far` rows of a list get no software prefetch into L2.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                    int32_t G, float* acc, int64_t stride, bool scattered, int64_t cstride = 0) {
