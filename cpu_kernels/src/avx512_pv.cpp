@@ -167,16 +167,18 @@ inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, i
     }
 }
 
-// cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 16
-// elements).
-// scattered: the caller's flag (a sparse list); only such lists are also prefetched into L1.
+// cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 0, set
+// to 16 elements here).
+// scattered: the caller's flag (a sparse list): visited with visit_stride(count), and the only
+// lists also prefetched into L1.
 // An ascending list (dense or nearly dense) relies on the L2 prefetch and the hardware
 // prefetchers: the L1 step on top did not help it end to end on AMD Zen 4 (docs/cpu.md,
 // "Software prefetch"). The first `far` rows of a list get no software prefetch into L2.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
-                   int32_t G, float* acc, int64_t stride, bool scattered, int64_t cstride = 0) {
+                   int32_t G, float* acc, bool scattered, int64_t cstride) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
+    const int64_t stride = scattered ? visit_stride(count) : 1;
     const int64_t row_bytes = int64_t(d) * es;
     if (DT != kPacked) cstride = 16 * es;
     const int32_t nct = (d + 15) / 16;
@@ -237,22 +239,22 @@ inline void load_tile(const uint8_t* const* rows, int64_t t0, int64_t T, int64_t
 void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
     if (count <= 0) return;
-    const int64_t stride = scattered ? visit_stride(count) : 1;
     const bool sc = scattered != 0;
     if (sdim == 1) {
         if (dtype == kF32) {
-            pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
+            pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
         } else if (dtype == kBF16 && d % 32 == 0) {
             split_order(acc, G, d, dpad, true);
-            pv_direct_all<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
+            pv_direct_all<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
             split_order(acc, G, d, dpad, false);
         } else if (dtype == kBF16) {
-            pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
+            pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
         } else {
-            pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride, sc);
+            pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
         }
         return;
     }
+    const int64_t stride = sc ? visit_stride(count) : 1;
     // tile path (head_dim strided, no software prefetch): rows of the steps of one tile converted
     // to float32 first; with a stride, the tile's weights are gathered per block of 4 heads
     const int32_t nct = dpad / 16;
@@ -288,8 +290,7 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
 void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,
                int64_t ldw, int32_t G, float* acc, int32_t scattered) {
     if (count <= 0) return;
-    pv_direct_all<kPacked>(rows, count, d, dpad, wk, ldw, G, acc, scattered ? visit_stride(count) : 1, scattered != 0,
-                           gstride);
+    pv_direct_all<kPacked>(rows, count, d, dpad, wk, ldw, G, acc, scattered != 0, gstride);
 }
 
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
