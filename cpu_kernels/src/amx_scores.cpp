@@ -44,21 +44,11 @@ TileConfig config_for(int32_t G) {
     return c;
 }
 
-// Base and stride of 16 rows r[0 .. 15] when they are equally spaced with a positive stride.
-inline bool regular(const uint8_t* const* r, int64_t* stride) {
-    const int64_t s = r[1] - r[0];
-    if (s <= 0) return false;
-    for (int i = 2; i < 16; ++i)
-        if (r[i] - r[i - 1] != s) return false;
-    *stride = s;
-    return true;
-}
-
 // Rows [t0, t0 + T) of the list as one tile source: in place when 16 equally spaced rows,
 // else copied into buf (16 rows of d bfloat16, zeros past T).
 inline const uint8_t* tile_source(const uint8_t* const* rows, int64_t t0, int64_t T, int32_t d, uint8_t* buf,
                                   int64_t* stride) {
-    if (T == 16 && regular(rows + t0, stride)) return rows[t0];
+    if (T == 16 && (*stride = avx512_level::tile_stride(rows + t0)) != 0) return rows[t0];
     const int64_t rb = int64_t(d) * 2;
     for (int64_t t = 0; t < 16; ++t) {
         if (t < T) memcpy(buf + t * rb, rows[t0 + t], size_t(rb));

@@ -110,6 +110,55 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count
     for (int64_t t = t0 + far; t < count && t < t0 + far + 16; ++t) prefetch_row_l2(rows[t], row_bytes);
 }
 
+// Whether the count rows of a list, rows of at most kRunMaxBytes, lie as one equally spaced
+// run, as far as its ends tell (a BNSD range, or a range inside one block of a paged cache).
+// The stages that address rows from a base (RowRun) then issue no software prefetch: the
+// hardware prefetchers stream such a run and the prefetch instructions only cost time. Runs
+// broken by block boundaries keep them, and so do longer rows (512-byte rows were 1.3-1.9x
+// slower without them on AMD Zen 4; docs/cpu.md, "Row addressing"). Only the speed depends on
+// the answer.
+constexpr int64_t kRunMaxBytes = 256;
+
+inline bool one_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes) {
+    if (count < 2 || row_bytes > kRunMaxBytes) return false;
+    const int64_t s = rows[1] - rows[0];
+    return s > 0 && rows[count - 1] == rows[0] + (count - 1) * s;
+}
+
+// How a stage addresses the rows of one 16-row tile: through the list of row pointers, or, when
+// the 16 rows are equally spaced (BNSD, and inside a block of a paged cache), as base + t *
+// stride. On AMD Zen 4 a stream of loads whose addresses come from loaded pointers read at
+// about 0.7x the rate of the same rows addressed from one base (docs/cpu.md, "Row
+// addressing"); the pointers are then only compared, never used as addresses. Used by the
+// avx512bf16 scores and the AVX-512 P.V; the avx512 scores keep the pointers (GCC's code for
+// them with RowRun took twice the time, warm).
+struct RowPtrs {
+    const void* const* r;
+    const uint8_t* at(int64_t t) const { return static_cast<const uint8_t*>(r[t]); }
+    RowPtrs from(int64_t t) const { return {r + t}; }
+};
+struct RowRun {
+    const uint8_t* b;
+    int64_t s;
+    const uint8_t* at(int64_t t) const { return b + t * s; }
+    RowRun from(int64_t t) const { return {b + t * s, s}; }
+};
+
+// The byte stride of 16 rows r[0 .. 15] when they are equally spaced with a positive stride,
+// else 0.
+inline int64_t tile_stride(const uint8_t* const* r) {
+    const int64_t s = r[1] - r[0];
+    if (s <= 0) return 0;
+    const __m512i base = _mm512_set1_epi64(reinterpret_cast<int64_t>(r[0]));
+    const __m512i step = _mm512_set1_epi64(s);
+    const __m512i i0 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i e0 = _mm512_add_epi64(base, _mm512_mullo_epi64(i0, step));
+    const __m512i e1 = _mm512_add_epi64(e0, _mm512_slli_epi64(step, 3));
+    const __mmask8 m0 = _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(r), e0);
+    const __mmask8 m1 = _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(r + 8), e1);
+    return (m0 & m1) == 0xFF ? s : 0;
+}
+
 // Horizontal sums of 16 vectors: result[t] = sum of the lanes of acc[t]. A transpose-and-add
 // tree (15 adds) whose every level pairs a mask blend with one shuffle (16 shuffles in all,
 // half the shuffles of two-shuffle levels: shuffles, not adds, limit it on AMD Zen 4). The

@@ -3,7 +3,8 @@
 // query head of the group accumulates w_h,t * v_t with register blocking (up to 4 heads x
 // 4 chunks of 16 floats per pass). Rows with contiguous head_dim are read straight from the
 // cache and converted in registers, visited in a strided order when scattered (see
-// visit_stride) and prefetched ahead (pv_direct_all); rows with a strided head_dim are
+// visit_stride) and prefetched ahead (pv_direct_all), a block of 16 equally spaced rows
+// addressed from its first row (RowRun, avx512_common.h); rows with a strided head_dim are
 // converted a tile of 32 rows at a time to float32 in L1 first (no software prefetch;
 // scattered lists in the same strided order, their weights gathered per tile). The caller
 // passes the whole kept list of an item at once, so prefetching runs across it. Also the
@@ -73,10 +74,10 @@ constexpr int kSplit = 3;   // pseudo dtype: bfloat16, pairwise conversion
 constexpr int kPacked = 4;  // pseudo dtype: bfloat16 in vLLM's AMX V packing
 constexpr int64_t kRowBlock = 16;
 
-// acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block, rows at byte offset `off`;
-// vector NV - 1 masked by `last` (plain dtypes).
-template <int DT, int HB, int NV>
-inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, __mmask16 last, const float* w, int64_t ldw,
+// acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block (rb.at(t): RowPtrs or RowRun,
+// avx512_common.h), rows at byte offset `off`; vector NV - 1 masked by `last` (plain dtypes).
+template <int DT, int HB, int NV, class A>
+inline void pv_rows(A rb, int64_t R, int64_t off, __mmask16 last, const float* w, int64_t ldw,
                     float* acc, int32_t dpad, int64_t cstride) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     __m512 a[HB][NV];
@@ -86,11 +87,11 @@ inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, __mmask16 
         for (int c = 0; c < NV; ++c) a[h][c] = _mm512_loadu_ps(acc + int64_t(h) * dpad + 16 * c);
     const __m512i hi16 = _mm512_set1_epi32(int32_t(0xFFFF0000u));
     for (int64_t t = 0; t < R; ++t) {
-        const uint8_t* p = rb[t] + off;
+        const uint8_t* p = rb.at(t) + off;
         __m512 v[NV];
         if constexpr (DT == kPacked) {
-            const uintptr_t odd = (reinterpret_cast<uintptr_t>(rb[t]) >> 1) & 1u;
-            const uint8_t* line = rb[t] - 2 * odd + off;
+            const uintptr_t odd = (reinterpret_cast<uintptr_t>(rb.at(t)) >> 1) & 1u;
+            const uint8_t* line = rb.at(t) - 2 * odd + off;
             if (odd) {
 #pragma GCC unroll 4
                 for (int c = 0; c < NV; ++c)
@@ -124,8 +125,8 @@ inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, __mmask16 
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + int64_t(h) * dpad + 16 * c, a[h][c]);
 }
 
-template <int DT, int HB>
-inline void pv_rows_nv(const uint8_t* const* rb, int64_t R, int64_t off, int nv, __mmask16 last, const float* w,
+template <int DT, int HB, class A>
+inline void pv_rows_nv(A rb, int64_t R, int64_t off, int nv, __mmask16 last, const float* w,
                        int64_t ldw, float* acc, int32_t dpad, int64_t cstride) {
     switch (nv) {
         case 1: pv_rows<DT, HB, 1>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
@@ -167,13 +168,39 @@ inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, i
     }
 }
 
+// Every head block (up to 4 heads) and column block (up to 4 vectors) of one block of R visits.
+template <int DT, class A>
+inline void pv_heads_all(A rb, int64_t R, int64_t k0, const int64_t* vis, int64_t stride, int32_t d, int32_t dpad,
+                         int32_t nct, const float* wk, int64_t ldw, int32_t G, float* acc, float* wbuf,
+                         int64_t cstride) {
+    for (int32_t h0 = 0; h0 < G; h0 += 4) {
+        const int hb = G - h0 < 4 ? G - h0 : 4;
+        int64_t lw = 0;
+        const float* w = block_weights(wk, ldw, h0, hb, k0, vis, R, stride, wbuf, kRowBlock, &lw);
+        for (int32_t c0 = 0; c0 < nct; c0 += 4) {
+            const int nv = nct - c0 < 4 ? nct - c0 : 4;
+            const __mmask16 last = tail_mask(d - 16 * (c0 + nv - 1));
+            const int64_t off = int64_t(c0) * cstride;
+            float* o = acc + int64_t(h0) * dpad + 16 * c0;
+            switch (hb) {
+                case 1: pv_rows_nv<DT, 1>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+                case 2: pv_rows_nv<DT, 2>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+                case 3: pv_rows_nv<DT, 3>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+                default: pv_rows_nv<DT, 4>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+            }
+        }
+    }
+}
+
 // cstride: bytes between a row's consecutive 16-element vectors (kPacked; the others: 0, set
 // to 16 elements here).
 // scattered: the caller's flag (a sparse list): visited with visit_stride(count), and the only
 // lists also prefetched into L1.
 // An ascending list (dense or nearly dense) relies on the L2 prefetch and the hardware
 // prefetchers: the L1 step on top did not help it end to end on AMD Zen 4 (docs/cpu.md,
-// "Software prefetch"). The first `far` rows of a list get no software prefetch into L2.
+// "Software prefetch"); an ascending list that is one equally spaced run (one_run: a dense BNSD
+// range) on the hardware prefetchers alone ("Row addressing"). The first `far` rows of a list
+// get no software prefetch into L2.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                    int32_t G, float* acc, bool scattered, int64_t cstride) {
@@ -189,6 +216,7 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
     int64_t tv = 0;                                    // row of the next step
     int64_t tn = (kRowBlock * stride) % count;         // row of step k0 + kRowBlock (into L1)
     int64_t tf = (far * stride) % count;               // row of step k0 + far (into L2)
+    const bool prefetch = scattered || !one_run(rows, count, row_bytes);  // one run: the hardware prefetchers
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
         for (int64_t t = 0; t < R; ++t) {
@@ -201,27 +229,17 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
                 prefetch_one<DT>(rows[tn], row_bytes, cstride, d, false);
                 tn += stride; tn -= tn >= count ? count : 0;
             }
-        for (int64_t k = k0 + far; k < count && k < k0 + far + kRowBlock; ++k) {
-            prefetch_one<DT>(rows[tf], row_bytes, cstride, d, true);
-            tf += stride; tf -= tf >= count ? count : 0;
-        }
-        for (int32_t h0 = 0; h0 < G; h0 += 4) {
-            const int hb = G - h0 < 4 ? G - h0 : 4;
-            int64_t lw = 0;
-            const float* w = block_weights(wk, ldw, h0, hb, k0, vis, R, stride, wbuf, kRowBlock, &lw);
-            for (int32_t c0 = 0; c0 < nct; c0 += 4) {
-                const int nv = nct - c0 < 4 ? nct - c0 : 4;
-                const __mmask16 last = tail_mask(d - 16 * (c0 + nv - 1));
-                const int64_t off = int64_t(c0) * cstride;
-                float* o = acc + int64_t(h0) * dpad + 16 * c0;
-                switch (hb) {
-                    case 1: pv_rows_nv<DT, 1>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
-                    case 2: pv_rows_nv<DT, 2>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
-                    case 3: pv_rows_nv<DT, 3>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
-                    default: pv_rows_nv<DT, 4>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
-                }
+        const int64_t st = !scattered && R == kRowBlock ? tile_stride(rows + k0) : 0;
+        if (prefetch)
+            for (int64_t k = k0 + far; k < count && k < k0 + far + kRowBlock; ++k) {
+                prefetch_one<DT>(rows[tf], row_bytes, cstride, d, true);
+                tf += stride; tf -= tf >= count ? count : 0;
             }
-        }
+        if (st)
+            pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
+        else
+            pv_heads_all<DT>(RowPtrs{reinterpret_cast<const void* const*>(rb)}, R, k0, vis, stride, d, dpad, nct, wk,
+                             ldw, G, acc, wbuf, cstride);
     }
 }
 

@@ -8,7 +8,8 @@
 // as a chain of float32 FMAs would; what differs from the avx512 level is the order of the
 // additions (lane i sums elements 2i and 2i + 1 of each 32-element chunk), the scale
 // applied once to the dot product instead of to the query, and that the instruction treats
-// subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). Every other stage,
+// subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). Rows are addressed and
+// prefetched from a base when equally spaced (RowRun, one_run: avx512_common.h). Every other stage,
 // and other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
@@ -23,15 +24,22 @@ using avx512_level::reduce16;
 using avx512_level::store_block;
 using avx512_level::far_rows;
 using avx512_level::kNearMinBytes;
+using avx512_level::one_run;
 using avx512_level::prefetch_ahead;
+using avx512_level::RowPtrs;
+using avx512_level::RowRun;
+using avx512_level::tile_stride;
 
 inline __m512bh bf16_chunk(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh bf16_chunk(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
 
+inline const uint16_t* u16(const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+
 // acc[h * RB + t] += <q_h, r_t> over 32-element chunks (pairs of bfloat16 per lane): nfull
-// full ones, then one masked by `last` when last != 0 (nothing past head_dim is read).
-template <int HB, int RB>
-inline void dp_block(const uint16_t* const* r, const uint16_t* q, int32_t dpad, int32_t nfull, __mmask32 last,
+// full ones, then one masked by `last` when last != 0 (nothing past head_dim is read). Rows
+// r.at(t): RowPtrs or RowRun (avx512_common.h).
+template <int HB, int RB, class A>
+inline void dp_block(A r, const uint16_t* q, int32_t dpad, int32_t nfull, __mmask32 last,
                      __m512 (&acc)[16]) {
     for (int32_t c = 0; c < nfull; ++c) {
         __m512bh qv[HB];
@@ -39,7 +47,7 @@ inline void dp_block(const uint16_t* const* r, const uint16_t* q, int32_t dpad, 
         for (int h = 0; h < HB; ++h) qv[h] = bf16_chunk(q + h * dpad + 32 * c);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
-            const __m512bh k = bf16_chunk(r[t] + 32 * c);
+            const __m512bh k = bf16_chunk(u16(r.at(t)) + 32 * c);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h], k);
         }
@@ -50,22 +58,34 @@ inline void dp_block(const uint16_t* const* r, const uint16_t* q, int32_t dpad, 
         for (int h = 0; h < HB; ++h) qv[h] = bf16_chunk(q + h * dpad + 32 * nfull, last);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
-            const __m512bh k = bf16_chunk(r[t] + 32 * nfull, last);
+            const __m512bh k = bf16_chunk(u16(r.at(t)) + 32 * nfull, last);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h], k);
         }
     }
 }
 
-template <int HB, int RB>
-inline void tile_heads(const uint16_t* const* r, int64_t T, const uint16_t* q, int32_t dpad, int32_t nfull,
+template <int HB, int RB, class A>
+inline void tile_heads(A r, int64_t T, const uint16_t* q, int32_t dpad, int32_t nfull,
                        __mmask32 last, __m512 scale, float* S, int64_t ldS) {
     for (int64_t r0 = 0; r0 < T; r0 += RB) {
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        dp_block<HB, RB>(r + r0, q, dpad, nfull, last, acc);
+        dp_block<HB, RB>(r.from(r0), q, dpad, nfull, last, acc);
         store_block<HB, RB>(_mm512_mul_ps(reduce16(acc), scale), S + r0, ldS, T - r0);
+    }
+}
+
+// One block of hb heads (1-4) of a tile.
+template <class A>
+inline void tile_block(A r, int hb, int64_t T, const uint16_t* qh, int32_t dpad, int32_t nfull, __mmask32 last,
+                       __m512 sc, float* Sh, int64_t ldS) {
+    switch (hb) {
+        case 1: tile_heads<1, 16>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
+        case 2: tile_heads<2, 8>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
+        case 3: tile_heads<3, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
+        default: tile_heads<4, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
     }
 }
 
@@ -81,20 +101,23 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const __mmask32 last = d % 32 ? __mmask32((1u << (d % 32)) - 1u) : __mmask32(0);
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
-    const uint16_t* r[16];
+    const bool prefetch = !one_run(rows, count, row_bytes);
+    const void* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        prefetch_ahead(rows, t0, count, row_bytes, far, row_bytes >= kNearMinBytes);
-        for (int64_t t = 0; t < 16; ++t) r[t] = reinterpret_cast<const uint16_t*>(rows[t0 + (t < T ? t : T - 1)]);
+        const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;
+        if (prefetch) prefetch_ahead(rows, t0, count, row_bytes, far, row_bytes >= kNearMinBytes);
+        if (!st)
+            for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + (t < T ? t : T - 1)];
         for (int32_t h0 = 0; h0 < G;) {
             const uint16_t* qh = qraw + int64_t(h0) * dpad;
             float* Sh = S + h0 * ldS + t0;
-            switch (G - h0) {
-                case 1: tile_heads<1, 16>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 1; break;
-                case 2: tile_heads<2, 8>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 2; break;
-                case 3: tile_heads<3, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 3; break;
-                default: tile_heads<4, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); h0 += 4; break;
-            }
+            const int hb = G - h0 < 4 ? G - h0 : 4;
+            if (st)
+                tile_block(RowRun{rows[t0], st}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS);
+            else
+                tile_block(RowPtrs{r}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS);
+            h0 += hb;
         }
     }
 }
