@@ -1,5 +1,6 @@
-// Helpers of the AVX-512 level (row loads with dtype conversion, exp, prefetch). Only the
-// avx512_*.cpp files include this, all compiled with the same AVX-512 flags; every helper has
+// Helpers of the AVX-512 level (row loads with dtype conversion, exp, prefetch, row
+// addressing). Only the avx512_*.cpp, avx512bf16_scores.cpp and amx_scores.cpp files include
+// this, all compiled with at least the AVX-512 flags; every helper has
 // internal linkage (anonymous namespace), so no AVX-512 code can leak into the generic path.
 #pragma once
 
@@ -85,8 +86,9 @@ inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
 
 // Software prefetch distances of the stages that walk a list of row pointers: kAhead rows
 // ahead into L1 (not everywhere: prefetch_ahead, pv_direct_all), about kFarBytes ahead into
-// L2 (the hardware prefetchers stop at every 4 KiB page and every block of a paged cache; the
-// list knows where the next rows are).
+// L2 (the list knows where the next rows are: the hardware prefetchers lose the stream at every
+// block of a paged cache, and rows read through their pointers stream slower without it;
+// docs/cpu.md, "Row addressing").
 constexpr int64_t kAhead = 16;
 constexpr int64_t kFarBytes = 12288;
 
@@ -110,31 +112,31 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count
     for (int64_t t = t0 + far; t < count && t < t0 + far + 16; ++t) prefetch_row_l2(rows[t], row_bytes);
 }
 
-// Whether the count rows of a list, rows of at most kRunMaxBytes, lie as one equally spaced
-// run, as far as its ends tell (a BNSD range, or a range inside one block of a paged cache).
-// The stages that address rows from a base (RowRun) then issue no software prefetch: the
-// hardware prefetchers stream such a run and the prefetch instructions only cost time. Runs
-// broken by block boundaries keep them, and so do longer rows (512-byte rows were 1.3-1.9x
-// slower without them on AMD Zen 4; docs/cpu.md, "Row addressing"). Only the speed depends on
-// the answer.
+// Whether the count rows of a list, rows of at most kRunMaxBytes, lie back to back as one
+// contiguous run, as far as its ends tell (a BNSD range). The stages that address rows from a
+// base (RowRun) then issue no software prefetch: the hardware prefetchers stream such a run and
+// the prefetch instructions only cost time. Runs broken by block boundaries keep them, and so
+// do longer rows (Gemma 3's 512-byte rows were about 1.3x slower without them on AMD Zen 4)
+// and strided runs (not measured); docs/cpu.md, "Row addressing". Only the speed depends on the
+// answer.
 constexpr int64_t kRunMaxBytes = 256;
 
 inline bool one_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes) {
-    if (count < 2 || row_bytes > kRunMaxBytes) return false;
-    const int64_t s = rows[1] - rows[0];
-    return s > 0 && rows[count - 1] == rows[0] + (count - 1) * s;
+    if (count < 2 || row_bytes > kRunMaxBytes || rows[1] - rows[0] != row_bytes) return false;
+    const uint64_t first = reinterpret_cast<uintptr_t>(rows[0]), last = reinterpret_cast<uintptr_t>(rows[count - 1]);
+    return last - first == uint64_t(count - 1) * uint64_t(row_bytes);
 }
 
 // How a stage addresses the rows of one 16-row tile: through the list of row pointers, or, when
 // the 16 rows are equally spaced (BNSD, and inside a block of a paged cache), as base + t *
 // stride. On AMD Zen 4 a stream of loads whose addresses come from loaded pointers read at
-// about 0.7x the rate of the same rows addressed from one base (docs/cpu.md, "Row
+// about two thirds of the rate of the same rows addressed from one base (docs/cpu.md, "Row
 // addressing"); the pointers are then only compared, never used as addresses. Used by the
-// avx512bf16 scores and the AVX-512 P.V; the avx512 scores keep the pointers (GCC's code for
-// them with RowRun took twice the time, warm).
+// avx512bf16 scores and the AVX-512 P.V; the avx512 scores keep the pointers (with RowRun their
+// float32 K pass of 512-byte rows ran at 0.87x end to end).
 struct RowPtrs {
-    const void* const* r;
-    const uint8_t* at(int64_t t) const { return static_cast<const uint8_t*>(r[t]); }
+    const uint8_t* const* r;
+    const uint8_t* at(int64_t t) const { return r[t]; }
     RowPtrs from(int64_t t) const { return {r + t}; }
 };
 struct RowRun {
@@ -163,7 +165,9 @@ inline int64_t tile_stride(const uint8_t* const* r) {
 // tree (15 adds) whose every level pairs a mask blend with one shuffle (16 shuffles in all,
 // half the shuffles of two-shuffle levels: shuffles, not adds, limit it on AMD Zen 4). The
 // tree leaves row r in lane bitreverse4(r), so the inputs are taken in bit-reversed order.
-inline __m512 reduce16(const __m512 (&acc)[16]) {
+// Always inlined: in a larger scores stage GCC made it a call, its 16 inputs went through
+// memory and the stage took twice the time.
+__attribute__((always_inline)) inline __m512 reduce16(const __m512 (&acc)[16]) {
     constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
     __m512 s[8], u[4], v[2];
 #pragma GCC unroll 8

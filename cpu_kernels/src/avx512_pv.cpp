@@ -53,8 +53,9 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
 }
 
 // Visit order of a kept list (strided when scattered) and the weights of a block of visits:
-// pv_visit.h, which says why. Rows are prefetched about kFarBytes ahead into L2 and, for a
-// scattered list, kRowBlock visits ahead into L1 too (pv_direct_all).
+// pv_visit.h, which says why. Rows are prefetched about kFarBytes ahead into L2 (not a
+// contiguous run: one_run) and, for a scattered list, kRowBlock visits ahead into L1 too
+// (pv_direct_all).
 using pv_visit::block_weights;
 using pv_visit::visit_stride;
 
@@ -198,8 +199,8 @@ inline void pv_heads_all(A rb, int64_t R, int64_t k0, const int64_t* vis, int64_
 // lists also prefetched into L1.
 // An ascending list (dense or nearly dense) relies on the L2 prefetch and the hardware
 // prefetchers: the L1 step on top did not help it end to end on AMD Zen 4 (docs/cpu.md,
-// "Software prefetch"); an ascending list that is one equally spaced run (one_run: a dense BNSD
-// range) on the hardware prefetchers alone ("Row addressing"). The first `far` rows of a list
+// "Software prefetch"); an ascending list that is one contiguous run of short rows (one_run: a
+// dense BNSD range) on the hardware prefetchers alone ("Row addressing"). The first `far` rows of a list
 // get no software prefetch into L2.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
@@ -238,8 +239,7 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
         if (st)
             pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
         else
-            pv_heads_all<DT>(RowPtrs{reinterpret_cast<const void* const*>(rb)}, R, k0, vis, stride, d, dpad, nct, wk,
-                             ldw, G, acc, wbuf, cstride);
+            pv_heads_all<DT>(RowPtrs{rb}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
     }
 }
 

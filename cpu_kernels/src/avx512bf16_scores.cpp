@@ -9,7 +9,8 @@
 // additions (lane i sums elements 2i and 2i + 1 of each 32-element chunk), the scale
 // applied once to the dot product instead of to the query, and that the instruction treats
 // subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). Rows are addressed and
-// prefetched from a base when equally spaced (RowRun, one_run: avx512_common.h). Every other stage,
+// addressed from a base when 16 are equally spaced (RowRun), and a contiguous run of short rows
+// gets no software prefetch (one_run; avx512_common.h). Every other stage,
 // and other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
@@ -102,7 +103,7 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
     const bool prefetch = !one_run(rows, count, row_bytes);
-    const void* r[16];
+    const uint8_t* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;
