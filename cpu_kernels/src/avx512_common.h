@@ -102,7 +102,8 @@ inline int64_t far_rows(int64_t row_bytes) {
 // (rows of consecutive positions) pass near = row_bytes >= kNearMinBytes: for 128-byte rows
 // the L1 step made the K pass slower end to end on AMD Zen 4, for 256-byte rows it did not
 // (those two and 512 were measured; the bound between them is a choice; docs/cpu.md,
-// "Software prefetch"). The amx scores keep both.
+// "Software prefetch"). The amx scores keep both. The avx512bf16 scores skip both for a
+// contiguous run of rows up to 256 bytes (one_run).
 constexpr int64_t kNearMinBytes = 256;
 
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far,
@@ -131,9 +132,10 @@ inline bool one_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes
 // the 16 rows are equally spaced (BNSD, and inside a block of a paged cache), as base + t *
 // stride. On AMD Zen 4 a stream of loads whose addresses come from loaded pointers read at
 // about two thirds of the rate of the same rows addressed from one base (docs/cpu.md, "Row
-// addressing"); the pointers are then only compared, never used as addresses. Used by the
-// avx512bf16 scores and the AVX-512 P.V; the avx512 scores keep the pointers (with RowRun their
-// float32 K pass of 512-byte rows ran at 0.87x end to end).
+// addressing"); the loads then do not use the pointers (the software prefetch, where issued,
+// still does). Used by the avx512bf16 scores and the AVX-512 P.V; the avx512 scores keep the
+// pointers (with RowRun the float32 shape's op ran at 0.87x end to end at f = 0.1, bound by
+// the K pass of 512-byte rows).
 struct RowPtrs {
     const uint8_t* const* r;
     const uint8_t* at(int64_t t) const { return r[t]; }
@@ -165,8 +167,8 @@ inline int64_t tile_stride(const uint8_t* const* r) {
 // tree (15 adds) whose every level pairs a mask blend with one shuffle (16 shuffles in all,
 // half the shuffles of two-shuffle levels: shuffles, not adds, limit it on AMD Zen 4). The
 // tree leaves row r in lane bitreverse4(r), so the inputs are taken in bit-reversed order.
-// Always inlined: in a larger scores stage GCC made it a call, its 16 inputs went through
-// memory and the stage took twice the time.
+// Always inlined: GCC may otherwise outline it in a larger stage (its 16 inputs then go
+// through memory: twice the time).
 __attribute__((always_inline)) inline __m512 reduce16(const __m512 (&acc)[16]) {
     constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
     __m512 s[8], u[4], v[2];

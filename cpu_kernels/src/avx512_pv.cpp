@@ -199,9 +199,9 @@ inline void pv_heads_all(A rb, int64_t R, int64_t k0, const int64_t* vis, int64_
 // lists also prefetched into L1.
 // An ascending list (dense or nearly dense) relies on the L2 prefetch and the hardware
 // prefetchers: the L1 step on top did not help it end to end on AMD Zen 4 (docs/cpu.md,
-// "Software prefetch"); an ascending list that is one contiguous run of short rows (one_run: a
-// dense BNSD range) on the hardware prefetchers alone ("Row addressing"). The first `far` rows of a list
-// get no software prefetch into L2.
+// "Software prefetch"). An ascending list that is one contiguous run of short rows (one_run: a
+// dense BNSD range) gets no software prefetch and relies on the hardware prefetchers alone
+// ("Row addressing"). The first `far` rows of a list get no software prefetch into L2.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                    int32_t G, float* acc, bool scattered, int64_t cstride) {

@@ -8,10 +8,10 @@
 // as a chain of float32 FMAs would; what differs from the avx512 level is the order of the
 // additions (lane i sums elements 2i and 2i + 1 of each 32-element chunk), the scale
 // applied once to the dot product instead of to the query, and that the instruction treats
-// subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). Rows are addressed and
-// addressed from a base when 16 are equally spaced (RowRun), and a contiguous run of short rows
-// gets no software prefetch (one_run; avx512_common.h). Every other stage,
-// and other dtypes or strided rows, run the avx512 level's code.
+// subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). A tile of 16 equally
+// spaced rows is loaded from its first row and the stride (RowRun), and a contiguous run of
+// short rows gets no software prefetch (one_run; avx512_common.h). Every other stage, and
+// other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
 // when the CPU reports AVX512-BF16 (dispatch.cpp).
