@@ -214,22 +214,25 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
     const uint8_t* rb[kRowBlock];
     int64_t vis[kRowBlock];
     float wbuf[4 * kRowBlock];
-    int64_t tv = 0;                                    // row of the next step
+    int64_t tv = 0;                                    // row of the next step (scattered)
     int64_t tn = (kRowBlock * stride) % count;         // row of step k0 + kRowBlock (into L1)
     int64_t tf = (far * stride) % count;               // row of step k0 + far (into L2)
     const bool prefetch = scattered || !one_run(rows, count, row_bytes);  // one run: the hardware prefetchers
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
-        for (int64_t t = 0; t < R; ++t) {
-            vis[t] = tv;
-            rb[t] = rows[tv];
-            tv += stride; tv -= tv >= count ? count : 0;
-        }
-        if (scattered)
+        const uint8_t* const* blk = rows + k0;  // an ascending list's block: its rows in place
+        if (scattered) {
+            for (int64_t t = 0; t < R; ++t) {
+                vis[t] = tv;
+                rb[t] = rows[tv];
+                tv += stride; tv -= tv >= count ? count : 0;
+            }
+            blk = rb;
             for (int64_t k = k0 + kRowBlock; k < count && k < k0 + 2 * kRowBlock; ++k) {
                 prefetch_one<DT>(rows[tn], row_bytes, cstride, d, false);
                 tn += stride; tn -= tn >= count ? count : 0;
             }
+        }
         const int64_t st = !scattered && R == kRowBlock ? tile_stride(rows + k0) : 0;
         if (prefetch)
             for (int64_t k = k0 + far; k < count && k < k0 + far + kRowBlock; ++k) {
@@ -239,7 +242,7 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
         if (st)
             pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
         else
-            pv_heads_all<DT>(RowPtrs{rb}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
+            pv_heads_all<DT>(RowPtrs{blk}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
     }
 }
 
