@@ -97,15 +97,15 @@ inline int64_t far_rows(int64_t row_bytes) {
     return r < 32 ? 32 : (r > 128 ? 128 : r);
 }
 
-// Before the tile of rows [t0, t0 + 16) of a list of count rows: the tile `far` rows ahead
-// into L2 and, with `near`, the next tile into L1. The avx512 and avx512bf16 scores stages
-// (rows of consecutive positions) pass near = row_bytes >= kNearMinBytes: for 128-byte rows
-// the L1 step made the K pass slower end to end on AMD Zen 4, for 256-byte rows it did not
-// (those two and 512 were measured; the bound between them is a choice; docs/cpu.md,
-// "Software prefetch"). The amx scores keep both. The avx512bf16 scores skip both for a
-// contiguous run of rows up to 256 bytes (one_run).
+// Scores rows of kNearMinBytes or more also get the next 16 rows into L1: for 128-byte rows
+// that step made the K pass slower end to end on AMD Zen 4, for 256-byte rows it did not
+// (those two and 512 were measured, with the prefetches still issued in bursts; the bound
+// between them is a choice; docs/cpu.md, "Software prefetch").
 constexpr int64_t kNearMinBytes = 256;
 
+// Before the tile of rows [t0, t0 + 16) of a list of count rows, in one burst: the tile `far`
+// rows ahead into L2 and, with `near`, the next tile into L1. Only the amx scores still prefetch
+// this way (not measured on AMX hardware since the other stages spread theirs: ahead_rows).
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far,
                            bool near = true) {
     if (near)
@@ -113,14 +113,32 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count
     for (int64_t t = t0 + far; t < count && t < t0 + far + 16; ++t) prefetch_row_l2(rows[t], row_bytes);
 }
 
+// The stages that compute on a tile while prefetching spread the prefetches over the tile's
+// loads (one line ahead per line loaded), not in a burst before it: on AMD Zen 4 a burst of a
+// 16-row tile's prefetches (8 KiB of 512-byte rows) stalled the stage, and spreading them made
+// the op 1.4-2.2x faster end to end where rows are 512 bytes (docs/cpu.md, "Software
+// prefetch"). out[t] is the row `dist` rows after
+// row t0 + t of a list of count rows; past the list, its last row (a harmless repeat).
+// Returns out, or nullptr when even the first of them lies past the list.
+inline const uint8_t* const* ahead_rows(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t dist,
+                                        const uint8_t** out) {
+    if (t0 + dist >= count) return nullptr;
+    for (int64_t t = 0; t < 16; ++t) {
+        const int64_t i = t0 + dist + t;
+        out[t] = rows[i < count ? i : count - 1];
+    }
+    return out;
+}
+
 // Whether the count rows of a list, rows of at most kRunMaxBytes, lie back to back as one
 // contiguous run, as far as its ends tell (a BNSD range). The stages that address rows from a
 // base (RowRun) then issue no software prefetch: the hardware prefetchers stream such a run and
 // the prefetch instructions only cost time. Runs broken by block boundaries keep them, and so
-// do longer rows (Gemma 3's 512-byte rows were about 1.3x slower without them on AMD Zen 4)
-// and strided runs (not measured); docs/cpu.md, "Row addressing". Only the speed depends on the
-// answer.
-constexpr int64_t kRunMaxBytes = 256;
+// do longer rows and strided runs (not measured). On AMD Zen 4 with the prefetches spread
+// (ahead_rows), BNSD runs of 256-byte rows were 1.15x faster with them (llama8b's shape,
+// dense; 1.3x at f = 0.1) and runs of 128-byte rows 0.95-1.0x (docs/cpu.md, "Software
+// prefetch"). Only the speed depends on the answer.
+constexpr int64_t kRunMaxBytes = 128;
 
 inline bool one_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes) {
     if (count < 2 || row_bytes > kRunMaxBytes || rows[1] - rows[0] != row_bytes) return false;

@@ -3,7 +3,7 @@
 // query head of the group accumulates w_h,t * v_t with register blocking (up to 4 heads x
 // 4 chunks of 16 floats per pass). Rows with contiguous head_dim are read straight from the
 // cache and converted in registers, visited in a strided order when scattered (see
-// visit_stride) and prefetched ahead (pv_direct_all), a block of 16 equally spaced rows
+// visit_stride) and prefetched ahead (pv_direct_all, spread over the arithmetic), a block of 16 equally spaced rows
 // addressed from its first row (RowRun, avx512_common.h); rows with a strided head_dim are
 // converted a tile of 32 rows at a time to float32 in L1 first (no software prefetch;
 // scattered lists in the same strided order, their weights gathered per tile). The caller
@@ -54,8 +54,8 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
 
 // Visit order of a kept list (strided when scattered) and the weights of a block of visits:
 // pv_visit.h, which says why. Rows are prefetched about kFarBytes ahead into L2 (not a
-// contiguous run: one_run) and, for a scattered list, kRowBlock visits ahead into L1 too
-// (pv_direct_all).
+// contiguous run of short rows: one_run) and, for a scattered list, kRowBlock visits ahead into
+// L1 too, one row per visited row (pv_direct_all, pv_rows).
 using pv_visit::block_weights;
 using pv_visit::visit_stride;
 
@@ -77,9 +77,28 @@ constexpr int64_t kRowBlock = 16;
 
 // acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block (rb.at(t): RowPtrs or RowRun,
 // avx512_common.h), rows at byte offset `off`; vector NV - 1 masked by `last` (plain dtypes).
-template <int DT, int HB, int NV, class A>
+// The lines of the bytes one pv_rows call reads from a row at p (column block at byte offset
+// off, NV vectors), prefetched into L2 (l2) or L1.
+template <int DT, int NV>
+inline void prefetch_part(const uint8_t* p, int64_t off, int64_t cstride, bool l2) {
+    constexpr int64_t vb = DT == kF32 ? 64 : 32;  // bytes of one vector in the row (kPacked: one line each)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) {
+        if (DT != kPacked && DT != kF32 && c % 2) continue;
+        const uint8_t* a = DT == kPacked ? p + off + c * cstride : p + off + c * vb;
+        if (l2)
+            prefetch_l2(a);
+        else
+            prefetch_l1(a);
+    }
+}
+
+// With PF, the rows pf[t] into L2 and (pn not null) pn[t] into L1, the part of each this call
+// reads, one row per visited row: prefetches spread over the block's arithmetic (ahead_rows,
+// avx512_common.h).
+template <int DT, int HB, int NV, bool PF, class A>
 inline void pv_rows(A rb, int64_t R, int64_t off, __mmask16 last, const float* w, int64_t ldw,
-                    float* acc, int32_t dpad, int64_t cstride) {
+                    float* acc, int32_t dpad, int64_t cstride, const uint8_t* const* pf, const uint8_t* const* pn) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     __m512 a[HB][NV];
 #pragma GCC unroll 4
@@ -88,6 +107,10 @@ inline void pv_rows(A rb, int64_t R, int64_t off, __mmask16 last, const float* w
         for (int c = 0; c < NV; ++c) a[h][c] = _mm512_loadu_ps(acc + int64_t(h) * dpad + 16 * c);
     const __m512i hi16 = _mm512_set1_epi32(int32_t(0xFFFF0000u));
     for (int64_t t = 0; t < R; ++t) {
+        if constexpr (PF) {
+            prefetch_part<DT, NV>(pf[t], off, cstride, true);
+            if (pn) prefetch_part<DT, NV>(pn[t], off, cstride, false);
+        }
         const uint8_t* p = rb.at(t) + off;
         __m512 v[NV];
         if constexpr (DT == kPacked) {
@@ -126,15 +149,24 @@ inline void pv_rows(A rb, int64_t R, int64_t off, __mmask16 last, const float* w
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + int64_t(h) * dpad + 16 * c, a[h][c]);
 }
 
-template <int DT, int HB, class A>
+template <int DT, int HB, bool PF, class A>
 inline void pv_rows_nv(A rb, int64_t R, int64_t off, int nv, __mmask16 last, const float* w,
-                       int64_t ldw, float* acc, int32_t dpad, int64_t cstride) {
+                       int64_t ldw, float* acc, int32_t dpad, int64_t cstride, const uint8_t* const* pf,
+                       const uint8_t* const* pn) {
     switch (nv) {
-        case 1: pv_rows<DT, HB, 1>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
-        case 2: pv_rows<DT, HB, 2>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
-        case 3: pv_rows<DT, HB, 3>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
-        default: pv_rows<DT, HB, 4>(rb, R, off, last, w, ldw, acc, dpad, cstride); break;
+        case 1: pv_rows<DT, HB, 1, PF>(rb, R, off, last, w, ldw, acc, dpad, cstride, pf, pn); break;
+        case 2: pv_rows<DT, HB, 2, PF>(rb, R, off, last, w, ldw, acc, dpad, cstride, pf, pn); break;
+        case 3: pv_rows<DT, HB, 3, PF>(rb, R, off, last, w, ldw, acc, dpad, cstride, pf, pn); break;
+        default: pv_rows<DT, HB, 4, PF>(rb, R, off, last, w, ldw, acc, dpad, cstride, pf, pn); break;
     }
+}
+
+template <int DT, int HB, class A>
+inline void pv_rows_pf(A rb, int64_t R, int64_t off, int nv, __mmask16 last, const float* w,
+                       int64_t ldw, float* acc, int32_t dpad, int64_t cstride, const uint8_t* const* pf,
+                       const uint8_t* const* pn) {
+    if (pf) pv_rows_nv<DT, HB, true>(rb, R, off, nv, last, w, ldw, acc, dpad, cstride, pf, pn);
+    else pv_rows_nv<DT, HB, false>(rb, R, off, nv, last, w, ldw, acc, dpad, cstride, pf, pn);
 }
 
 // Permutes each 32-float chunk of the G accumulator rows between natural order and
@@ -153,28 +185,14 @@ inline void split_order(float* acc, int32_t G, int32_t d, int32_t dpad, bool to_
         }
 }
 
-// One row for the prefetches: its d elements, or (kPacked) its d / 16 lines.
-template <int DT>
-inline void prefetch_one(const uint8_t* p, int64_t row_bytes, int64_t cstride, int32_t d, bool l2) {
-    if constexpr (DT == kPacked) {
-        for (int32_t c = 0; c < d; c += 16, p += cstride)
-            if (l2)
-                prefetch_l2(p);
-            else
-                prefetch_l1(p);
-    } else if (l2) {
-        prefetch_row_l2(p, row_bytes);
-    } else {
-        prefetch_row(p, row_bytes);
-    }
-}
-
-// Every head block (up to 4 heads) and column block (up to 4 vectors) of one block of R visits.
+// Every head block (up to 4 heads) and column block (up to 4 vectors) of one block of R visits;
+// the first head block also issues the prefetches of pf (may be null) and pn (may be null;
+// only with pf), each column block those of its own bytes.
 template <int DT, class A>
 inline void pv_heads_all(A rb, int64_t R, int64_t k0, const int64_t* vis, int64_t stride, int32_t d, int32_t dpad,
                          int32_t nct, const float* wk, int64_t ldw, int32_t G, float* acc, float* wbuf,
-                         int64_t cstride) {
-    for (int32_t h0 = 0; h0 < G; h0 += 4) {
+                         int64_t cstride, const uint8_t* const* pf, const uint8_t* const* pn) {
+    for (int32_t h0 = 0; h0 < G; h0 += 4, pf = pn = nullptr) {
         const int hb = G - h0 < 4 ? G - h0 : 4;
         int64_t lw = 0;
         const float* w = block_weights(wk, ldw, h0, hb, k0, vis, R, stride, wbuf, kRowBlock, &lw);
@@ -184,10 +202,10 @@ inline void pv_heads_all(A rb, int64_t R, int64_t k0, const int64_t* vis, int64_
             const int64_t off = int64_t(c0) * cstride;
             float* o = acc + int64_t(h0) * dpad + 16 * c0;
             switch (hb) {
-                case 1: pv_rows_nv<DT, 1>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
-                case 2: pv_rows_nv<DT, 2>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
-                case 3: pv_rows_nv<DT, 3>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
-                default: pv_rows_nv<DT, 4>(rb, R, off, nv, last, w, lw, o, dpad, cstride); break;
+                case 1: pv_rows_pf<DT, 1>(rb, R, off, nv, last, w, lw, o, dpad, cstride, pf, pn); break;
+                case 2: pv_rows_pf<DT, 2>(rb, R, off, nv, last, w, lw, o, dpad, cstride, pf, pn); break;
+                case 3: pv_rows_pf<DT, 3>(rb, R, off, nv, last, w, lw, o, dpad, cstride, pf, pn); break;
+                default: pv_rows_pf<DT, 4>(rb, R, off, nv, last, w, lw, o, dpad, cstride, pf, pn); break;
             }
         }
     }
@@ -200,8 +218,9 @@ inline void pv_heads_all(A rb, int64_t R, int64_t k0, const int64_t* vis, int64_
 // An ascending list (dense or nearly dense) relies on the L2 prefetch and the hardware
 // prefetchers: the L1 step on top did not help it end to end on AMD Zen 4 (docs/cpu.md,
 // "Software prefetch"). An ascending list that is one contiguous run of short rows (one_run: a
-// dense BNSD range) gets no software prefetch and relies on the hardware prefetchers alone
-// ("Row addressing"). The first `far` rows of a list get no software prefetch into L2.
+// dense BNSD range of rows up to 128 bytes) gets no software prefetch and relies on the
+// hardware prefetchers alone. The first `far` rows of a list get no software prefetch into L2.
+// The prefetches of a block are spread over its rows (pv_rows), not issued before it.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                    int32_t G, float* acc, bool scattered, int64_t cstride) {
@@ -212,6 +231,8 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
     const int32_t nct = (d + 15) / 16;
     const int64_t far = far_rows(row_bytes);
     const uint8_t* rb[kRowBlock];
+    const uint8_t* pfar[kRowBlock];   // the rows of visits k0 + far + t (into L2)
+    const uint8_t* pnear[kRowBlock];  // the rows of visits k0 + kRowBlock + t (into L1, scattered)
     int64_t vis[kRowBlock];
     float wbuf[4 * kRowBlock];
     int64_t tv = 0;                                    // row of the next step (scattered)
@@ -228,21 +249,32 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
                 tv += stride; tv -= tv >= count ? count : 0;
             }
             blk = rb;
-            for (int64_t k = k0 + kRowBlock; k < count && k < k0 + 2 * kRowBlock; ++k) {
-                prefetch_one<DT>(rows[tn], row_bytes, cstride, d, false);
-                tn += stride; tn -= tn >= count ? count : 0;
-            }
         }
-        const int64_t st = !scattered && R == kRowBlock ? tile_stride(rows + k0) : 0;
-        if (prefetch)
-            for (int64_t k = k0 + far; k < count && k < k0 + far + kRowBlock; ++k) {
-                prefetch_one<DT>(rows[tf], row_bytes, cstride, d, true);
-                tf += stride; tf -= tf >= count ? count : 0;
+        // the rows to prefetch, one per row of this block (visits past the end: the list's
+        // last visit, harmless)
+        const uint8_t* const* pn = nullptr;
+        const uint8_t* const* pf = nullptr;
+        if (scattered && k0 + kRowBlock < count) {
+            for (int64_t t = 0; t < R; ++t) {
+                pnear[t] = rows[tn];
+                if (k0 + kRowBlock + t + 1 < count) { tn += stride; tn -= tn >= count ? count : 0; }
             }
+            pn = pnear;
+        }
+        if (prefetch && k0 + far < count) {
+            for (int64_t t = 0; t < R; ++t) {
+                pfar[t] = rows[tf];
+                if (k0 + far + t + 1 < count) { tf += stride; tf -= tf >= count ? count : 0; }
+            }
+            pf = pfar;
+        }
+        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
+        const int64_t st = !scattered && R == kRowBlock ? tile_stride(rows + k0) : 0;
         if (st)
-            pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
+            pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride,
+                             pf, pn);
         else
-            pv_heads_all<DT>(RowPtrs{blk}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride);
+            pv_heads_all<DT>(RowPtrs{blk}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride, pf, pn);
     }
 }
 

@@ -37,17 +37,30 @@ inline __m512 k_tail(const void* r, int32_t c, __mmask16 m) {
     else return widen16<DT>(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(r) + 16 * c));
 }
 
+// The line of chunk c of the row at p into L2 / L1, where the chunk starts one (16-bit rows:
+// every other chunk).
+template <int DT, int NPF>
+inline void prefetch_chunk(const uint8_t* const* pf, const uint8_t* const* pn, int t, int32_t c) {
+    if (NPF == 0 || (DT != kF32 && c % 2)) return;
+    const int64_t off = int64_t(c) * (DT == kF32 ? 64 : 32);
+    if constexpr (NPF >= 1) prefetch_l2(pf[t] + off);
+    if constexpr (NPF >= 2) prefetch_l1(pn[t] + off);
+}
+
 // acc[h * RB + t] += <q_h, r_t> over 16-element chunks: nfull full ones, then one masked by
 // `last` when last != 0 (elements past head_dim are not read; q is zero padded there).
-template <int DT, int HB, int RB>
+// With each load, the same chunk of row pf[t] (NPF >= 1) into L2 and of row pn[t] (NPF 2) into
+// L1: prefetches spread over the arithmetic (ahead_rows, avx512_common.h).
+template <int DT, int HB, int RB, int NPF>
 inline void qk_block(const void* const* r, const float* q, int32_t dpad, int32_t nfull, __mmask16 last,
-                     __m512 (&acc)[16]) {
+                     __m512 (&acc)[16], const uint8_t* const* pf, const uint8_t* const* pn) {
     for (int32_t c = 0; c < nfull; ++c) {
         __m512 qv[HB];
 #pragma GCC unroll 4
         for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * dpad + 16 * c);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
+            prefetch_chunk<DT, NPF>(pf, pn, t, c);
             const __m512 k = k_chunk<DT>(r[t], c);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_fmadd_ps(qv[h], k, acc[h * RB + t]);
@@ -59,6 +72,7 @@ inline void qk_block(const void* const* r, const float* q, int32_t dpad, int32_t
         for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * dpad + 16 * nfull);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
+            prefetch_chunk<DT, NPF>(pf, pn, t, nfull);
             const __m512 k = k_tail<DT>(r[t], nfull, last);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_fmadd_ps(qv[h], k, acc[h * RB + t]);
@@ -67,31 +81,44 @@ inline void qk_block(const void* const* r, const float* q, int32_t dpad, int32_t
 }
 
 // One tile of T <= 16 rows (r[t], t < 16, padded with valid rows) for heads h0 .. h0 + HB.
-template <int DT, int HB, int RB>
+template <int DT, int HB, int RB, int NPF>
 inline void tile_heads(const void* const* r, int64_t T, const float* q, int32_t dpad, int32_t nfull,
-                       __mmask16 last, float* S, int64_t ldS) {
+                       __mmask16 last, float* S, int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
     for (int64_t r0 = 0; r0 < T; r0 += RB) {
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        qk_block<DT, HB, RB>(r + r0, q, dpad, nfull, last, acc);
+        qk_block<DT, HB, RB, NPF>(r + r0, q, dpad, nfull, last, acc, NPF >= 1 ? pf + r0 : pf,
+                                  NPF >= 2 ? pn + r0 : pn);
         store_block<HB, RB>(reduce16(acc), S + r0, ldS, T - r0);
     }
 }
 
-// Every head block of one tile.
+// One head block (the heads left from q on: up to 4) of one tile; returns its head count.
+template <int DT, int NPF>
+inline int32_t head_block(const void* const* r, int64_t T, const float* q, int32_t dpad, int32_t nfull,
+                          __mmask16 last, int32_t left, float* S, int64_t ldS, const uint8_t* const* pf,
+                          const uint8_t* const* pn) {
+    switch (left) {
+        case 1: tile_heads<DT, 1, 16, NPF>(r, T, q, dpad, nfull, last, S, ldS, pf, pn); return 1;
+        case 2: tile_heads<DT, 2, 8, NPF>(r, T, q, dpad, nfull, last, S, ldS, pf, pn); return 2;
+        case 3: tile_heads<DT, 3, 4, NPF>(r, T, q, dpad, nfull, last, S, ldS, pf, pn); return 3;
+        default: tile_heads<DT, 4, 4, NPF>(r, T, q, dpad, nfull, last, S, ldS, pf, pn); return 4;
+    }
+}
+
+// Every head block of one tile; the first one issues the prefetches: pf into L2 and pn into L1
+// (either may be null; pn only with pf).
 template <int DT>
 inline void tile_groups(const void* const* r, int64_t T, const float* q, int32_t dpad, int32_t nfull,
-                        __mmask16 last, int32_t G, float* S, int64_t ldS) {
+                        __mmask16 last, int32_t G, float* S, int64_t ldS, const uint8_t* const* pf,
+                        const uint8_t* const* pn) {
     for (int32_t h0 = 0; h0 < G;) {
         const float* qh = q + int64_t(h0) * dpad;
         float* Sh = S + h0 * ldS;
-        switch (G - h0) {
-            case 1: tile_heads<DT, 1, 16>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 1; break;
-            case 2: tile_heads<DT, 2, 8>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 2; break;
-            case 3: tile_heads<DT, 3, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 3; break;
-            default: tile_heads<DT, 4, 4>(r, T, qh, dpad, nfull, last, Sh, ldS); h0 += 4; break;
-        }
+        if (h0 == 0 && pn) h0 += head_block<DT, 2>(r, T, qh, dpad, nfull, last, G - h0, Sh, ldS, pf, pn);
+        else if (h0 == 0 && pf) h0 += head_block<DT, 1>(r, T, qh, dpad, nfull, last, G - h0, Sh, ldS, pf, pn);
+        else h0 += head_block<DT, 0>(r, T, qh, dpad, nfull, last, G - h0, Sh, ldS, pf, pn);
     }
 }
 
@@ -106,9 +133,14 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const int64_t es = dtype == kF32 ? 4 : 2;
     const int64_t row_bytes = sdim == 1 ? int64_t(d) * es : 0, far = far_rows(row_bytes);
     const void* r[16];
+    const uint8_t* pfar[16];
+    const uint8_t* pnear[16];
+    const bool near = row_bytes >= kNearMinBytes;
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        if (row_bytes) prefetch_ahead(rows, t0, count, row_bytes, far, row_bytes >= kNearMinBytes);
+        const uint8_t* const* pf = row_bytes ? ahead_rows(rows, t0, count, far, pfar) : nullptr;
+        const uint8_t* const* pn = row_bytes && near ? ahead_rows(rows, t0, count, 16, pnear) : nullptr;
+        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         if (direct) {
             for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + (t < T ? t : T - 1)];
         } else {
@@ -116,11 +148,11 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
             for (int64_t t = 0; t < 16; ++t) r[t] = tile + (t < T ? t : T - 1) * dpad;
         }
         if (direct && dtype == kF16)
-            tile_groups<kF16>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
+            tile_groups<kF16>(r, T, q, dpad, nfull, last, G, S + t0, ldS, pf, pn);
         else if (direct && dtype == kBF16)
-            tile_groups<kBF16>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
+            tile_groups<kBF16>(r, T, q, dpad, nfull, last, G, S + t0, ldS, pf, pn);
         else
-            tile_groups<kF32>(r, T, q, dpad, nfull, last, G, S + t0, ldS);
+            tile_groups<kF32>(r, T, q, dpad, nfull, last, G, S + t0, ldS, pf, pn);
     }
 }
 

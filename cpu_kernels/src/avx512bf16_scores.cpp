@@ -9,8 +9,9 @@
 // additions (lane i sums elements 2i and 2i + 1 of each 32-element chunk), the scale
 // applied once to the dot product instead of to the query, and that the instruction treats
 // subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). A tile of 16 equally
-// spaced rows is loaded from its first row and the stride (RowRun), and a contiguous run of
-// short rows gets no software prefetch (one_run; avx512_common.h). Every other stage, and
+// spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
+// prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
+// which gets no software prefetch (one_run; avx512_common.h). Every other stage, and
 // other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
@@ -26,7 +27,9 @@ using avx512_level::store_block;
 using avx512_level::far_rows;
 using avx512_level::kNearMinBytes;
 using avx512_level::one_run;
-using avx512_level::prefetch_ahead;
+using avx512_level::ahead_rows;
+using avx512_level::prefetch_l1;
+using avx512_level::prefetch_l2;
 using avx512_level::RowPtrs;
 using avx512_level::RowRun;
 using avx512_level::tile_stride;
@@ -38,16 +41,20 @@ inline const uint16_t* u16(const uint8_t* p) { return reinterpret_cast<const uin
 
 // acc[h * RB + t] += <q_h, r_t> over 32-element chunks (pairs of bfloat16 per lane): nfull
 // full ones, then one masked by `last` when last != 0 (nothing past head_dim is read). Rows
-// r.at(t): RowPtrs or RowRun (avx512_common.h).
-template <int HB, int RB, class A>
+// r.at(t): RowPtrs or RowRun (avx512_common.h). With each load, the same line of row pf[t]
+// (NPF >= 1) into L2 and of row pn[t] (NPF 2) into L1: prefetches spread over the arithmetic
+// (ahead_rows, avx512_common.h).
+template <int HB, int RB, int NPF, class A>
 inline void dp_block(A r, const uint16_t* q, int32_t dpad, int32_t nfull, __mmask32 last,
-                     __m512 (&acc)[16]) {
+                     __m512 (&acc)[16], const uint8_t* const* pf, const uint8_t* const* pn) {
     for (int32_t c = 0; c < nfull; ++c) {
         __m512bh qv[HB];
 #pragma GCC unroll 4
         for (int h = 0; h < HB; ++h) qv[h] = bf16_chunk(q + h * dpad + 32 * c);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
+            if constexpr (NPF >= 1) prefetch_l2(pf[t] + 64 * c);
+            if constexpr (NPF >= 2) prefetch_l1(pn[t] + 64 * c);
             const __m512bh k = bf16_chunk(u16(r.at(t)) + 32 * c);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h], k);
@@ -59,6 +66,8 @@ inline void dp_block(A r, const uint16_t* q, int32_t dpad, int32_t nfull, __mmas
         for (int h = 0; h < HB; ++h) qv[h] = bf16_chunk(q + h * dpad + 32 * nfull, last);
 #pragma GCC unroll 16
         for (int t = 0; t < RB; ++t) {
+            if constexpr (NPF >= 1) prefetch_l2(pf[t] + 64 * nfull);
+            if constexpr (NPF >= 2) prefetch_l1(pn[t] + 64 * nfull);
             const __m512bh k = bf16_chunk(u16(r.at(t)) + 32 * nfull, last);
 #pragma GCC unroll 4
             for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h], k);
@@ -66,28 +75,39 @@ inline void dp_block(A r, const uint16_t* q, int32_t dpad, int32_t nfull, __mmas
     }
 }
 
-template <int HB, int RB, class A>
+template <int HB, int RB, int NPF, class A>
 inline void tile_heads(A r, int64_t T, const uint16_t* q, int32_t dpad, int32_t nfull,
-                       __mmask32 last, __m512 scale, float* S, int64_t ldS) {
+                       __mmask32 last, __m512 scale, float* S, int64_t ldS, const uint8_t* const* pf,
+                       const uint8_t* const* pn) {
     for (int64_t r0 = 0; r0 < T; r0 += RB) {
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        dp_block<HB, RB>(r.from(r0), q, dpad, nfull, last, acc);
+        dp_block<HB, RB, NPF>(r.from(r0), q, dpad, nfull, last, acc, NPF >= 1 ? pf + r0 : pf,
+                              NPF >= 2 ? pn + r0 : pn);
         store_block<HB, RB>(_mm512_mul_ps(reduce16(acc), scale), S + r0, ldS, T - r0);
     }
 }
 
-// One block of hb heads (1-4) of a tile.
-template <class A>
+// One block of hb heads (1-4) of a tile, with NPF streams of prefetches (0: none, 1: pf
+// into L2, 2: also pn into L1).
+template <int NPF, class A>
 inline void tile_block(A r, int hb, int64_t T, const uint16_t* qh, int32_t dpad, int32_t nfull, __mmask32 last,
-                       __m512 sc, float* Sh, int64_t ldS) {
+                       __m512 sc, float* Sh, int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
     switch (hb) {
-        case 1: tile_heads<1, 16>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
-        case 2: tile_heads<2, 8>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
-        case 3: tile_heads<3, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
-        default: tile_heads<4, 4>(r, T, qh, dpad, nfull, last, sc, Sh, ldS); break;
+        case 1: tile_heads<1, 16, NPF>(r, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn); break;
+        case 2: tile_heads<2, 8, NPF>(r, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn); break;
+        case 3: tile_heads<3, 4, NPF>(r, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn); break;
+        default: tile_heads<4, 4, NPF>(r, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn); break;
     }
+}
+
+template <class A>
+inline void tile_npf(int npf, A r, int hb, int64_t T, const uint16_t* qh, int32_t dpad, int32_t nfull, __mmask32 last,
+                     __m512 sc, float* Sh, int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
+    if (npf == 2) tile_block<2>(r, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
+    else if (npf == 1) tile_block<1>(r, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
+    else tile_block<0>(r, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
 }
 
 }  // namespace
@@ -104,20 +124,24 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
     const bool prefetch = !one_run(rows, count, row_bytes);
     const uint8_t* r[16];
+    const uint8_t* pfar[16];
+    const uint8_t* pnear[16];
+    const bool near = prefetch && row_bytes >= kNearMinBytes;
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;
-        if (prefetch) prefetch_ahead(rows, t0, count, row_bytes, far, row_bytes >= kNearMinBytes);
+        const uint8_t* const* pf = prefetch ? ahead_rows(rows, t0, count, far, pfar) : nullptr;
+        const uint8_t* const* pn = near ? ahead_rows(rows, t0, count, 16, pnear) : nullptr;
+        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         if (!st)
             for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + (t < T ? t : T - 1)];
         for (int32_t h0 = 0; h0 < G;) {
             const uint16_t* qh = qraw + int64_t(h0) * dpad;
             float* Sh = S + h0 * ldS + t0;
             const int hb = G - h0 < 4 ? G - h0 : 4;
-            if (st)
-                tile_block(RowRun{rows[t0], st}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS);
-            else
-                tile_block(RowPtrs{r}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS);
+            const int npf = h0 ? 0 : pn ? 2 : pf ? 1 : 0;  // the first head block prefetches
+            if (st) tile_npf(npf, RowRun{rows[t0], st}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
+            else tile_npf(npf, RowPtrs{r}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
             h0 += hb;
         }
     }
