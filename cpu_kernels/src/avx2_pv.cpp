@@ -6,9 +6,10 @@
 // serves every head block (up to 2 heads x 32 columns, or 3-4 heads x 16 columns: at most 8
 // accumulators, which GCC keeps in registers; 12 spill; float32 keeps 3 x 32, see pv_block)
 // with the block's rows re-read from L1, so no row is fetched from memory twice. A
-// scattered list is visited in a strided order and prefetched at two distances
-// (pv_visit.h, visit_stride, explains why). Other rows are converted to a float32 tile
-// first. Also the V-row sum for the VMC mean (value_mean absent).
+// scattered list is visited in a strided order (pv_visit.h, visit_stride, explains why).
+// Every list but one run of short rows is prefetched at two distances, spread over the rows
+// of each block (pv_direct). Other rows are converted to a float32 tile first. Also the V-row
+// sum for the VMC mean (value_mean absent).
 #include "avx2_common.h"
 #include "pv_visit.h"
 
@@ -22,10 +23,12 @@ using pv_visit::block_weights;
 using pv_visit::visit_stride;
 
 // acc[h][16 c ..] += w[h][t] * v_t[16 c ..] for the R rows rb (at byte offset off), NP
-// 16-element chunks (pairs of vectors) per pass.
-template <int DT, int HB, int NP>
+// 16-element chunks (pairs of vectors) per pass. With PF, per row t the lines this pass reads
+// (those starting a 64-byte line) of row pf[t] into L2 and, pn not null, of row pn[t] into L1:
+// prefetches spread over the block's arithmetic.
+template <int DT, int HB, int NP, bool PF>
 inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, const float* w, int64_t ldw, float* acc,
-                    int32_t dpad) {
+                    int32_t dpad, const uint8_t* const* pf, const uint8_t* const* pn) {
     __m256 a[HB][2 * NP];
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
@@ -36,6 +39,13 @@ inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, const floa
         const uint8_t* p = rb[t] + off;
 #pragma GCC unroll 2
         for (int j = 0; j < NP; ++j) {
+            if constexpr (PF) {
+                const int64_t o = off + 16 * j * es;
+                if (o % 64 == 0) {
+                    prefetch_l2(pf[t] + o);
+                    if (pn) prefetch_l1(pn[t] + o);
+                }
+            }
             __m256 x, y;
             load_pair<DT>(p + 16 * j * es, x, y);
 #pragma GCC unroll 4
@@ -52,61 +62,78 @@ inline void pv_rows(const uint8_t* const* rb, int64_t R, int64_t off, const floa
         for (int c = 0; c < 2 * NP; ++c) _mm256_storeu_ps(acc + int64_t(h) * dpad + 8 * c, a[h][c]);
 }
 
+template <int DT, bool PF>
+inline void pv_heads(const uint8_t* const* rb, int64_t R, int32_t nch, const float* w, int64_t lw, int hb, float* o,
+                     int32_t dpad, const uint8_t* const* pf, const uint8_t* const* pn);
+
 // One block of rows for every head block and column chunk. nch: 16-element chunks per row.
+// The first head block issues the prefetches of pf (may be null) and pn (may be null; only
+// with pf).
 template <int DT>
 inline void pv_block(const uint8_t* const* rb, int64_t R, int32_t nch, const float* wk, int64_t ldw, int64_t t0,
-                     const int64_t* vis, int64_t stride, int32_t G, float* acc, int32_t dpad) {
-    constexpr int64_t es = DT == kF32 ? 4 : 2;
+                     const int64_t* vis, int64_t stride, int32_t G, float* acc, int32_t dpad,
+                     const uint8_t* const* pf, const uint8_t* const* pn) {
     float wbuf[4 * kRowBlock];
     for (int32_t h0 = 0; h0 < G;) {
         const int hb = G - h0 >= 4 && G - h0 != 6 ? 4 : (G - h0 >= 3 ? 3 : G - h0);
         int64_t lw = 0;
         const float* w = block_weights(wk, ldw, h0, hb, t0, vis, R, stride, wbuf, kRowBlock, &lw);
         float* o = acc + int64_t(h0) * dpad;
-        for (int32_t c = 0; c < nch;) {
-            const int64_t off = 16 * int64_t(c) * es;
-            // one pair per pass for 3-4 heads (3 heads x 2 pairs spill two accumulators), except
-            // 3 heads of float32: there a pass over one 64-byte line per row, 4 lines apart,
-            // read cold 1.5x slower than the spilling 2-pair pass (docs/cpu.md)
-            if (hb == 4 || (hb == 3 && es == 2)) {
-                if (hb == 4) pv_rows<DT, 4, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
-                else pv_rows<DT, 3, 1>(rb, R, off, w, lw, o + 16 * c, dpad);
-                c += 1;
-            } else if (nch - c >= 2) {
-                switch (hb) {
-                    case 1: pv_rows<DT, 1, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    case 2: pv_rows<DT, 2, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    default: pv_rows<DT, 3, 2>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                }
-                c += 2;
-            } else {
-                switch (hb) {
-                    case 1: pv_rows<DT, 1, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    case 2: pv_rows<DT, 2, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                    default: pv_rows<DT, 3, 1>(rb, R, off, w, lw, o + 16 * c, dpad); break;
-                }
-                c += 1;
-            }
-        }
+        if (h0 == 0 && pf) pv_heads<DT, true>(rb, R, nch, w, lw, hb, o, dpad, pf, pn);
+        else pv_heads<DT, false>(rb, R, nch, w, lw, hb, o, dpad, pf, pn);
         h0 += hb;
     }
 }
 
+// Every column chunk of one head block (hb heads, weights w) of a block of rows.
+template <int DT, bool PF>
+inline void pv_heads(const uint8_t* const* rb, int64_t R, int32_t nch, const float* w, int64_t lw, int hb, float* o,
+                     int32_t dpad, const uint8_t* const* pf, const uint8_t* const* pn) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
+    for (int32_t c = 0; c < nch;) {
+        const int64_t off = 16 * int64_t(c) * es;
+        // one pair per pass for 3-4 heads (3 heads x 2 pairs spill two accumulators), except
+        // 3 heads of float32: there a pass over one 64-byte line per row, 4 lines apart,
+        // read cold 1.5x slower than the spilling 2-pair pass (docs/cpu.md)
+        if (hb == 4 || (hb == 3 && es == 2)) {
+            if (hb == 4) pv_rows<DT, 4, 1, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn);
+            else pv_rows<DT, 3, 1, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn);
+            c += 1;
+        } else if (nch - c >= 2) {
+            switch (hb) {
+                case 1: pv_rows<DT, 1, 2, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn); break;
+                case 2: pv_rows<DT, 2, 2, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn); break;
+                default: pv_rows<DT, 3, 2, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn); break;
+            }
+            c += 2;
+        } else {
+            switch (hb) {
+                case 1: pv_rows<DT, 1, 1, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn); break;
+                case 2: pv_rows<DT, 2, 1, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn); break;
+                default: pv_rows<DT, 3, 1, PF>(rb, R, off, w, lw, o + 16 * c, dpad, pf, pn); break;
+            }
+            c += 1;
+        }
+    }
+}
+
 // Rows `rows` (head_dim d a multiple of 16, contiguous) in visit order, kRowBlock at a time,
-// the next block prefetched into L1 and the rows about 12 KiB ahead into L2.
+// the next block prefetched into L1 and the rows about 12 KiB ahead into L2, one row ahead per
+// row of a block (pv_rows); a list that is one run of short rows is left to the hardware
+// prefetchers (short_run).
 template <int DT>
 void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                int32_t G, float* acc, int64_t stride) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const uint8_t* rb[kRowBlock];
+    const uint8_t* pfar[kRowBlock];   // the rows of visits k0 + far + t (into L2)
+    const uint8_t* pnear[kRowBlock];  // the rows of visits k0 + kRowBlock + t (into L1)
     int64_t vis[kRowBlock];
     int64_t tv = 0;                              // row of the next step
     int64_t tn = (kRowBlock * stride) % count;   // row of step k0 + kRowBlock (into L1)
     int64_t tf = (far * stride) % count;         // row of step k0 + far (into L2)
-    // one ascending run of rows (dense mode on BNSD or within a block): the hardware prefetchers
-    // stream it, software prefetches would only cost instructions
-    const bool run = stride == 1 && rows[count - 1] - rows[0] == (count - 1) * row_bytes;
+    const bool prefetch = stride != 1 || !short_run(rows, count, row_bytes);
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
         for (int64_t t = 0; t < R; ++t) {
@@ -114,15 +141,26 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
             rb[t] = rows[tv];
             tv += stride; tv -= tv >= count ? count : 0;
         }
-        for (int64_t k = k0 + kRowBlock; !run && k < count && k < k0 + 2 * kRowBlock; ++k) {
-            prefetch_row(rows[tn], row_bytes, false);
-            tn += stride; tn -= tn >= count ? count : 0;
+        // the rows to prefetch, one per row of this block (visits past the end: the list's
+        // last visit, harmless)
+        const uint8_t* const* pn = nullptr;
+        const uint8_t* const* pf = nullptr;
+        if (prefetch && k0 + kRowBlock < count) {
+            for (int64_t t = 0; t < R; ++t) {
+                pnear[t] = rows[tn];
+                if (k0 + kRowBlock + t + 1 < count) { tn += stride; tn -= tn >= count ? count : 0; }
+            }
+            pn = pnear;
         }
-        for (int64_t k = k0 + far; !run && k < count && k < k0 + far + kRowBlock; ++k) {
-            prefetch_row(rows[tf], row_bytes, true);
-            tf += stride; tf -= tf >= count ? count : 0;
+        if (prefetch && k0 + far < count) {
+            for (int64_t t = 0; t < R; ++t) {
+                pfar[t] = rows[tf];
+                if (k0 + far + t + 1 < count) { tf += stride; tf -= tf >= count ? count : 0; }
+            }
+            pf = pfar;
         }
-        pv_block<DT>(rb, R, d / 16, wk, ldw, k0, vis, stride, G, acc, dpad);
+        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
+        pv_block<DT>(rb, R, d / 16, wk, ldw, k0, vis, stride, G, acc, dpad, pf, pn);
     }
 }
 
@@ -158,7 +196,7 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
             rb[t] = reinterpret_cast<const uint8_t*>(tile + t * dpad);
             tv += stride; tv -= tv >= count ? count : 0;
         }
-        pv_block<kF32>(rb, R, dpad / 16, wk, ldw, k0, vis, stride, G, acc, dpad);
+        pv_block<kF32>(rb, R, dpad / 16, wk, ldw, k0, vis, stride, G, acc, dpad, nullptr, nullptr);
     }
 }
 

@@ -24,9 +24,13 @@ constexpr int64_t kTile = 24;
 
 // acc[h * RB + t] += q_h . r_t over half H of chunk c: the HB query vectors are loaded once
 // and held in registers, each row's half is loaded once and serves the HB heads.
-template <int DT, int HB, int RB, int H>
-inline void half_step(const uint8_t* const* r, int32_t c, const float* q, int64_t ldq, __m256* acc) {
+// With NPF >= 1 (first half only), the line at the same offset of row pf[t] into L2, and with
+// NPF 2 of row pn[t] into L1, where a 64-byte line starts: prefetches spread over the loads.
+template <int DT, int HB, int RB, int H, int NPF>
+inline void half_step(const uint8_t* const* r, int32_t c, const float* q, int64_t ldq, __m256* acc,
+                      const uint8_t* const* pf, const uint8_t* const* pn) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
+    const bool line = H == 0 && NPF > 0 && (16 * c * es) % 64 == 0;
     __m256 qv[HB];
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h) {
@@ -37,6 +41,10 @@ inline void half_step(const uint8_t* const* r, int32_t c, const float* q, int64_
     }
 #pragma GCC unroll 8
     for (int t = 0; t < RB; ++t) {
+        if constexpr (NPF >= 1 && H == 0)
+            if (line) prefetch_l2(pf[t] + 16 * c * es);
+        if constexpr (NPF >= 2 && H == 0)
+            if (line) prefetch_l1(pn[t] + 16 * c * es);
         const __m256 k = load_half<DT, H>(r[t] + 16 * c * es);
 #pragma GCC unroll 4
         for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm256_fmadd_ps(qv[h], k, acc[h * RB + t]);
@@ -47,14 +55,15 @@ inline void half_step(const uint8_t* const* r, int32_t c, const float* q, int64_
 // of 16 elements; q: HB rows of nc * 16 floats (ldq apart) in the order of DT's pairs.
 // HB x RB accumulators + HB query vectors + one row vector fit the 16 registers; loads
 // per chunk: 2 HB + 2 RB for 2 HB RB FMAs.
-template <int DT, int HB, int RB>
-inline void block(const uint8_t* const* r, int32_t nc, const float* q, int64_t ldq, __m256* red) {
+template <int DT, int HB, int RB, int NPF>
+inline void block(const uint8_t* const* r, int32_t nc, const float* q, int64_t ldq, __m256* red,
+                  const uint8_t* const* pf, const uint8_t* const* pn) {
     __m256 acc[HB * RB];
 #pragma GCC unroll 12
     for (int i = 0; i < HB * RB; ++i) acc[i] = _mm256_setzero_ps();
     for (int32_t c = 0; c < nc; ++c) {
-        half_step<DT, HB, RB, 0>(r, c, q, ldq, acc);
-        half_step<DT, HB, RB, 1>(r, c, q, ldq, acc);
+        half_step<DT, HB, RB, 0, NPF>(r, c, q, ldq, acc, pf, pn);
+        half_step<DT, HB, RB, 1, 0>(r, c, q, ldq, acc, pf, pn);
     }
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
@@ -64,15 +73,15 @@ inline void block(const uint8_t* const* r, int32_t nc, const float* q, int64_t l
 
 // Scores of up to kTile rows r[0, T) for heads h < HB: partial sums of RB rows at a time into
 // red, then one hadd tree per 8 rows of a head, stored to S[h * ldS + t].
-template <int DT, int HB, int RB>
+template <int DT, int HB, int RB, int NPF>
 inline void rows_heads(const uint8_t* const* r, int64_t T, int32_t nc, const float* q, int64_t ldq, float* S,
-                       int64_t ldS) {
+                       int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
     __m256 red[HB * kTile];
     const uint8_t* rb[RB];
     for (int64_t r0 = 0; r0 < T; r0 += RB) {
         const int64_t n = T - r0 < RB ? T - r0 : RB;
         for (int t = 0; t < RB; ++t) rb[t] = r[r0 + (t < n ? t : n - 1)];
-        block<DT, HB, RB>(rb, nc, q, ldq, red + r0);
+        block<DT, HB, RB, NPF>(rb, nc, q, ldq, red + r0, NPF >= 1 ? pf + r0 : pf, NPF >= 2 ? pn + r0 : pn);
     }
     // partial sums past the last block of a short tile are never written: zero them, so the
     // reduction below reads no indeterminate values (their sums are not stored)
@@ -92,28 +101,38 @@ inline void rows_heads(const uint8_t* const* r, int64_t T, int32_t nc, const flo
         }
 }
 
+// One head block (3, 4, 2 or 1 heads, by the heads left) of rows r[0, T); returns its heads.
+template <int DT, int NPF>
+inline int32_t head_block(const uint8_t* const* r, int64_t T, int32_t nc, const float* q, int64_t ldq, int32_t left,
+                          float* S, int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
+    if (left == 3 || left == 6 || left >= 9) {
+        rows_heads<DT, 3, 3, NPF>(r, T, nc, q, ldq, S, ldS, pf, pn);
+        return 3;
+    }
+    if (left >= 4) {
+        rows_heads<DT, 4, 2, NPF>(r, T, nc, q, ldq, S, ldS, pf, pn);
+        return 4;
+    }
+    if (left == 2) {
+        rows_heads<DT, 2, 4, NPF>(r, T, nc, q, ldq, S, ldS, pf, pn);
+        return 2;
+    }
+    rows_heads<DT, 1, 8, NPF>(r, T, nc, q, ldq, S, ldS, pf, pn);
+    return 1;
+}
+
 // Rows r[0, T) for every head of the group, in head blocks of 3, 4, 2 or 1 (HB x RB
-// accumulators + HB query vectors + one row vector fit the 16 registers).
+// accumulators + HB query vectors + one row vector fit the 16 registers). The first head block
+// issues the prefetches: pf[t] into L2, pn[t] into L1 (either may be null; pn only with pf).
 template <int DT>
 void tile_scores(const uint8_t* const* r, int64_t T, int32_t nc, const float* q, int64_t ldq, int32_t G, float* S,
-                 int64_t ldS) {
+                 int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
     for (int32_t h0 = 0; h0 < G;) {
         const float* qh = q + h0 * ldq;
         float* Sh = S + h0 * ldS;
-        const int32_t left = G - h0;
-        if (left == 3 || left == 6 || left >= 9) {
-            rows_heads<DT, 3, 3>(r, T, nc, qh, ldq, Sh, ldS);
-            h0 += 3;
-        } else if (left >= 4) {
-            rows_heads<DT, 4, 2>(r, T, nc, qh, ldq, Sh, ldS);
-            h0 += 4;
-        } else if (left == 2) {
-            rows_heads<DT, 2, 4>(r, T, nc, qh, ldq, Sh, ldS);
-            h0 += 2;
-        } else {
-            rows_heads<DT, 1, 8>(r, T, nc, qh, ldq, Sh, ldS);
-            h0 += 1;
-        }
+        if (h0 == 0 && pn) h0 += head_block<DT, 2>(r, T, nc, qh, ldq, G - h0, Sh, ldS, pf, pn);
+        else if (h0 == 0 && pf) h0 += head_block<DT, 1>(r, T, nc, qh, ldq, G - h0, Sh, ldS, pf, pn);
+        else h0 += head_block<DT, 0>(r, T, nc, qh, ldq, G - h0, Sh, ldS, pf, pn);
     }
 }
 
@@ -133,10 +152,15 @@ void direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, 
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const float* qs = query_for<DT>(q, G, dpad, qbuf);
     constexpr int64_t kStep = kTile;
+    const bool prefetch = !short_run(rows, count, row_bytes);
+    const uint8_t* pfar[kTile];
+    const uint8_t* pnear[kTile];
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {
         const int64_t T = count - t0 < kStep ? count - t0 : kStep;
-        prefetch_ahead(rows, t0, kStep, count, row_bytes, far);
-        tile_scores<DT>(rows + t0, T, d / 16, qs, dpad, G, S + t0, ldS);
+        const uint8_t* const* pf = prefetch ? ahead_rows(rows, t0, count, far, kTile, pfar) : nullptr;
+        const uint8_t* const* pn = prefetch ? ahead_rows(rows, t0, count, kStep, kTile, pnear) : nullptr;
+        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
+        tile_scores<DT>(rows + t0, T, d / 16, qs, dpad, G, S + t0, ldS, pf, pn);
     }
 }
 
@@ -164,7 +188,7 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
             load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
             r[t] = reinterpret_cast<const uint8_t*>(tile + t * dpad);
         }
-        tile_scores<kF32>(r, T, dpad / 16, q, dpad, G, S + t0, ldS);
+        tile_scores<kF32>(r, T, dpad / 16, q, dpad, G, S + t0, ldS, nullptr, nullptr);
     }
 }
 

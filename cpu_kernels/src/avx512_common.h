@@ -84,12 +84,11 @@ inline void prefetch_row_l2(const uint8_t* p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(p + off);
 }
 
-// Software prefetch distances of the stages that walk a list of row pointers: kAhead rows
-// ahead into L1 (not everywhere: prefetch_ahead, pv_direct_all), about kFarBytes ahead into
-// L2 (the list knows where the next rows are: the hardware prefetchers lose the stream at every
-// block of a paged cache, and rows read through their pointers stream slower without it;
-// docs/cpu.md, "Row addressing").
-constexpr int64_t kAhead = 16;
+// Software prefetch distances of the stages that walk a list of row pointers: the next 16 rows
+// (one tile or block) into L1 (not everywhere: kNearMinBytes, pv_direct_all), about kFarBytes
+// ahead into L2 (the list knows where the next rows are: the hardware prefetchers lose the
+// stream at every block of a paged cache, and rows read through their pointers stream slower
+// without it; docs/cpu.md, "Row addressing").
 constexpr int64_t kFarBytes = 12288;
 
 inline int64_t far_rows(int64_t row_bytes) {
@@ -116,8 +115,8 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count
 // The stages that compute on a tile while prefetching spread the prefetches over the tile's
 // loads (one line ahead per line loaded), not in a burst before it: on AMD Zen 4 a burst of a
 // 16-row tile's prefetches (8 KiB of 512-byte rows) stalled the stage, and spreading them made
-// the op 1.4-2.2x faster end to end where rows are 512 bytes (docs/cpu.md, "Software
-// prefetch"). out[t] is the row `dist` rows after
+// the op 1.4-2.2x faster end to end on BNSD and HND128 caches of 512-byte rows (docs/cpu.md,
+// "Software prefetch"). out[t] is the row `dist` rows after
 // row t0 + t of a list of count rows; past the list, its last row (a harmless repeat).
 // Returns out, or nullptr when even the first of them lies past the list.
 inline const uint8_t* const* ahead_rows(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t dist,

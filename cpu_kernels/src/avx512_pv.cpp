@@ -75,8 +75,6 @@ constexpr int kSplit = 3;   // pseudo dtype: bfloat16, pairwise conversion
 constexpr int kPacked = 4;  // pseudo dtype: bfloat16 in vLLM's AMX V packing
 constexpr int64_t kRowBlock = 16;
 
-// acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block (rb.at(t): RowPtrs or RowRun,
-// avx512_common.h), rows at byte offset `off`; vector NV - 1 masked by `last` (plain dtypes).
 // The lines of the bytes one pv_rows call reads from a row at p (column block at byte offset
 // off, NV vectors), prefetched into L2 (l2) or L1.
 template <int DT, int NV>
@@ -93,6 +91,8 @@ inline void prefetch_part(const uint8_t* p, int64_t off, int64_t cstride, bool l
     }
 }
 
+// acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block (rb.at(t): RowPtrs or RowRun,
+// avx512_common.h), rows at byte offset `off`; vector NV - 1 masked by `last` (plain dtypes).
 // With PF, the rows pf[t] into L2 and (pn not null) pn[t] into L1, the part of each this call
 // reads, one row per visited row: prefetches spread over the block's arithmetic (ahead_rows,
 // avx512_common.h).

@@ -37,8 +37,8 @@ inline __m512 k_tail(const void* r, int32_t c, __mmask16 m) {
     else return widen16<DT>(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(r) + 16 * c));
 }
 
-// The line of chunk c of the row at p into L2 / L1, where the chunk starts one (16-bit rows:
-// every other chunk).
+// The line of chunk c of rows pf[t] (into L2, NPF >= 1) and pn[t] (into L1, NPF 2), where the
+// chunk starts a line (16-bit rows: every other chunk).
 template <int DT, int NPF>
 inline void prefetch_chunk(const uint8_t* const* pf, const uint8_t* const* pn, int t, int32_t c) {
     if (NPF == 0 || (DT != kF32 && c % 2)) return;
