@@ -20,6 +20,7 @@ namespace {
 constexpr int64_t kRowBlock = 16;
 
 using pv_visit::block_weights;
+using pv_visit::visit_rows;
 using pv_visit::visit_stride;
 
 // acc[h][16 c ..] += w[h][t] * v_t[16 c ..] for the R rows rb (at byte offset off), NP
@@ -146,17 +147,11 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
         const uint8_t* const* pn = nullptr;
         const uint8_t* const* pf = nullptr;
         if (prefetch && k0 + kRowBlock < count) {
-            for (int64_t t = 0; t < R; ++t) {
-                pnear[t] = rows[tn];
-                if (k0 + kRowBlock + t + 1 < count) { tn += stride; tn -= tn >= count ? count : 0; }
-            }
+            visit_rows(rows, count, stride, k0 + kRowBlock, R, &tn, pnear);
             pn = pnear;
         }
         if (prefetch && k0 + far < count) {
-            for (int64_t t = 0; t < R; ++t) {
-                pfar[t] = rows[tf];
-                if (k0 + far + t + 1 < count) { tf += stride; tf -= tf >= count ? count : 0; }
-            }
+            visit_rows(rows, count, stride, k0 + far, R, &tf, pfar);
             pf = pfar;
         }
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well

@@ -57,6 +57,7 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
 // contiguous run of short rows: one_run) and, for a scattered list, kRowBlock visits ahead into
 // L1 too, one row per visited row (pv_direct_all, pv_rows).
 using pv_visit::block_weights;
+using pv_visit::visit_rows;
 using pv_visit::visit_stride;
 
 // The direct path (head_dim contiguous) in one pass over the rows: blocks of kRowBlock rows
@@ -255,17 +256,11 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
         const uint8_t* const* pn = nullptr;
         const uint8_t* const* pf = nullptr;
         if (scattered && k0 + kRowBlock < count) {
-            for (int64_t t = 0; t < R; ++t) {
-                pnear[t] = rows[tn];
-                if (k0 + kRowBlock + t + 1 < count) { tn += stride; tn -= tn >= count ? count : 0; }
-            }
+            visit_rows(rows, count, stride, k0 + kRowBlock, R, &tn, pnear);
             pn = pnear;
         }
         if (prefetch && k0 + far < count) {
-            for (int64_t t = 0; t < R; ++t) {
-                pfar[t] = rows[tf];
-                if (k0 + far + t + 1 < count) { tf += stride; tf -= tf >= count ? count : 0; }
-            }
+            visit_rows(rows, count, stride, k0 + far, R, &tf, pfar);
             pf = pfar;
         }
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
