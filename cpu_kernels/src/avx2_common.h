@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rows_ahead.h"
 #include "topth_cpu/params.h"
 
 namespace topth_cpu {
@@ -33,6 +34,9 @@ void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim
           float* sum, float* tile);
 
 namespace {
+
+using rows_ahead::ahead_rows;
+using rows_ahead::one_run;
 
 constexpr int kSplit = 3;  // pseudo dtype: bfloat16 widened pairwise ([8 even | 8 odd])
 
@@ -191,32 +195,6 @@ inline int64_t far_rows(int64_t row_bytes) {
 inline void prefetch_rows(const uint8_t* const* rows, int64_t a, int64_t n, int64_t row_bytes, bool l2) {
     if (n <= 0 || rows[a + n - 1] - rows[a] == (n - 1) * row_bytes) return;
     for (int64_t t = a; t < a + n; ++t) prefetch_row(rows[t], row_bytes, l2);
-}
-
-// As the AVX-512 level (avx512_common.h): the direct stages spread their prefetches over the
-// loads, one line ahead per line loaded. out[t] (t < n) is the row `dist` rows after row
-// t0 + t of a list of count rows; past the list, its last row (a harmless repeat). Returns
-// out, or nullptr when even the first of them lies past the list.
-inline const uint8_t* const* ahead_rows(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t dist,
-                                        int64_t n, const uint8_t** out) {
-    if (t0 + dist >= count) return nullptr;
-    for (int64_t t = 0; t < n; ++t) {
-        const int64_t i = t0 + dist + t;
-        out[t] = rows[i < count ? i : count - 1];
-    }
-    return out;
-}
-
-// Whether a list is one contiguous run of rows of at most kRunMaxBytes (a BNSD range of short
-// rows), left to the hardware prefetchers; longer rows are prefetched even in a run, as on the
-// AVX-512 levels (docs/cpu.md, "AVX2 stages": measured on AMD Zen 4 running this level). Only
-// the speed depends on the answer.
-constexpr int64_t kRunMaxBytes = 128;
-
-inline bool short_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes) {
-    if (count < 2 || row_bytes > kRunMaxBytes) return false;
-    const uint64_t first = reinterpret_cast<uintptr_t>(rows[0]), last = reinterpret_cast<uintptr_t>(rows[count - 1]);
-    return rows[1] - rows[0] == row_bytes && last - first == uint64_t(count - 1) * uint64_t(row_bytes);
 }
 
 // Before rows [t0, t0 + step) of a list of count: the next step into L1, the rows `far`

@@ -20,7 +20,6 @@ namespace {
 constexpr int64_t kRowBlock = 16;
 
 using pv_visit::block_weights;
-using pv_visit::visit_rows;
 using pv_visit::visit_stride;
 
 // acc[h][16 c ..] += w[h][t] * v_t[16 c ..] for the R rows rb (at byte offset off), NP
@@ -121,20 +120,17 @@ inline void pv_heads(const uint8_t* const* rb, int64_t R, int32_t nch, const flo
 // Rows `rows` (head_dim d a multiple of 16, contiguous) in visit order, kRowBlock at a time,
 // the next block prefetched into L1 and the rows about 12 KiB ahead into L2, one row ahead per
 // row of a block (pv_rows); a list that is one run of short rows is left to the hardware
-// prefetchers (short_run).
+// prefetchers (one_run).
 template <int DT>
 void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
                int32_t G, float* acc, int64_t stride) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const uint8_t* rb[kRowBlock];
-    const uint8_t* pfar[kRowBlock];   // the rows of visits k0 + far + t (into L2)
-    const uint8_t* pnear[kRowBlock];  // the rows of visits k0 + kRowBlock + t (into L1)
     int64_t vis[kRowBlock];
     int64_t tv = 0;                              // row of the next step
-    int64_t tn = (kRowBlock * stride) % count;   // row of step k0 + kRowBlock (into L1)
-    int64_t tf = (far * stride) % count;         // row of step k0 + far (into L2)
-    const bool prefetch = stride != 1 || !short_run(rows, count, row_bytes);
+    rows_ahead::VisitAhead<kRowBlock> ahead(rows, count, stride, far);
+    const bool prefetch = stride != 1 || !one_run(rows, count, row_bytes);
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
         for (int64_t t = 0; t < R; ++t) {
@@ -142,19 +138,9 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
             rb[t] = rows[tv];
             tv += stride; tv -= tv >= count ? count : 0;
         }
-        // the rows to prefetch, one per row of this block (visits past the end: the list's
-        // last visit, harmless)
-        const uint8_t* const* pn = nullptr;
-        const uint8_t* const* pf = nullptr;
-        if (prefetch && k0 + kRowBlock < count) {
-            visit_rows(rows, count, stride, k0 + kRowBlock, R, &tn, pnear);
-            pn = pnear;
-        }
-        if (prefetch && k0 + far < count) {
-            visit_rows(rows, count, stride, k0 + far, R, &tf, pfar);
-            pf = pfar;
-        }
-        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
+        const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
+        const uint8_t* const* pf;
+        ahead.block(k0, R, prefetch, prefetch, &pn, &pf);
         pv_block<DT>(rb, R, d / 16, wk, ldw, k0, vis, stride, G, acc, dpad, pf, pn);
     }
 }

@@ -152,7 +152,7 @@ void direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, 
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const float* qs = query_for<DT>(q, G, dpad, qbuf);
     constexpr int64_t kStep = kTile;
-    const bool prefetch = !short_run(rows, count, row_bytes);
+    const bool prefetch = !one_run(rows, count, row_bytes);
     const uint8_t* pfar[kTile];
     const uint8_t* pnear[kTile];
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rows_ahead.h"
 #include "topth_cpu/params.h"
 
 namespace topth_cpu {
@@ -39,6 +40,9 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
 
 namespace avx512_level {
 namespace {
+
+using rows_ahead::ahead_rows;
+using rows_ahead::one_run;
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
 
@@ -104,45 +108,12 @@ constexpr int64_t kNearMinBytes = 256;
 
 // Before the tile of rows [t0, t0 + 16) of a list of count rows, in one burst: the tile `far`
 // rows ahead into L2 and, with `near`, the next tile into L1. Only the amx scores still prefetch
-// this way (not measured on AMX hardware since the other stages spread theirs: ahead_rows).
+// this way (not measured on AMX hardware since the other stages spread theirs: rows_ahead.h).
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far,
                            bool near = true) {
     if (near)
         for (int64_t t = t0 + 16; t < count && t < t0 + 32; ++t) prefetch_row(rows[t], row_bytes);
     for (int64_t t = t0 + far; t < count && t < t0 + far + 16; ++t) prefetch_row_l2(rows[t], row_bytes);
-}
-
-// The stages that compute on a tile while prefetching spread the prefetches over the tile's
-// loads (one line ahead per line loaded), not in a burst before it: on AMD Zen 4 a burst of a
-// 16-row tile's prefetches (8 KiB of 512-byte rows) stalled the stage, and spreading them made
-// the op 1.4-2.2x faster end to end on BNSD and HND128 caches of 512-byte rows (docs/cpu.md,
-// "Software prefetch"). out[t] is the row `dist` rows after
-// row t0 + t of a list of count rows; past the list, its last row (a harmless repeat).
-// Returns out, or nullptr when even the first of them lies past the list.
-inline const uint8_t* const* ahead_rows(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t dist,
-                                        const uint8_t** out) {
-    if (t0 + dist >= count) return nullptr;
-    for (int64_t t = 0; t < 16; ++t) {
-        const int64_t i = t0 + dist + t;
-        out[t] = rows[i < count ? i : count - 1];
-    }
-    return out;
-}
-
-// Whether the count rows of a list, rows of at most kRunMaxBytes, lie back to back as one
-// contiguous run, as far as its ends tell (a BNSD range). The stages that address rows from a
-// base (RowRun) then issue no software prefetch: the hardware prefetchers stream such a run and
-// the prefetch instructions only cost time. Runs broken by block boundaries keep them, and so
-// do longer rows and strided runs (not measured). On AMD Zen 4 with the prefetches spread
-// (ahead_rows), BNSD runs of 256-byte rows were 1.15x faster with them (llama8b's shape,
-// dense; 1.3x at f = 0.1) and runs of 128-byte rows 0.95-1.0x (docs/cpu.md, "Software
-// prefetch"). Only the speed depends on the answer.
-constexpr int64_t kRunMaxBytes = 128;
-
-inline bool one_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes) {
-    if (count < 2 || row_bytes > kRunMaxBytes || rows[1] - rows[0] != row_bytes) return false;
-    const uint64_t first = reinterpret_cast<uintptr_t>(rows[0]), last = reinterpret_cast<uintptr_t>(rows[count - 1]);
-    return last - first == uint64_t(count - 1) * uint64_t(row_bytes);
 }
 
 // How a stage addresses the rows of one 16-row tile: through the list of row pointers, or, when

@@ -57,7 +57,6 @@ inline void pv_heads(const float* tile, int32_t dpad, int64_t T, const float* w,
 // contiguous run of short rows: one_run) and, for a scattered list, kRowBlock visits ahead into
 // L1 too, one row per visited row (pv_direct_all, pv_rows).
 using pv_visit::block_weights;
-using pv_visit::visit_rows;
 using pv_visit::visit_stride;
 
 // The direct path (head_dim contiguous) in one pass over the rows: blocks of kRowBlock rows
@@ -95,8 +94,8 @@ inline void prefetch_part(const uint8_t* p, int64_t off, int64_t cstride, bool l
 // acc[h][c] += w[h][t] * v_t[16 c ..] for the R rows of one block (rb.at(t): RowPtrs or RowRun,
 // avx512_common.h), rows at byte offset `off`; vector NV - 1 masked by `last` (plain dtypes).
 // With PF, the rows pf[t] into L2 and (pn not null) pn[t] into L1, the part of each this call
-// reads, one row per visited row: prefetches spread over the block's arithmetic (ahead_rows,
-// avx512_common.h).
+// reads, one row per visited row: prefetches spread over the block's arithmetic (VisitAhead,
+// rows_ahead.h).
 template <int DT, int HB, int NV, bool PF, class A>
 inline void pv_rows(A rb, int64_t R, int64_t off, __mmask16 last, const float* w, int64_t ldw,
                     float* acc, int32_t dpad, int64_t cstride, const uint8_t* const* pf, const uint8_t* const* pn) {
@@ -232,13 +231,10 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
     const int32_t nct = (d + 15) / 16;
     const int64_t far = far_rows(row_bytes);
     const uint8_t* rb[kRowBlock];
-    const uint8_t* pfar[kRowBlock];   // the rows of visits k0 + far + t (into L2)
-    const uint8_t* pnear[kRowBlock];  // the rows of visits k0 + kRowBlock + t (into L1, scattered)
     int64_t vis[kRowBlock];
     float wbuf[4 * kRowBlock];
     int64_t tv = 0;                                    // row of the next step (scattered)
-    int64_t tn = (kRowBlock * stride) % count;         // row of step k0 + kRowBlock (into L1)
-    int64_t tf = (far * stride) % count;               // row of step k0 + far (into L2)
+    rows_ahead::VisitAhead<kRowBlock> ahead(rows, count, stride, far);
     const bool prefetch = scattered || !one_run(rows, count, row_bytes);  // one run: the hardware prefetchers
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
@@ -251,19 +247,9 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
             }
             blk = rb;
         }
-        // the rows to prefetch, one per row of this block (visits past the end: the list's
-        // last visit, harmless)
-        const uint8_t* const* pn = nullptr;
-        const uint8_t* const* pf = nullptr;
-        if (scattered && k0 + kRowBlock < count) {
-            visit_rows(rows, count, stride, k0 + kRowBlock, R, &tn, pnear);
-            pn = pnear;
-        }
-        if (prefetch && k0 + far < count) {
-            visit_rows(rows, count, stride, k0 + far, R, &tf, pfar);
-            pf = pfar;
-        }
-        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
+        const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
+        const uint8_t* const* pf;
+        ahead.block(k0, R, scattered, prefetch, &pn, &pf);
         const int64_t st = !scattered && R == kRowBlock ? tile_stride(rows + k0) : 0;
         if (st)
             pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride,

@@ -50,7 +50,7 @@ inline void prefetch_chunk(const uint8_t* const* pf, const uint8_t* const* pn, i
 // acc[h * RB + t] += <q_h, r_t> over 16-element chunks: nfull full ones, then one masked by
 // `last` when last != 0 (elements past head_dim are not read; q is zero padded there).
 // With each load, the same chunk of row pf[t] (NPF >= 1) into L2 and of row pn[t] (NPF 2) into
-// L1: prefetches spread over the arithmetic (ahead_rows, avx512_common.h).
+// L1: prefetches spread over the arithmetic (ahead_rows, rows_ahead.h).
 template <int DT, int HB, int RB, int NPF>
 inline void qk_block(const void* const* r, const float* q, int32_t dpad, int32_t nfull, __mmask16 last,
                      __m512 (&acc)[16], const uint8_t* const* pf, const uint8_t* const* pn) {
@@ -138,8 +138,8 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const bool near = row_bytes >= kNearMinBytes;
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        const uint8_t* const* pf = row_bytes ? ahead_rows(rows, t0, count, far, pfar) : nullptr;
-        const uint8_t* const* pn = row_bytes && near ? ahead_rows(rows, t0, count, 16, pnear) : nullptr;
+        const uint8_t* const* pf = row_bytes ? ahead_rows(rows, t0, count, far, 16, pfar) : nullptr;
+        const uint8_t* const* pn = row_bytes && near ? ahead_rows(rows, t0, count, 16, 16, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         if (direct) {
             for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + (t < T ? t : T - 1)];

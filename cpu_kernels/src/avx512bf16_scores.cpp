@@ -11,7 +11,7 @@
 // subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). A tile of 16 equally
 // spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
 // prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
-// which gets no software prefetch (one_run; avx512_common.h). Every other stage, and
+// which gets no software prefetch (one_run; rows_ahead.h). Every other stage, and
 // other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
@@ -43,7 +43,7 @@ inline const uint16_t* u16(const uint8_t* p) { return reinterpret_cast<const uin
 // full ones, then one masked by `last` when last != 0 (nothing past head_dim is read). Rows
 // r.at(t): RowPtrs or RowRun (avx512_common.h). With each load, the same line of row pf[t]
 // (NPF >= 1) into L2 and of row pn[t] (NPF 2) into L1: prefetches spread over the arithmetic
-// (ahead_rows, avx512_common.h).
+// (ahead_rows, rows_ahead.h).
 template <int HB, int RB, int NPF, class A>
 inline void dp_block(A r, const uint16_t* q, int32_t dpad, int32_t nfull, __mmask32 last,
                      __m512 (&acc)[16], const uint8_t* const* pf, const uint8_t* const* pn) {
@@ -130,8 +130,8 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;
-        const uint8_t* const* pf = prefetch ? ahead_rows(rows, t0, count, far, pfar) : nullptr;
-        const uint8_t* const* pn = near ? ahead_rows(rows, t0, count, 16, pnear) : nullptr;
+        const uint8_t* const* pf = prefetch ? ahead_rows(rows, t0, count, far, 16, pfar) : nullptr;
+        const uint8_t* const* pn = near ? ahead_rows(rows, t0, count, 16, 16, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         if (!st)
             for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + (t < T ? t : T - 1)];

@@ -1,7 +1,6 @@
-// The visit order of a kept list, the weights of a block of visits and the rows of visits
-// ahead (for prefetches), shared by the P.V stages of the SIMD levels (avx2_pv.cpp,
-// avx512_pv.cpp). Scalar code with internal linkage: each level's file gets its own copy,
-// compiled with its own flags.
+// The visit order of a kept list and the weights of a block of visits, shared by the P.V
+// stages of the SIMD levels (avx2_pv.cpp, avx512_pv.cpp). Scalar code with internal
+// linkage: each level's file gets its own copy, compiled with its own flags.
 #pragma once
 
 #include <stdint.h>
@@ -41,20 +40,6 @@ inline const float* block_weights(const float* wk, int64_t ldw, int32_t h0, int 
         for (int64_t t = 0; t < T; ++t) buf[h * cap + t] = wk[(h0 + h) * ldw + vis[t]];
     *ld = cap;
     return buf;
-}
-
-// The rows of the n visits from visit `first` on into out, *t the row of visit `first` (rows of
-// a visit order: row k * stride mod count); *t advances while the next visit exists, so visits
-// past the list repeat its last one (for prefetches: harmless).
-inline void visit_rows(const uint8_t* const* rows, int64_t count, int64_t stride, int64_t first, int64_t n, int64_t* t,
-                       const uint8_t** out) {
-    for (int64_t i = 0; i < n; ++i) {
-        out[i] = rows[*t];
-        if (first + i + 1 < count) {
-            *t += stride;
-            *t -= *t >= count ? count : 0;
-        }
-    }
 }
 
 }  // namespace
