@@ -13,8 +13,10 @@
 // with W groups of 3 FMAs per 64-byte line of arithmetic between the loads (W = 0: a plain
 // sum). docs/cpu.md, "Paged NHD: the order of the reads".
 //
-//   g++ -O3 -mavx512f -o /tmp/read_strided bench/read_strided.cpp && taskset -c 1 /tmp/read_strided [R H]
+//   g++ -O3 -mavx512f -o /tmp/read_strided bench/read_strided.cpp && taskset -c 1 /tmp/read_strided [R H [random]]
 //
+// "random": blocks of 32 slots in a shuffled order, as in a paged cache (the contiguous column
+// stays in address order).
 // GB/s, median of 5 passes over the whole buffer (cold: 1 GiB exceeds the LLC).
 #include <immintrin.h>
 
@@ -29,6 +31,9 @@ namespace {
 
 constexpr size_t kBytes = size_t(1) << 30, kUnit = 256;
 size_t g_row = 256, g_heads = 8;
+std::vector<size_t> g_block;  // "random": slot s lies in block g_block[s / 32] (a paged cache's table)
+
+inline size_t at(size_t s) { return g_block.empty() ? s : g_block[s / 32] * 32 + s % 32; }
 
 enum Mode { kContig, kHeadNoPf, kHeadPf, kHeadPf0, kHeadWalk, kTileNoPf, kTilePf };
 
@@ -63,8 +68,8 @@ __attribute__((noipa)) float pass(const char* buf, size_t far) {
             for (size_t s0 = u0; s0 < u0 + kUnit; s0 += 16)
                 for (size_t h = 0; h < H; ++h)
                     for (size_t s = s0; s < s0 + 16; ++s)
-                        eat(buf + s * slot + h * R,
-                            MODE == kTilePf && s + far < slots ? buf + (s + far) * slot + h * R : nullptr);
+                        eat(buf + at(s) * slot + h * R,
+                            MODE == kTilePf && s + far < slots ? buf + at(s + far) * slot + h * R : nullptr);
         } else {
             for (size_t h = 0; h < H; ++h)
                 for (size_t s = u0; s < u0 + kUnit; ++s) {
@@ -72,15 +77,15 @@ __attribute__((noipa)) float pass(const char* buf, size_t far) {
                     if (MODE == kHeadPf || MODE == kHeadPf0) {
                         // the same head's row `far` ahead; past the unit, the next head's first rows
                         const size_t t = s + far;
-                        if (t < u0 + kUnit) p = buf + t * slot + h * R;
-                        else if (h + 1 < H) p = buf + (t - kUnit) * slot + (h + 1) * R;
-                        else if (t < slots) p = buf + t * slot;
+                        if (t < u0 + kUnit) p = buf + at(t) * slot + h * R;
+                        else if (h + 1 < H) p = buf + at(t - kUnit) * slot + (h + 1) * R;
+                        else if (t < slots) p = buf + at(t) * slot;
                     } else if (MODE == kHeadWalk) {
                         // the next unit, slot-major: every head of a slot, then the next slot
                         const size_t w = h * kUnit + (s - u0), ts = u0 + kUnit + w / H;
-                        if (ts < slots) p = buf + ts * slot + (w % H) * R;
+                        if (ts < slots) p = buf + at(ts) * slot + (w % H) * R;
                     }
-                    eat(buf + s * slot + h * R, p);
+                    eat(buf + at(s) * slot + h * R, p);
                 }
         }
     }
@@ -116,13 +121,21 @@ void line() {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc == 3) {
+    if (argc >= 3) {
         g_row = size_t(std::atol(argv[1]));
         g_heads = size_t(std::atol(argv[2]));
     }
     if (g_row < 64 || g_row % 64 || g_heads < 1) {
         fprintf(stderr, "R must be a multiple of 64 bytes, H >= 1\n");
         return 1;
+    }
+    if (argc >= 4) {
+        const size_t blocks = kBytes / (g_row * g_heads) / 32;
+        g_block.resize(blocks);
+        for (size_t i = 0; i < blocks; ++i) g_block[i] = i;
+        srand(1);
+        for (size_t i = blocks - 1; i > 0; --i) std::swap(g_block[i], g_block[size_t(rand()) % (i + 1)]);
+        printf("blocks of 32 slots in random order\n");
     }
     printf("rows of %zu bytes, %zu KV heads per slot (slot %zu bytes), units of %zu slots; GB/s\n", g_row, g_heads,
            g_row * g_heads, kUnit);
