@@ -121,6 +121,18 @@ void combine_pair(Plan& plan, int64_t pair) {
             for (int32_t d = 0; d < D; ++d) o[d] = 0.0f;
         } else {
             const float Msafe = safe_max(pair_max(plan, first, count, hh));
+            // the sums' reference: the largest m_ref of the splits that kept rows (pre_softmax
+            // with group selection: a split's m_ref may be its kept maximum, far below Msafe,
+            // item.cpp); Msafe when no split kept any
+            float Mref = Msafe;
+            if (P.placement == kPre) {
+                float mk = -kInf;
+                for (int64_t p = first; p < first + count; ++p) {
+                    const size_t ph = size_t(p * G + hh);
+                    if (plan.kc[ph] > 0 && plan.m_loc[ph] != -kInf) mk = std::fmax(mk, plan.m_ref[ph]);
+                }
+                if (mk != -kInf) Mref = mk;
+            }
             float R = 0.0f, Dd = 0.0f;
             bool bad = false;
             for (int32_t d = 0; d < D; ++d) o[d] = 0.0f;
@@ -129,9 +141,10 @@ void combine_pair(Plan& plan, int64_t pair) {
                 bad |= plan.bad[ph] != 0;
                 k += plan.kc[ph];
                 if (plan.m_loc[ph] == -kInf) continue;  // every score -inf: no weight
-                const float f = std::exp(plan.m_ref[ph] - Msafe);
+                const float f = std::exp(plan.m_ref[ph] - Mref);  // inf only for a split that kept nothing
+                if (plan.Dd[ph] != 0.0f) Dd += f * plan.Dd[ph];
+                if (plan.kc[ph] == 0) continue;
                 R += f * plan.R[ph];
-                Dd += f * plan.Dd[ph];
                 const float* a = &plan.acc[ph * size_t(dpad)];
                 for (int32_t d = 0; d < D; ++d) o[d] += f * a[d];
             }
@@ -144,9 +157,10 @@ void combine_pair(Plan& plan, int64_t pair) {
                     E = Dd;
                 } else if (P.sdc == kSdcExpThreshold) {
                     const float theta = threshold_of(plan, b, P.group_selection ? g : h);
-                    if (n - k > 0) E = P.sdc_gamma * float(n - k) * std::exp(theta - Msafe);
-                } else if (P.sdc == kSdcOffline) {
+                    if (n - k > 0 && P.sdc_gamma != 0.0f) E = P.sdc_gamma * float(n - k) * std::exp(theta - Mref);
+                } else if (P.sdc == kSdcOffline) {  // the table is in units of exp(a - m): rescaled to Mref
                     E = P.sdc_table[plan.set[size_t(b)] * P.sdc_s[0] + h * P.sdc_s[1] + plan.row[size_t(b)] * P.sdc_s[2]];
+                    if (E != 0.0f && Mref != Msafe) E *= std::exp(Msafe - Mref);
                 }
                 denom = R + E;
             }

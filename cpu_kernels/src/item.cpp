@@ -114,6 +114,33 @@ void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64
 
 float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
 
+// With group selection a head may keep only rows far below its own maximum (its maximum sits
+// on a row the group dropped): their weights exp(a - m) are then subnormal or 0 and so is their
+// sum R. Such a head's weights are recomputed relative to the maximum over its kept rows mk
+// (m_ref becomes mk; combine_pair rescales every split to one reference), and the sum over the
+// dropped rows (exact SDC) is rescaled by exp(m - mk), which may overflow to inf: the kept
+// weights are then 0, as in exact arithmetic up to float32 range (docs/semantics.md, "The
+// formulas", step 5). Below 2^-64 only: larger sums keep every weight that matters normal.
+void rebase_far_kept(Plan& plan, int64_t i, const SelectArgs& a, int64_t kept) {
+    constexpr float kTiny = 5.421010862427522e-20f;  // 2^-64
+    for (int32_t h = 0; h < a.G; ++h) {
+        if (!(a.R[h] < kTiny)) continue;  // also skips NaN
+        const float* S = a.S + h * a.ldS;
+        float mk = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < kept; ++t) mk = std::fmax(mk, S[a.idx[t]]);
+        if (!(mk > -std::numeric_limits<float>::infinity()) || mk >= a.mref[h]) continue;
+        float* w = a.wk + h * a.ldw;
+        float R = 0.0f;
+        for (int64_t t = 0; t < kept; ++t) {
+            w[t] = std::exp(S[a.idx[t]] - mk);
+            R += w[t];
+        }
+        a.R[h] = R;
+        if (a.need_dropped && a.dropped[h] != 0.0f) a.dropped[h] *= std::exp(a.mref[h] - mk);
+        plan.m_ref[size_t(i * a.G + h)] = mk;
+    }
+}
+
 }  // namespace
 
 void Scratch::reserve(int64_t len, int32_t G, int32_t dpad) {
@@ -226,6 +253,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     a.R = &plan.R[size_t(i * G)]; a.dropped = &plan.Dd[size_t(i * G)]; a.kcount = &plan.kc[size_t(i * G)];
     const int64_t kept = ops.select(a);
     plan.uni[size_t(i)] = kept;
+    if (P.placement == kPre && P.group_selection && kept > 0) rebase_far_kept(plan, i, a, kept);
 
     float* acc = &plan.acc[size_t(i * G * dpad)];
     std::memset(acc, 0, sizeof(float) * size_t(G * dpad));

@@ -118,19 +118,29 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
         theta_h = theta.unsqueeze(-1)
 
     if inputs.placement == "pre_softmax":
-        R = (e * kept).sum(-1, keepdim=True)
+        # Weights relative to the maximum over the head's kept positions, mk (semantics: "a
+        # head's kept rows far below its own maximum"): with group selection a head may keep
+        # only rows far below its own maximum, whose exp(a - m) underflow. mk = m whenever the
+        # head's maximum is kept (always with per-head selection). E~ is defined relative to
+        # m; exp(m - mk) >= 1 rescales it (inf when huge: the kept weights are then 0).
+        mk = torch.where(kept, a, float("-inf")).amax(dim=-1, keepdim=True)
+        mk = torch.where(kept.any(-1, keepdim=True), mk, m_safe)
+        ek = torch.where(kept, torch.exp(a - mk), 0.0)
+        R = ek.sum(-1, keepdim=True)
         k_tilde = kept.sum(-1, keepdim=True)
         if inputs.sdc == "none":
             E = torch.zeros_like(R)
         elif inputs.sdc == "exact":
-            E = (e * (valid & ~kept)).sum(-1, keepdim=True)
+            E = torch.where(valid & ~kept, torch.exp(a - mk), 0.0).sum(-1, keepdim=True)
         elif inputs.sdc == "exp_threshold":
             dropped = (n[:, None, None] - k_tilde).to(f32)
-            E = inputs.sdc_gamma * dropped * torch.exp(theta_h - m_safe)
-            E = torch.where(dropped > 0, E, torch.zeros_like(E))  # 0 x inf when nothing dropped
-        else:  # offline
+            E = inputs.sdc_gamma * dropped * torch.exp(theta_h - mk)
+            # 0 x inf when nothing is dropped or gamma is 0
+            E = torch.where((dropped > 0) & (inputs.sdc_gamma != 0.0), E, torch.zeros_like(E))
+        else:  # offline: sdc_table is in units of exp(a - m)
             E = per_sequence_rows(inputs, inputs.sdc_table_3d(), n).unsqueeze(-1)
-        w = torch.where(kept, e / (R + E), 0.0)
+            E = torch.where(E != 0.0, E * torch.exp(m_safe - mk), E)
+        w = torch.where(kept, ek / (R + E), 0.0)
     else:
         w = torch.where(kept, e / Z, 0.0)
 
