@@ -38,7 +38,7 @@ NO_SPEC = ["num_kv_heads", "max_seq_len", "block_size", "block_shift", "num_bloc
 @triton.jit(do_not_specialize=NO_SPEC)
 def pre_kernel(
     Q, K, V, LENS, TH, TSET, BT,
-    P_M, P_L, P_R, P_CNT, P_ACC, P_VROWS, P_VSUM,
+    P_M, P_L, P_R, P_CNT, P_ACC, P_VROWS, P_VSUM, P_MK,
     stride_qb, stride_qh, stride_qd,
     sk_blk, sk_head, sk_slot, sk_dim,
     sv_blk, sv_head, sv_slot, sv_dim,
@@ -51,8 +51,13 @@ def pre_kernel(
     TILE_SKIP: tl.constexpr, V_EARLY: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Partials index: p = (b * Hq + h) * num_splits + split for per-head values
-    (P_M, P_L, P_R, P_CNT [p], P_ACC [p, D_PAD]); (b * Hkv + kv head) * num_splits + split
-    for per-group values (P_VROWS int32, P_VSUM [., D_PAD])."""
+    (P_M, P_L, P_R, P_CNT, P_MK [p], P_ACC [p, D_PAD]); (b * Hkv + kv head) * num_splits + split
+    for per-group values (P_VROWS int32, P_VSUM [., D_PAD]).
+
+    L is relative to the split's maximum m (P_M). With group selection R and ACC are relative
+    to the maximum over the split's kept rows mk (P_MK, -inf when none): a head may keep only
+    rows far below its own maximum, whose exp(a - m) underflow (docs/semantics.md, step 5).
+    Otherwise R and ACC are relative to m (the maximum row is kept whenever anything is)."""
     pid_s, b, kvh, n, start, end, offs_g, gmask, h, offs_d, dmask = program_tile(
         LENS, stride_l, num_kv_heads, max_seq_len, num_splits, G, D, G_PAD, D_PAD, BLOCK_N)
     num_q_heads = num_kv_heads * G
@@ -67,6 +72,7 @@ def pre_kernel(
     PDT = V.dtype.element_ty
 
     m = tl.full([G_PAD], float("-inf"), tl.float32)
+    mk = tl.full([G_PAD], float("-inf"), tl.float32)  # group selection: max over kept rows
     l_sum = tl.zeros([G_PAD], tl.float32)
     r_sum = tl.zeros([G_PAD], tl.float32)
     cnt = tl.zeros([G_PAD], tl.int32)
@@ -103,23 +109,45 @@ def pre_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])  # NaN where a score is NaN (and at a +inf score)
-
-        if not TILE_SKIP:
-            acc += dot_pv(p_prev, v, DOT_PREC)
-            if COMPUTE_MEAN:
-                vsum += tl.sum(v.to(tl.float32), axis=0)
-        acc = acc * alpha[:, None]
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        if DENSE:
-            pk = p
-            union = nmask
-        else:
+        if GROUP and not DENSE:
+            # acc and r_sum relative to the kept maximum mk; one exp per score: kept ones
+            # relative to mk, dropped ones to m; l (relative to m) gets the kept sum times
+            # exp(mk - m) <= 1
             kept, union = keep_mask(s, valid, theta, GROUP)
-            pk = tl.where(kept, p, 0.0)
-            r_sum = r_sum * alpha + tl.sum(pk, axis=1)
+            mk_new = tl.maximum(mk, tl.max(tl.where(kept, s, float("-inf")), axis=1))
+            mk_safe = tl.where(mk_new == float("-inf"), 0.0, mk_new)
+            alpha_k = tl.exp(mk - mk_safe)
+            e = tl.exp(s - tl.where(kept, mk_safe[:, None], m_safe[:, None]))  # NaN at a NaN / +inf score
+            pk = tl.where(kept, e, 0.0)
+            rk = tl.sum(pk, axis=1)
+            l_sum = l_sum * alpha + tl.sum(e - pk, axis=1) + tl.where(rk > 0, tl.exp(mk_safe - m_safe) * rk, 0.0)
+            mk = mk_new
+            if not TILE_SKIP:
+                acc += dot_pv(p_prev, v, DOT_PREC)
+                if COMPUTE_MEAN:
+                    vsum += tl.sum(v.to(tl.float32), axis=0)
+            acc = acc * alpha_k[:, None]
+            r_sum = r_sum * alpha_k + rk
             if COUNT:
                 cnt += tl.sum(kept.to(tl.int32), axis=1)
+        else:
+            p = tl.exp(s - m_safe[:, None])  # NaN where a score is NaN (and at a +inf score)
+
+            if not TILE_SKIP:
+                acc += dot_pv(p_prev, v, DOT_PREC)
+                if COMPUTE_MEAN:
+                    vsum += tl.sum(v.to(tl.float32), axis=0)
+            acc = acc * alpha[:, None]
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            if DENSE:
+                pk = p
+                union = nmask
+            else:
+                kept, union = keep_mask(s, valid, theta, GROUP)
+                pk = tl.where(kept, p, 0.0)
+                r_sum = r_sum * alpha + tl.sum(pk, axis=1)
+                if COUNT:
+                    cnt += tl.sum(kept.to(tl.int32), axis=1)
         if UNION:
             vrows += tl.sum(union.to(tl.int32), axis=0)
         if COMPUTE_MEAN:
@@ -147,6 +175,8 @@ def pre_kernel(
     tl.store(P_L + p_idx, l_sum, mask=gmask)
     if not DENSE:
         tl.store(P_R + p_idx, r_sum, mask=gmask)
+        if GROUP:
+            tl.store(P_MK + p_idx, mk, mask=gmask)
     if COUNT:
         tl.store(P_CNT + p_idx, cnt, mask=gmask)
     tl.store(P_ACC + p_idx[:, None] * D_PAD + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])

@@ -29,7 +29,7 @@ COMBINE_NO_SPEC = NO_SPEC + ["st_sset", "st_shead", "st_srow", "stride_mb", "str
 @triton.jit(do_not_specialize=COMBINE_NO_SPEC)
 def combine_kernel(
     LENS, TH, TSET, SDC_TAB, VMEAN, OUT, ST_KEPT, ST_VROWS, ST_DROPPED,
-    P_M, P_L, P_R, P_CNT, P_ACC, P_VROWS, P_VSUM,
+    P_M, P_L, P_R, P_CNT, P_ACC, P_VROWS, P_VSUM, P_MK,
     stride_l, stride_ts, st_set, st_head, st_row, st_sset, st_shead, st_srow,
     stride_mb, stride_mh, stride_md,
     stride_ob, stride_oh, stride_od,
@@ -59,6 +59,7 @@ def combine_kernel(
     g_base = (b * num_kv_heads + kvh).to(tl.int64) * num_splits
 
     m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+    mk_all = tl.full([G_PAD], float("-inf"), tl.float32)  # pre_softmax, group: reference of R and acc
     l_all = tl.zeros([G_PAD], tl.float32)
     r_all = tl.zeros([G_PAD], tl.float32)
     cnt = tl.zeros([G_PAD], tl.int32)
@@ -86,6 +87,13 @@ def combine_kernel(
             c_old = tl.exp(m_all - m_safe)
             c_s = tl.exp(m_s - m_safe)
             l_all = l_all * c_old + l_s * c_s
+            if GROUP and not DENSE:  # R and acc relative to the splits' kept maxima (attn_pre.py)
+                mk_s = tl.load(P_MK + p_idx, mask=gmask, other=float("-inf"))
+                mk_new = tl.maximum(mk_all, mk_s)
+                mk_safe = tl.where(mk_new == float("-inf"), 0.0, mk_new)
+                c_old = tl.exp(mk_all - mk_safe)
+                c_s = tl.exp(mk_s - mk_safe)
+                mk_all = mk_new
             r_all = r_all * c_old + r_s * c_s
             acc = acc * c_old[:, None] + acc_s * c_s[:, None]
             m_all = m_new
@@ -103,6 +111,12 @@ def combine_kernel(
         w_kept = r_all
     else:
         m_big = tl.where(m_all == float("-inf"), 0.0, m_all)
+        # the reference of R and acc: the kept maximum (group selection; m_big when nothing
+        # was kept), else m_big. E~ below is defined relative to m_big and rescaled to it:
+        # exp(m_big - mk_big) >= 1, inf when huge (the kept weights are then 0).
+        mk_big = m_big
+        if GROUP and not DENSE:
+            mk_big = tl.where(mk_all == float("-inf"), m_big, mk_all)
         if DENSE:
             any_kept = (tl.zeros([G_PAD], tl.int32) + n) > 0
         elif GROUP:
@@ -111,18 +125,19 @@ def combine_kernel(
             any_kept = r_all > 0  # the row maximum is kept whenever anything is: r >= 1
         e_est = tl.zeros([G_PAD], tl.float32)
         if SDC == SDC_EXACT:  # the dense denominator
-            e_est = tl.maximum(l_all - r_all, 0.0)
+            e_est = tl.maximum(l_all * tl.exp(m_big - mk_big) - r_all, 0.0)
         if SDC == SDC_EXP_THRESHOLD:
             s_idx = set_index(TSET, stride_ts, b, num_sets, HAS_SETS)
             theta = load_theta(TH, s_idx, st_set, st_head, st_row, row_index(n, max_row_id), kvh, h,
                                gmask, GROUP)
             n_drop = (n - cnt).to(tl.float32)
-            e_est = tl.where(n_drop > 0, sdc_gamma * n_drop * tl.exp(theta - m_big), 0.0)
+            e_est = tl.where((n_drop > 0) & (sdc_gamma != 0.0), sdc_gamma * n_drop * tl.exp(theta - mk_big), 0.0)
         if SDC == SDC_OFFLINE:  # per query head, like the thresholds' set and row id
             s_idx = set_index(TSET, stride_ts, b, num_sets, HAS_SETS)
             row = row_index(n, max_row_id)
             e_est = tl.load(SDC_TAB + s_idx.to(tl.int64) * st_sset + h.to(tl.int64) * st_shead
                             + row.to(tl.int64) * st_srow, mask=gmask, other=0.0)
+            e_est = tl.where(e_est != 0.0, e_est * tl.exp(m_big - mk_big), e_est)
         denom = r_all + e_est
         denom_safe = tl.where(any_kept, denom, 1.0)
         out = tl.where(any_kept[:, None], acc / denom_safe[:, None], 0.0)

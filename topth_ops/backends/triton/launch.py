@@ -284,7 +284,7 @@ def decode_attn_fwd(
     def partials(ns, probe=False):
         if probe:  # dtypes stand in for buffers: Triton's warmup compiles without them
             return dict(M=f32, L=f32, ACC=f32, R=f32, CNT=i32 if count else f32,
-                        VROWS=i32 if (union or post) else f32, VSUM=f32)
+                        VROWS=i32 if (union or post) else f32, VSUM=f32, MK=f32)
         n_head = B * Hq * ns
         n_grp = B * Hkv * ns
         P = dict(M=torch.empty(n_head, dtype=f32, device=dev), L=torch.empty(n_head, dtype=f32, device=dev),
@@ -293,11 +293,13 @@ def decode_attn_fwd(
         P["CNT"] = torch.empty(n_head, dtype=i32, device=dev) if count else P["M"]
         P["VROWS"] = torch.empty(n_grp, dtype=i32, device=dev) if union or post else P["M"]
         P["VSUM"] = torch.empty((n_grp, D_PAD), dtype=f32, device=dev) if compute_mean else P["M"]
+        # pre_softmax, group selection: the splits' kept maxima (cuda_kernels/attn_pre.py)
+        P["MK"] = torch.empty(n_head, dtype=f32, device=dev) if (group and not dense and not post) else P["M"]
         return P
 
     def pre_launch(ns, P, run=True):
         args = (query, key_cache, value_cache, seq_lens, th, tset, bt,
-                P["M"], P["L"], P["R"], P["CNT"], P["ACC"], P["VROWS"], P["VSUM"], *common_args(ns))
+                P["M"], P["L"], P["R"], P["CNT"], P["ACC"], P["VROWS"], P["VSUM"], P["MK"], *common_args(ns))
         kw = dict(flags, DENSE=bool(dense), COUNT=count, UNION=union, COMPUTE_MEAN=compute_mean,
                   TILE_SKIP=bool(cfg.tile_skip) and not dense, V_EARLY=bool(dense or compute_mean))
         if run:
@@ -345,7 +347,7 @@ def decode_attn_fwd(
     vmean = value_mean if value_mean is not None else P["M"].view(1, 1, -1)
     combine_kernel[(B * Hkv,)](
         seq_lens, th, tset, tab, vmean, out, st_kept, st_vrows, st_dropped,
-        P["M"], P["L"], P["R"], P["CNT"], P["ACC"], P["VROWS"], P["VSUM"],
+        P["M"], P["L"], P["R"], P["CNT"], P["ACC"], P["VROWS"], P["VSUM"], P["MK"],
         seq_lens.stride(0), tset.stride(0), *th_strides, *tab_strides,
         *vmean.stride(), *out.stride(), *st_kept.stride(), *st_dropped.stride(), *st_vrows.stride(),
         Hkv, S, max_row_id, num_sets, ns, float(sdc_gamma),
