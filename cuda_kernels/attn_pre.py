@@ -56,7 +56,8 @@ def pre_kernel(
 
     L is relative to the split's maximum m (P_M). With group selection R and ACC are relative
     to the maximum over the split's kept rows mk (P_MK, -inf when none): a head may keep only
-    rows far below its own maximum, whose exp(a - m) underflow (docs/semantics.md, step 5).
+    rows far below its own maximum, whose exp(a - m) underflow (docs/semantics.md, "A head's
+    kept rows far below its own maximum").
     Otherwise R and ACC are relative to m (the maximum row is kept whenever anything is)."""
     pid_s, b, kvh, n, start, end, offs_g, gmask, h, offs_d, dmask = program_tile(
         LENS, stride_l, num_kv_heads, max_seq_len, num_splits, G, D, G_PAD, D_PAD, BLOCK_N)

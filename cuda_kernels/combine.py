@@ -26,6 +26,16 @@ COMBINE_NO_SPEC = NO_SPEC + ["st_sset", "st_shead", "st_srow", "stride_mb", "str
                              "sdc_gamma"]
 
 
+@triton.jit
+def _scaled_exp(x, d):
+    """x * exp(d) for x >= 0 (0 and NaN kept), without exp(d) alone overflowing or flushing to
+    0 when the product is in float32 range: far from 0 computed as exp(log x + d)."""
+    near = tl.abs(d) < 80.0
+    direct = x * tl.exp(tl.where(near, d, 0.0))
+    logd = tl.exp(tl.log(tl.where(x > 0, x, 1.0)) + d)
+    return tl.where(x > 0, tl.where(near, direct, logd), x)
+
+
 @triton.jit(do_not_specialize=COMBINE_NO_SPEC)
 def combine_kernel(
     LENS, TH, TSET, SDC_TAB, VMEAN, OUT, ST_KEPT, ST_VROWS, ST_DROPPED,
@@ -125,19 +135,19 @@ def combine_kernel(
             any_kept = r_all > 0  # the row maximum is kept whenever anything is: r >= 1
         e_est = tl.zeros([G_PAD], tl.float32)
         if SDC == SDC_EXACT:  # the dense denominator
-            e_est = tl.maximum(l_all * tl.exp(m_big - mk_big) - r_all, 0.0)
+            e_est = tl.maximum(_scaled_exp(l_all, m_big - mk_big) - r_all, 0.0)
         if SDC == SDC_EXP_THRESHOLD:
             s_idx = set_index(TSET, stride_ts, b, num_sets, HAS_SETS)
             theta = load_theta(TH, s_idx, st_set, st_head, st_row, row_index(n, max_row_id), kvh, h,
                                gmask, GROUP)
             n_drop = (n - cnt).to(tl.float32)
-            e_est = tl.where((n_drop > 0) & (sdc_gamma != 0.0), sdc_gamma * n_drop * tl.exp(theta - mk_big), 0.0)
+            e_est = tl.where((n_drop > 0) & (sdc_gamma != 0.0), _scaled_exp(sdc_gamma * n_drop, theta - mk_big), 0.0)
         if SDC == SDC_OFFLINE:  # per query head, like the thresholds' set and row id
             s_idx = set_index(TSET, stride_ts, b, num_sets, HAS_SETS)
             row = row_index(n, max_row_id)
             e_est = tl.load(SDC_TAB + s_idx.to(tl.int64) * st_sset + h.to(tl.int64) * st_shead
                             + row.to(tl.int64) * st_srow, mask=gmask, other=0.0)
-            e_est = tl.where(e_est != 0.0, e_est * tl.exp(m_big - mk_big), e_est)
+            e_est = _scaled_exp(e_est, m_big - mk_big)
         denom = r_all + e_est
         denom_safe = tl.where(any_kept, denom, 1.0)
         out = tl.where(any_kept[:, None], acc / denom_safe[:, None], 0.0)

@@ -19,6 +19,14 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 float safe_max(float m) { return m == -kInf ? 0.0f : m; }
 
+// x * exp(d) for x >= 0 (NaN stays NaN), without overflowing or flushing exp(d) alone when the
+// product is in range: far from 0, in the log domain (relative error ~|log x + d| ulp).
+float scaled_exp(float x, float d) {
+    if (!(x > 0.0f) || d == 0.0f) return x;
+    if (d > -80.0f && d < 80.0f) return x * std::exp(d);
+    return std::exp(std::log(x) + d);
+}
+
 uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
@@ -141,9 +149,10 @@ void combine_pair(Plan& plan, int64_t pair) {
                 bad |= plan.bad[ph] != 0;
                 k += plan.kc[ph];
                 if (plan.m_loc[ph] == -kInf) continue;  // every score -inf: no weight
-                const float f = std::exp(plan.m_ref[ph] - Mref);  // inf only for a split that kept nothing
-                if (plan.Dd[ph] != 0.0f) Dd += f * plan.Dd[ph];
+                // the dropped sum (exact SDC) is relative to the split's own maximum
+                Dd += scaled_exp(plan.Dd[ph], safe_max(plan.m_loc[ph]) - Mref);
                 if (plan.kc[ph] == 0) continue;
+                const float f = std::exp(plan.m_ref[ph] - Mref);  // <= 1: Mref is the largest
                 R += f * plan.R[ph];
                 const float* a = &plan.acc[ph * size_t(dpad)];
                 for (int32_t d = 0; d < D; ++d) o[d] += f * a[d];
@@ -157,10 +166,10 @@ void combine_pair(Plan& plan, int64_t pair) {
                     E = Dd;
                 } else if (P.sdc == kSdcExpThreshold) {
                     const float theta = threshold_of(plan, b, P.group_selection ? g : h);
-                    if (n - k > 0 && P.sdc_gamma != 0.0f) E = P.sdc_gamma * float(n - k) * std::exp(theta - Mref);
+                    if (n - k > 0 && P.sdc_gamma != 0.0f) E = scaled_exp(P.sdc_gamma * float(n - k), theta - Mref);
                 } else if (P.sdc == kSdcOffline) {  // the table is in units of exp(a - m): rescaled to Mref
                     E = P.sdc_table[plan.set[size_t(b)] * P.sdc_s[0] + h * P.sdc_s[1] + plan.row[size_t(b)] * P.sdc_s[2]];
-                    if (E != 0.0f && Mref != Msafe) E *= std::exp(Msafe - Mref);
+                    E = scaled_exp(E, Msafe - Mref);
                 }
                 denom = R + E;
             }

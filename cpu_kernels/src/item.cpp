@@ -117,10 +117,10 @@ float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 
 // With group selection a head may keep only rows far below its own maximum (its maximum sits
 // on a row the group dropped): their weights exp(a - m) are then subnormal or 0 and so is their
 // sum R. Such a head's weights are recomputed relative to the maximum over its kept rows mk
-// (m_ref becomes mk; combine_pair rescales every split to one reference), and the sum over the
-// dropped rows (exact SDC) is rescaled by exp(m - mk), which may overflow to inf: the kept
-// weights are then 0, as in exact arithmetic up to float32 range (docs/semantics.md, "The
-// formulas", step 5). Below 2^-64 only: larger sums keep every weight that matters normal.
+// (m_ref becomes mk; combine_pair rescales every split to one reference). The sum over the
+// dropped rows (exact SDC) stays relative to the split's maximum m_loc, which combine_pair
+// knows (docs/semantics.md, "A head's kept rows far below its own maximum"). Below 2^-64
+// only: larger sums keep every weight that matters normal.
 void rebase_far_kept(Plan& plan, int64_t i, const SelectArgs& a, int64_t kept) {
     constexpr float kTiny = 5.421010862427522e-20f;  // 2^-64
     for (int32_t h = 0; h < a.G; ++h) {
@@ -136,7 +136,6 @@ void rebase_far_kept(Plan& plan, int64_t i, const SelectArgs& a, int64_t kept) {
             R += w[t];
         }
         a.R[h] = R;
-        if (a.need_dropped && a.dropped[h] != 0.0f) a.dropped[h] *= std::exp(a.mref[h] - mk);
         plan.m_ref[size_t(i * a.G + h)] = mk;
     }
 }

@@ -120,8 +120,10 @@ __aicore__ inline void TopthDecodeKernel<T>::Finalize(uint32_t len, uint32_t uni
                 eTilde = 0.0f;
             } else if (expThreshold) {  // gamma (n - k~) exp(theta - m), paper section 3.2.1
                 const int32_t droppedRows = static_cast<int32_t>(len) - k;
-                eTilde = droppedRows > 0 ? td.sdcGamma * static_cast<float>(droppedRows) * pExp.GetValue(2 * g)
-                                         : 0.0f;
+                // 0 when gamma is 0 (not 0 x inf when theta - m > 88)
+                eTilde = droppedRows > 0 && td.sdcGamma != 0.0f
+                             ? td.sdcGamma * static_cast<float>(droppedRows) * pExp.GetValue(2 * g)
+                             : 0.0f;
             } else if (td.sdc == TOPTH_SDC_OFFLINE) {
                 eTilde = sdcGm.GetValue(SdcIndex(g, row));
             }

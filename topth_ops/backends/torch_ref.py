@@ -18,6 +18,16 @@ from ..vmean import valid_value_mean
 from ..registry import Backend
 
 
+
+def _scaled_exp(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x * exp(d) for x >= 0 (0 and NaN kept), without exp(d) alone overflowing or flushing
+    to 0 when the product is in float32 range: far from 0 computed as exp(log x + d)."""
+    x, d = torch.broadcast_tensors(x, d)
+    direct = x * torch.exp(torch.where(d.abs() < 80.0, d, torch.zeros_like(d)))
+    logd = torch.exp(torch.log(torch.where(x > 0, x, torch.ones_like(x))) + d)
+    return torch.where(x > 0, torch.where(d.abs() < 80.0, direct, logd), x)
+
+
 def dense_caches(inputs: DecodeInputs, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The caches as BNSD ``[batch, num_kv_heads, max_seq_len, head_dim]`` views or copies.
 
@@ -134,12 +144,9 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
             E = torch.where(valid & ~kept, torch.exp(a - mk), 0.0).sum(-1, keepdim=True)
         elif inputs.sdc == "exp_threshold":
             dropped = (n[:, None, None] - k_tilde).to(f32)
-            E = inputs.sdc_gamma * dropped * torch.exp(theta_h - mk)
-            # 0 x inf when nothing is dropped or gamma is 0
-            E = torch.where((dropped > 0) & (inputs.sdc_gamma != 0.0), E, torch.zeros_like(E))
+            E = _scaled_exp(inputs.sdc_gamma * dropped, theta_h - mk)  # 0 when gamma or nothing dropped is 0
         else:  # offline: sdc_table is in units of exp(a - m)
-            E = per_sequence_rows(inputs, inputs.sdc_table_3d(), n).unsqueeze(-1)
-            E = torch.where(E != 0.0, E * torch.exp(m_safe - mk), E)
+            E = _scaled_exp(per_sequence_rows(inputs, inputs.sdc_table_3d(), n).unsqueeze(-1), m_safe - mk)
         w = torch.where(kept, ek / (R + E), 0.0)
     else:
         w = torch.where(kept, e / Z, 0.0)
