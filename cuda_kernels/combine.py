@@ -28,12 +28,15 @@ COMBINE_NO_SPEC = NO_SPEC + ["st_sset", "st_shead", "st_srow", "stride_mb", "str
 
 @triton.jit
 def _scaled_exp(x, d):
-    """x * exp(d) for x >= 0 (0 and NaN kept), without exp(d) alone overflowing or flushing to
-    0 when the product is in float32 range: far from 0 computed as exp(log x + d)."""
-    near = tl.abs(d) < 80.0
+    """x * exp(d) (0 and NaN kept), without exp(d) alone overflowing or turning subnormal when
+    the product is in float32 range: there computed as sign(x) exp(log |x| + d); elsewhere the
+    plain product."""
+    near = (d > -87.0) & (d < 88.0)
     direct = x * tl.exp(tl.where(near, d, 0.0))
-    logd = tl.exp(tl.log(tl.where(x > 0, x, 1.0)) + d)
-    return tl.where(x > 0, tl.where(near, direct, logd), x)
+    ax = tl.abs(x)
+    logd = tl.exp(tl.log(tl.where(ax > 0, ax, 1.0)) + d)
+    logd = tl.where(x < 0, -logd, logd)
+    return tl.where((x != 0) & (x == x), tl.where(near, direct, logd), x)
 
 
 @triton.jit(do_not_specialize=COMBINE_NO_SPEC)
@@ -123,7 +126,8 @@ def combine_kernel(
         m_big = tl.where(m_all == float("-inf"), 0.0, m_all)
         # the reference of R and acc: the kept maximum (group selection; m_big when nothing
         # was kept), else m_big. E~ below is defined relative to m_big and rescaled to it:
-        # exp(m_big - mk_big) >= 1, inf when huge (the kept weights are then 0).
+        # exp(m_big - mk_big) >= 1 (inf only when the product exceeds float32: the kept weights are
+        # then 0).
         mk_big = m_big
         if GROUP and not DENSE:
             mk_big = tl.where(mk_all == float("-inf"), m_big, mk_all)

@@ -2,9 +2,11 @@
 // outputs (docs/semantics.md, "The formulas"; split-KV combine as in flash-decoding).
 //
 // Each split p holds, per query head, its max m_p (NaN ignored), its sums relative to its
-// reference max mref_p (R_p: kept weights, D_p: dropped weights, Z_p: all weights relative
-// to max(m_p, 0 if -inf), acc_p: sum of w * v) and its kept count. With M the global max,
-// a split's sums scale by exp(mref_p - M) (0 for a split whose scores are all -inf).
+// reference max mref_p (R_p: kept weights, acc_p: sum of w * v), its dropped weights D_p and
+// Z_p (all weights) relative to max(m_p, 0 if -inf), and its kept count. mref_p is m_p except
+// where a head keeps only rows far below it (pre_softmax, group selection: the maximum over
+// its kept rows, item.cpp). Every sum is rescaled to one reference M per head (a split whose
+// scores are all -inf adds nothing).
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -19,12 +21,13 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 float safe_max(float m) { return m == -kInf ? 0.0f : m; }
 
-// x * exp(d) for x >= 0 (NaN stays NaN), without overflowing or flushing exp(d) alone when the
-// product is in range: far from 0, in the log domain (relative error ~|log x + d| ulp).
+// x * exp(d) (0 and NaN stay), without exp(d) alone overflowing or turning subnormal when the
+// product is in range: there in the log domain (relative error ~|log |x| + d| ulp); elsewhere
+// the plain product, as before.
 float scaled_exp(float x, float d) {
-    if (!(x > 0.0f) || d == 0.0f) return x;
-    if (d > -80.0f && d < 80.0f) return x * std::exp(d);
-    return std::exp(std::log(x) + d);
+    if (x == 0.0f || x != x || d == 0.0f) return x;
+    if (d > -87.0f && d < 88.0f) return x * std::exp(d);
+    return std::copysign(std::exp(std::log(std::fabs(x)) + d), x);
 }
 
 uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }

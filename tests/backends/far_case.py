@@ -38,7 +38,7 @@ def far_case(gap: float, dtype: torch.dtype, seed: int = 0):
 SDC = [("none", {}), ("exp_threshold", {"sdc_gamma": 0.0}), ("exp_threshold", {"sdc_gamma": 0.5}),
        ("exact", {}), ("offline", {"sdc_table": torch.zeros(HKV * G, 1)}),
        ("offline", {"sdc_table": torch.full((HKV * G, 1), 0.3)}),
-       # near the smallest normal float32: rescaled by exp(m - m_K) it is a few thousand (gap 95)
+       # near the smallest normal float32: rescaled by exp(m - m_K) it is a few hundred (gap 95)
        ("offline", {"sdc_table": torch.full((HKV * G, 1), 1.2e-38)})]
 
 

@@ -20,12 +20,15 @@ from ..registry import Backend
 
 
 def _scaled_exp(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x * exp(d) for x >= 0 (0 and NaN kept), without exp(d) alone overflowing or flushing
-    to 0 when the product is in float32 range: far from 0 computed as exp(log x + d)."""
+    """x * exp(d) (0 and NaN kept), without exp(d) alone overflowing or turning subnormal when
+    the product is in float32 range: there computed as sign(x) exp(log |x| + d); elsewhere the
+    plain product."""
     x, d = torch.broadcast_tensors(x, d)
-    direct = x * torch.exp(torch.where(d.abs() < 80.0, d, torch.zeros_like(d)))
-    logd = torch.exp(torch.log(torch.where(x > 0, x, torch.ones_like(x))) + d)
-    return torch.where(x > 0, torch.where(d.abs() < 80.0, direct, logd), x)
+    near = (d > -87.0) & (d < 88.0)
+    direct = x * torch.exp(torch.where(near, d, torch.zeros_like(d)))
+    ax = x.abs()
+    logd = torch.copysign(torch.exp(torch.log(torch.where(ax > 0, ax, torch.ones_like(ax))) + d), x)
+    return torch.where((x != 0) & ~torch.isnan(x), torch.where(near, direct, logd), x)
 
 
 def dense_caches(inputs: DecodeInputs, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +135,8 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
         # head's kept rows far below its own maximum"): with group selection a head may keep
         # only rows far below its own maximum, whose exp(a - m) underflow. mk = m whenever the
         # head's maximum is kept (always with per-head selection). E~ is defined relative to
-        # m; exp(m - mk) >= 1 rescales it (inf when huge: the kept weights are then 0).
+        # m; exp(m - mk) >= 1 rescales it (inf only when the product exceeds float32: the kept
+        # weights are then 0).
         mk = torch.where(kept, a, float("-inf")).amax(dim=-1, keepdim=True)
         mk = torch.where(kept.any(-1, keepdim=True), mk, m_safe)
         ek = torch.where(kept, torch.exp(a - mk), 0.0)

@@ -61,7 +61,7 @@ def test_cpu_levels_and_splits(level, gap):
 def test_split_dropped_sum(level):
     """A split whose kept rows lie 200 below its own maximum, merged with one whose kept row
     lies 1 below it (far_case.split_case): the torch reference and the cpu kernel, whole
-    range and two splits of 32."""
+    range, two splits of 32, and one position per split."""
     for dtype in (torch.float32, torch.bfloat16):
         case = split_case(dtype)
         for sdc, extra in SPLIT_SDC:
