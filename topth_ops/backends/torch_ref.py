@@ -18,7 +18,6 @@ from ..vmean import valid_value_mean
 from ..registry import Backend
 
 
-
 def _scaled_exp(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x * exp(d) (0 and NaN kept), without exp(d) alone overflowing or turning subnormal when
     the product is in float32 range: there computed as sign(x) exp(log |x| + d); elsewhere the
