@@ -14,13 +14,12 @@ import math
 import random
 import statistics
 import sys
-import time
 
 import torch
 
 from topth_ops import decode_attention
 
-from .cpu_cold import llc_bytes
+from .cpu_cold import _time_rotation, llc_bytes
 
 SHAPES = {"smollm2": (8, 9, 3, 64, 8192), "llama8b": (8, 32, 8, 128, 8192)}
 
@@ -55,15 +54,11 @@ def main(argv=None) -> int:
         calls[0]()
     for _ in range(5):
         for v in order.sample(list(variants), len(variants)):
-            calls = variants[v][0]
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            times[v].append((time.perf_counter() - t0) / len(calls))
+            times[v].append(_time_rotation(variants[v][0]))
     print(f"{name}: B{B} {Hq}/{Hkv} heads d{D} S{S} bfloat16, {layers} layers rotated, one thread")
     for v, (_, nbytes) in variants.items():
-        t = statistics.median(times[v])
-        print(f"{v:34s} {t * 1e3:7.2f} ms per layer {nbytes / t / 1e9:6.1f} GB/s")
+        ms = statistics.median(times[v])
+        print(f"{v:34s} {ms:7.2f} ms per layer {nbytes / ms / 1e6:6.1f} GB/s")
     return 0
 
 

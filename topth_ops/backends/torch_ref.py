@@ -138,13 +138,14 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
         # weights are then 0).
         mk = torch.where(kept, a, float("-inf")).amax(dim=-1, keepdim=True)
         mk = torch.where(kept.any(-1, keepdim=True), mk, m_safe)
-        ek = torch.where(kept, torch.exp(a - mk), 0.0)
+        emk = torch.where(valid, torch.exp(a - mk), 0.0)  # exp(a_j - mk) at every valid position
+        ek = torch.where(kept, emk, 0.0)
         R = ek.sum(-1, keepdim=True)
         k_tilde = kept.sum(-1, keepdim=True)
         if inputs.sdc == "none":
             E = torch.zeros_like(R)
         elif inputs.sdc == "exact":
-            E = torch.where(valid & ~kept, torch.exp(a - mk), 0.0).sum(-1, keepdim=True)
+            E = torch.where(kept, 0.0, emk).sum(-1, keepdim=True)
         elif inputs.sdc == "exp_threshold":
             dropped = (n[:, None, None] - k_tilde).to(f32)
             E = _scaled_exp(inputs.sdc_gamma * dropped, theta_h - mk)  # 0 when gamma or nothing dropped is 0
