@@ -13,11 +13,17 @@ from enum import IntEnum
 import torch
 
 
+_OF: dict = {}  # (class, option value) -> code: ``of`` runs on every call of the op
+
+
 class _Code(IntEnum):
     @classmethod
     def of(cls, name: str):
         """The code of an option value of the contract, e.g. ``Sdc.of("exp_threshold")``."""
-        return cls[name.upper()]
+        code = _OF.get((cls, name))
+        if code is None:
+            code = _OF[(cls, name)] = cls[name.upper()]
+        return code
 
 
 class DType(_Code):
@@ -27,7 +33,10 @@ class DType(_Code):
 
     @classmethod
     def of(cls, dtype: torch.dtype) -> "DType":
-        return cls[str(dtype).replace("torch.", "").upper()]
+        code = _OF.get((cls, dtype))
+        if code is None:
+            code = _OF[(cls, dtype)] = cls[str(dtype).replace("torch.", "").upper()]
+        return code
 
 
 class Placement(_Code):

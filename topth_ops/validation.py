@@ -79,6 +79,9 @@ def require_real(name: str, value, *, positive: bool):
     changed between calls): only its type is checked there, since comparing it would
     break the graph; the op checks the concrete value when it runs.
     """
+    if type(value) is float and not torch.compiler.is_compiling():  # the common case, without the ABC checks
+        if math.isfinite(value) and (value > 0 if positive else value >= 0):
+            return value
     # numbers.Real covers int, float and numpy's scalars; bools (numpy's too) are rejected.
     symbolic = is_symbolic(value)
     if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or symbolic):
@@ -99,10 +102,13 @@ def require_real(name: str, value, *, positive: bool):
 
 def values_checkable(t: torch.Tensor) -> bool:
     """True when the values of ``t`` can be read without a device sync or a trace break."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return False
     if torch.compiler.is_compiling():
         return False
+    if type(t) is torch.Tensor and not torch._is_functional_tensor(t) \
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return True  # a plain tensor: none of the wrappers is_fake looks into (the common case, cheaper)
     return not _is_fake()(t)
 
 

@@ -28,12 +28,20 @@ void strides_into(const py::handle& h, int64_t (&dst)[N], const char* name) {
     for (size_t i = 0; i < N; ++i) dst[i] = t[i].cast<int64_t>();
 }
 
+// args[name], or None when absent (one dictionary lookup: this runs for every argument of
+// every call).
+py::handle entry(const py::dict& args, const char* name) {
+    PyObject* o = PyDict_GetItemString(args.ptr(), name);  // borrowed; null when absent
+    return o ? py::handle(o) : py::handle(Py_None);
+}
+
 // args[name] = (data_ptr, (strides...)) or None -> pointer (null for None) and strides.
 template <typename T, size_t N>
 void tensor_into(const py::dict& args, const char* name, T*& ptr, int64_t (&s)[N]) {
     ptr = nullptr;
-    if (!args.contains(name) || args[name].is_none()) return;
-    auto t = args[name].cast<py::tuple>();
+    const py::handle h = entry(args, name);
+    if (h.is_none()) return;
+    auto t = h.cast<py::tuple>();
     ptr = reinterpret_cast<T*>(t[0].cast<uintptr_t>());
     strides_into(t[1], s, name);
 }
@@ -41,8 +49,9 @@ void tensor_into(const py::dict& args, const char* name, T*& ptr, int64_t (&s)[N
 // scalar-strided 1-D integer tensors: (data_ptr, stride, is_int64) or None
 void index_into(const py::dict& args, const char* name, const void*& ptr, int64_t& stride, int32_t& is64) {
     ptr = nullptr;
-    if (!args.contains(name) || args[name].is_none()) return;
-    auto t = args[name].cast<py::tuple>();
+    const py::handle h = entry(args, name);
+    if (h.is_none()) return;
+    auto t = h.cast<py::tuple>();
     ptr = reinterpret_cast<const void*>(t[0].cast<uintptr_t>());
     stride = t[1].cast<int64_t>();
     is64 = t[2].cast<bool>() ? 1 : 0;

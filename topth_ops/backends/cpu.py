@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from .. import validation as V
 from ..codes import DType, Placement, Sdc, Selection, VmcMode
 from ..contract import DecodeInputs, DecodeStats
 from ..env import env_choice, env_int
@@ -112,7 +113,6 @@ def simd_level() -> str:
     return req
 
 
-_KNOB_VARS = (ENV_SIMD, ENV_SPLIT, ENV_PARALLEL)
 # (cpu_module accessor, raw knob values) -> (reasons, (level code, split, use_openmp) or None,
 # the ImportError of a missing extension or None). Keyed on the accessor too, so a test that
 # replaces it (missing extension) is seen.
@@ -124,7 +124,8 @@ def _verdict() -> tuple[list[str], Optional[tuple[int, int, int]], Optional[Impo
     knobs when it can (SIMD level code, split length, whether to use torch's OpenMP team),
     and the ImportError when the extension is missing. Cached per (extension accessor, raw
     values of the three variables)."""
-    key = (cpu_module, tuple(os.environ.get(v) for v in _KNOB_VARS))
+    env = os.environ
+    key = (cpu_module, env.get(ENV_SIMD), env.get(ENV_SPLIT), env.get(ENV_PARALLEL))
     hit = _verdicts.get(key)
     if hit is not None:
         return hit
@@ -173,6 +174,15 @@ def _tensor(t: Optional[torch.Tensor], strides=None):
     return (t.data_ptr(), tuple(strides if strides is not None else t.stride()))
 
 
+def _tensor_3d(t: Optional[torch.Tensor]):
+    """A ``[num_sets, heads, max_row_id]`` table as the kernel reads it: 2-D tables are one set
+    (the strides :meth:`torch.Tensor.unsqueeze` would give, without making the view)."""
+    if t is None:
+        return None
+    s = t.stride()
+    return (t.data_ptr(), s if t.dim() == 3 else (t.shape[0] * s[0], *s))
+
+
 def _index(t: Optional[torch.Tensor]):
     if t is None:
         return None
@@ -198,23 +208,28 @@ def kernel_args(inputs: DecodeInputs, out: torch.Tensor, stats: Optional[DecodeS
     vmc = VmcMode.OFF
     if inputs.vmc:
         vmc = VmcMode.GIVEN if inputs.value_mean is not None else VmcMode.COMPUTED
+    # every value read once (this runs on every call; a decode step makes one call per layer)
+    q, k, th, bt, layout = inputs.query, inputs.key_cache, inputs.thresholds, inputs.block_table, inputs.kv_layout
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = V.cache_dims(k, layout)
+    three_d = th.dim() == 3
     return {
         "simd_level": knobs[0],  # read by CpuBackend.forward; the kernel ignores it in the dict
-        "shape": [inputs.batch, inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim, inputs.block_size,
-                  inputs.num_blocks, inputs.max_blocks_per_seq, inputs.max_row_id, inputs.num_sets],
-        "options": [int(DType.of(inputs.dtype)), int(Placement.of(inputs.placement)), int(Sdc.of(inputs.sdc)),
+        "shape": [batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                  bt.shape[1] if bt is not None else 1, th.shape[-1], th.shape[0] if three_d else 1],
+        "options": [int(DType.of(q.dtype)), int(Placement.of(inputs.placement)), int(Sdc.of(inputs.sdc)),
                     int(vmc), int(Selection.of(inputs.selection)), torch.get_num_threads(), knobs[1], knobs[2],
-                    int(inputs.kv_layout == "VLLM_AMX")],
+                    int(layout == "VLLM_AMX")],
         "scale": float(inputs.scale),
         "sdc_gamma": float(inputs.sdc_gamma),
-        "query": _tensor(inputs.query),
-        "key_cache": _tensor(inputs.key_cache, inputs.cache_strides("key")),
-        "value_cache": _tensor(inputs.value_cache, inputs.cache_strides("value")),
-        "block_table": _tensor(inputs.block_table),
+        "query": _tensor(q),
+        "key_cache": _tensor(k, V.cache_strides(k, layout)),
+        "value_cache": _tensor(inputs.value_cache, V.cache_strides(inputs.value_cache, layout)),
+        "block_table": _tensor(bt),
         "seq_lens": _index(inputs.seq_lens),
-        "thresholds": _tensor(inputs.thresholds_3d()),
+        "thresholds": _tensor_3d(th),
         "threshold_set": _index(inputs.threshold_set),
-        "sdc_table": _tensor(inputs.sdc_table_3d()),
+        "sdc_table": _tensor_3d(inputs.sdc_table),
         "value_mean": _tensor(inputs.value_mean) if vmc == VmcMode.GIVEN else None,
         "out": _tensor(out),
         "kept": _tensor(stats.kept) if stats is not None else None,
