@@ -94,12 +94,16 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     t.ubVF32 = widen ? static_cast<uint32_t>(tvPad * Dp * 4) : 0;
     t.ubWc = static_cast<uint32_t>((t.vPrefetch ? 2 : 1) * G * W * 4);
     t.ubWb = static_cast<uint32_t>(std::max<uint32_t>(t.wbHeads, 1) * tvPad * 32);  // broadcast weights of wbHeads heads
-    t.ubPair = static_cast<uint32_t>(TOPTH_NUM_PAIR_VECS * t.pairWidth * 4);
+    const uint64_t pairVecs = TOPTH_NUM_PAIR_VECS + TOPTH_KEPT_REF(t.selection, t.placement);
+    t.ubPair = static_cast<uint32_t>(pairVecs * t.pairWidth * 4);
     t.ubPairB = static_cast<uint32_t>(2 * t.pairWidth * 32);
     t.ubStage = widen ? static_cast<uint32_t>(Up(G * Dp * E, 32)) : 0;
     t.ubMu = t.vmc ? static_cast<uint32_t>(Dp * 4) : 0;
     // combine: the statistics of one partial record and one accumulator row at a time
-    t.ubCmb = split ? static_cast<uint32_t>((4ull * t.pairWidth + 8 + Dp) * 4) : 0;
+    const uint64_t recPairs = 4 + TOPTH_KEPT_REF(t.selection, t.placement);
+    t.ubCmb = split ? static_cast<uint32_t>((recPairs * t.pairWidth + 8 + Dp) * 4) : 0;
+    // two pair vectors per split: (m, Z) in post_softmax's pass B; the combine's M and, with
+    // group selection and pre_softmax, kept references of every split
     t.ubMAll = split ? static_cast<uint32_t>(2ull * t.splitCap * t.pairWidth * 4) : 0;
     t.ubSync = (split && t.syncMode == TOPTH_SYNC_SOFT) ? static_cast<uint32_t>(t.aivCount * 32) : 0;
     t.ubStat = static_cast<uint32_t>(3 * Up(G * 4, 32));

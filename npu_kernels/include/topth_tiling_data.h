@@ -30,6 +30,12 @@
 #define TOPTH_TILE_W 64u
 // Pair vectors hold one float per query head at even positions (value, index slot).
 #define TOPTH_NUM_PAIR_VECS 12u
+// Group selection with pre_softmax: a head's kept rows may all lie far below its own maximum,
+// so its kept weights and accumulators are relative to the maximum over its kept rows (the
+// kept reference, docs/semantics.md "A head's kept rows far below its own maximum"). That
+// takes one more pair vector, and one more in each split's partial record.
+#define TOPTH_KEPT_REF(selection, placement) \
+    ((selection) == TOPTH_SELECT_GROUP && (placement) == TOPTH_PRE_SOFTMAX ? 1u : 0u)
 // The Ascend C API keeps a scratch area in the top 8 KiB of the unified buffer (Select in
 // tensor-scalar / tensor-tensor mode writes 32 bytes at 184 KiB on Atlas A2, whose UB is
 // 192 KiB): the tiling never plans buffers there.

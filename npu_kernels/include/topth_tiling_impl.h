@@ -130,9 +130,11 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     t.minSplitLen = std::max<uint32_t>(1, target.minSplitLen);
     t.mergeGapBytes = target.mergeGapBytes;
     t.pairWidth = static_cast<uint32_t>(Up(2ull * t.group, 8));
-    // Partial record of one split: [M, R, E, K] pair vectors, an 8-word block (union
-    // count), then the G x Dp float32 accumulators.
-    t.partFloats = static_cast<uint32_t>(4ull * t.pairWidth + 8 + uint64_t(t.group) * t.headDimPad);
+    // Partial record of one split: [M, R, E, K] pair vectors (and MK, the kept reference, with
+    // group selection and pre_softmax), an 8-word block (union count), then the G x Dp float32
+    // accumulators.
+    const uint64_t recPairs = 4 + TOPTH_KEPT_REF(s.selection, s.placement);
+    t.partFloats = static_cast<uint32_t>(recPairs * t.pairWidth + 8 + uint64_t(t.group) * t.headDimPad);
 
     if (s.paged) {
         if (s.blockSize == 0 || s.numBlocks == 0 || s.maxBlocksPerSeq == 0) {

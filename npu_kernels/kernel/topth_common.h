@@ -67,7 +67,7 @@ constexpr uint16_t FLAG_SLOT_FREE = 2;     // AIVs -> AIC: both AIVs have copied
 
 enum PairSlot : uint32_t {
     P_M = 0,   // reference maximum (running max in pass A / pre; global max in pass B)
-    P_R = 1,   // sum of kept exp(a - m)      (pass A of post_softmax: Z, sum of all)
+    P_R = 1,   // sum of kept exp(a - m), or exp(a - P_MK) (pass A of post_softmax: Z, sum of all)
     P_E = 2,   // sum of dropped exp(a - m)
     P_K = 3,   // kept count
     P_MNEW = 4,
@@ -78,6 +78,9 @@ enum PairSlot : uint32_t {
     P_F = 9,   // rescale factor / reciprocal denominator
     P_LNZ = 10,
     P_TMP = 11,
+    // Only with group selection and pre_softmax (TOPTH_KEPT_REF): the maximum over the kept
+    // scores (NEG_FLOOR while none), the reference of P_R and the accumulators.
+    P_MK = 12,
 };
 
 __aicore__ inline float NegInf() { return -__builtin_huge_valf(); }

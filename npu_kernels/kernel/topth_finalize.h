@@ -3,21 +3,23 @@
 #ifndef TOPTH_FINALIZE_H
 #define TOPTH_FINALIZE_H
 
-#include "topth_select.h"
+#include "topth_kept_ref.h"
 
 namespace topth {
 
-// Partial record: [M, R, E, K] pair vectors, union count (int32 in an 8-word block), acc.
+// Partial record: [M, R, E, K] pair vectors (then MK with the kept reference: recPairs in
+// all), union count (int32 in an 8-word block), acc.
 template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::WritePartial(uint64_t rec)
 {
-    const uint64_t base = rec * td.partFloats;
+    const uint64_t base = rec * td.partFloats, head = uint64_t(recPairs) * PW;
     statU.SetValue(0, static_cast<int32_t>(unionCount));
     Sync<HardEvent::S_MTE3>();
     Sync<HardEvent::V_MTE3>();
     DataCopy(partGm[base], pairs, 4 * PW);
-    DataCopy(partGmI[base + 4 * PW], statU, 8);
-    DataCopy(partGm[base + 4 * PW + 8], acc, G * Dp);
+    if (keptRef) DataCopy(partGm[base + 4 * PW], Pair(P_MK), PW);
+    DataCopy(partGmI[base + head], statU, 8);
+    DataCopy(partGm[base + head + 8], acc, G * Dp);
     Sync<HardEvent::MTE3_V>();
     Sync<HardEvent::MTE3_S>();
 }
@@ -32,30 +34,40 @@ __aicore__ inline void TopthDecodeKernel<T>::Combine(uint32_t pair)
     // m of every split: `pieces` blocks of PW floats, GM gap partFloats - PW, packed in UB
     DataCopyParams mp(static_cast<uint16_t>(pieces), static_cast<uint16_t>(PW / 8),
                       static_cast<uint16_t>((td.partFloats - PW) / 8), 0);
+    // with the kept reference also the kept maxima of every split, after the M's
+    const LocalTensor<float> mkAll = mAll[td.splitCap * PW];
     Sync<HardEvent::V_MTE2>();
     DataCopy(mAll, partGm[first], mp);
+    if (keptRef) DataCopy(mkAll, partGm[first + 4 * PW], mp);
     Sync<HardEvent::MTE2_V>();
     for (uint32_t s = 0; s < pieces; ++s) {  // M = max over splits of their reference maxima
         Max(Pair(P_M), Pair(P_M), mAll[s * PW], PW);
+        // the kept reference: the largest of the splits that kept rows (NEG_FLOOR in the others)
+        if (keptRef) Max(Pair(P_MK), Pair(P_MK), mkAll[s * PW], PW);
         PipeBarrier<PIPE_V>();
     }
     LocalTensor<int32_t> cmbI = cmb.template ReinterpretCast<int32_t>();
-    LocalTensor<float> row = cmb[4 * PW + 8];  // one accumulator row of a partial record
+    const uint32_t head = recPairs * PW;
+    LocalTensor<float> row = cmb[head + 8];  // one accumulator row of a partial record
     for (uint32_t s = 0; s < pieces; ++s) {
         const uint64_t rec = first + uint64_t(s) * td.partFloats;
         Sync<HardEvent::V_MTE2>();
         Sync<HardEvent::S_MTE2>();
-        DataCopy(cmb, partGm[rec], 4 * PW + 8);
+        DataCopy(cmb, partGm[rec], head + 8);
         Sync<HardEvent::MTE2_V>();
         Sync<HardEvent::MTE2_S>();
-        unionCount += static_cast<uint32_t>(cmbI.GetValue(4 * PW));
+        unionCount += static_cast<uint32_t>(cmbI.GetValue(head));
         Sub(Pair(P_F), cmb, Pair(P_M), PW);  // f = exp(m_s - M)
+        if (keptRef) Sub(Pair(P_TMP), cmb[4 * PW], Pair(P_MK), PW);  // fk = exp(mk_s - M_K) <= 1
         PipeBarrier<PIPE_V>();
         Exp(Pair(P_F), Pair(P_F), PW);
+        if (keptRef) Exp(Pair(P_TMP), Pair(P_TMP), PW);
         PipeBarrier<PIPE_V>();
-        Mul(cmb[PW], cmb[PW], Pair(P_F), PW);
+        // R and the accumulators by fk with the kept reference (E by f: relative to M)
+        const LocalTensor<float> fr = keptRef ? Pair(P_TMP) : Pair(P_F);
+        Mul(cmb[PW], cmb[PW], fr, PW);
         Mul(cmb[2 * PW], cmb[2 * PW], Pair(P_F), PW);
-        Brcb(fB, Pair(P_F), static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));
+        Brcb(fB, fr, static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));
         PipeBarrier<PIPE_V>();
         Add(Pair(P_R), Pair(P_R), cmb[PW], PW);
         Add(Pair(P_E), Pair(P_E), cmb[2 * PW], PW);
@@ -64,7 +76,7 @@ __aicore__ inline void TopthDecodeKernel<T>::Combine(uint32_t pair)
         // fit the unified buffer: groups near the UB limit keep their KV split)
         for (uint32_t g = 0; g < G; ++g) {
             Sync<HardEvent::V_MTE2>();
-            DataCopy(row, partGm[rec + 4 * PW + 8 + uint64_t(g) * Dp], Dp);
+            DataCopy(row, partGm[rec + head + 8 + uint64_t(g) * Dp], Dp);
             Sync<HardEvent::MTE2_V>();
             for (uint32_t c0 = 0; c0 < Dp; c0 += 64) {
                 BinaryRepeatParams p(1, 1, 0, 8, 8, 0);
@@ -99,7 +111,9 @@ __aicore__ inline void TopthDecodeKernel<T>::Finalize(uint32_t len, uint32_t uni
     LocalTensor<float> pm = Pair(P_M), pr = Pair(P_R), pe = Pair(P_E), pk = Pair(P_K);
     LocalTensor<float> pInv = Pair(P_F), pExp = Pair(P_TMP), pDen = Pair(P_MNEW), pOne = Pair(P_LNZ);
     const bool expThreshold = (td.sdc == TOPTH_SDC_EXP_THRESHOLD && td.placement == TOPTH_PRE_SOFTMAX);
-    if (expThreshold) {  // exp(theta - M) for the whole group with one vector Exp
+    if (keptRef && td.sdc != TOPTH_SDC_NONE) {
+        KeptEstimates(len, row);  // E~ relative to the kept reference, in pExp
+    } else if (expThreshold) {  // exp(theta - M) for the whole group with one vector Exp
         for (uint32_t g = 0; g < G; ++g) {
             const float th = thGm.GetValue(ThIndex(g, row));
             // m = -FLT_MAX when every valid score is -inf: then nothing is kept and the
@@ -118,6 +132,8 @@ __aicore__ inline void TopthDecodeKernel<T>::Finalize(uint32_t len, uint32_t uni
         if (td.placement == TOPTH_PRE_SOFTMAX) {
             if (td.sdc == TOPTH_SDC_NONE) {
                 eTilde = 0.0f;
+            } else if (keptRef) {
+                eTilde = pExp.GetValue(2 * g);
             } else if (expThreshold) {  // gamma (n - k~) exp(theta - m), paper section 3.2.1
                 const int32_t droppedRows = static_cast<int32_t>(len) - k;
                 // 0 when gamma is 0 (not 0 x inf when theta - m > 88)

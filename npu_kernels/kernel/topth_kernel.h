@@ -1,7 +1,7 @@
 // The kernel class: state, buffers, Init and the top-level schedule (Process) of the vector
-// cores. The stages are defined in topth_plan.h (work split, addressing), topth_scores.h (K
-// stream or score ring, scores), topth_select.h (selection, V gather), topth_finalize.h
-// (combine, output) and, for the cube core of the mix kernel, topth_cube.h.
+// cores. Stages: topth_plan.h (work split, addressing), topth_scores.h (K stream or score
+// ring, scores), topth_select.h (selection, V gather), topth_kept_ref.h (group selection with
+// pre_softmax), topth_finalize.h (combine, output); the mix kernel's cube core: topth_cube.h.
 #ifndef TOPTH_KERNEL_H
 #define TOPTH_KERNEL_H
 
@@ -86,6 +86,10 @@ private:
     __aicore__ inline void AccumulateV(uint32_t batch, uint32_t nb, const VSpans& sp, const LocalTensor<float>& w);
     __aicore__ inline void FlushV();
 
+    // ---- topth_kept_ref.h (group selection, pre_softmax: weights relative to the kept maximum)
+    __aicore__ inline void KeptWeights(const LocalTensor<float>& s);
+    __aicore__ inline void KeptEstimates(uint32_t len, uint32_t row);
+
     // ---- topth_cube.h (AIC)
     struct CubeItem {
         uint32_t pair, b, kv, start, end, tiles;
@@ -107,6 +111,8 @@ private:
     uint32_t G = 1, D = 1, Dp = 1, PW = 8, S = 1;
     static constexpr bool kWiden = (sizeof(T) != sizeof(float));  // fp16 / bf16: cast to float32 in UB
     bool rowAligned = true;
+    bool keptRef = false;  // TOPTH_KEPT_REF: P_R and acc relative to P_MK (topth_kept_ref.h)
+    uint32_t recPairs = 4;  // pair vectors of a partial record: [M, R, E, K] (and MK with keptRef)
 
     GlobalTensor<T> qGm, kGm, vGm, outGm;
     GlobalTensor<int32_t> lensGm, keptGm, vRowsGm, syncGm, partGmI, tableGm, setGm;
@@ -161,6 +167,8 @@ __aicore__ inline void TopthDecodeKernel<T>::Init(const KernelArgs& a, const Top
     PW = td.pairWidth;
     S = td.maxSeqLen;
     rowAligned = ((D * sizeof(T)) % 32 == 0);
+    keptRef = TOPTH_KEPT_REF(td.selection, td.placement) != 0;
+    recPairs = keptRef ? 5 : 4;
 
     const uint64_t B = td.batch, Hq = td.numQHeads, Hkv = td.numKvHeads;
     qGm.SetGlobalBuffer((__gm__ T*)a.query, B * Hq * D);
@@ -308,6 +316,7 @@ __aicore__ inline void TopthDecodeKernel<T>::ResetAccumulators()
     Duplicate(Pair(P_R), 0.0f, PW);
     Duplicate(Pair(P_E), 0.0f, PW);
     Duplicate(Pair(P_K), 0.0f, PW);
+    if (keptRef) Duplicate(Pair(P_MK), NEG_FLOOR, PW);
     Duplicate(acc, 0.0f, G * Dp);
     PipeBarrier<PIPE_V>();
     unionCount = 0;

@@ -225,10 +225,16 @@ __aicore__ inline void TopthDecodeKernel<T>::RunningMax()
 }
 
 // Flash-attention rescale of R and E by P_F, and fB = broadcast(P_F) for the accumulators
-// (scaled in SelectAccumulate, after the previous tile's last V batch).
+// (scaled in SelectAccumulate, after the previous tile's last V batch). With the kept
+// reference only E: R and the accumulators follow the kept maximum (KeptWeights).
 template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::RescaleStats()
 {
+    if (keptRef) {
+        Mul(Pair(P_E), Pair(P_E), Pair(P_F), PW);
+        PipeBarrier<PIPE_V>();
+        return;
+    }
     Mul(Pair(P_R), Pair(P_R), Pair(P_F), PW);
     Mul(Pair(P_E), Pair(P_E), Pair(P_F), PW);
     Brcb(fB, Pair(P_F), static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));

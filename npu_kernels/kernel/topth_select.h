@@ -68,7 +68,8 @@ __aicore__ inline void TopthDecodeKernel<T>::PassB()
 // Scores of one tile (G x W, rows valid, -inf beyond) against the reference max in mB:
 // kept mask, sums, union of kept positions over the group, gather of those V rows,
 // out[g] += sum_kept exp(a - m) v. pre_softmax: the accumulators, relative to the previous
-// maximum until the previous tile's last V batch is in, are then rescaled by fB (RescaleStats).
+// maximum until the previous tile's last V batch is in, are then rescaled by fB (RescaleStats;
+// with group selection exp(a - m_K) and the kept maximum m_K, KeptWeights).
 // With td.vPrefetch the first V batch of this tile is copied before that last batch is
 // accumulated, and this tile's last batch is left pending for the next tile (FlushV at the end).
 template <typename T>
@@ -98,11 +99,15 @@ __aicore__ inline void TopthDecodeKernel<T>::SelectAccumulate(const LocalTensor<
         }
         Compare(mask, ind, thr, CMPMODE::GT, W);
         PipeBarrier<PIPE_V>();
-        for (uint32_t g = 0; g < G; ++g) {
-            Select(ek[g * W], mask, ex[g * W], 0.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, W);
-            Select(ind[g * W], mask, ones[g * W], 0.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, W);
+        if (keptRef) {
+            KeptWeights(s);  // ek relative to the kept maximum, ex the dropped ones, ind
+        } else {
+            for (uint32_t g = 0; g < G; ++g) {
+                Select(ek[g * W], mask, ex[g * W], 0.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, W);
+                Select(ind[g * W], mask, ones[g * W], 0.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, W);
+            }
+            PipeBarrier<PIPE_V>();
         }
-        PipeBarrier<PIPE_V>();
     } else {
         // Compare (count form) needs count x sizeof(float) to be a multiple of 256 bytes: G x 64
         // floats. The mask only feeds Select, so its bit order never matters here.
@@ -112,7 +117,7 @@ __aicore__ inline void TopthDecodeKernel<T>::SelectAccumulate(const LocalTensor<
         Select(ind, mask, ones, 0.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, G * W);
         PipeBarrier<PIPE_V>();
     }
-    Sub(ex, ex, ek, G * W);  // dropped exponentials (exact: x - x = 0, x - 0 = x)
+    if (!keptRef) Sub(ex, ex, ek, G * W);  // dropped exponentials (exact: x - x = 0, x - 0 = x)
     RowSum(Pair(P_RT), ek, static_cast<int32_t>(W), static_cast<int32_t>(G), 2, 1, 8);
     RowSum(Pair(P_KT), ind, static_cast<int32_t>(W), static_cast<int32_t>(G), 2, 1, 8);
     PipeBarrier<PIPE_V>();

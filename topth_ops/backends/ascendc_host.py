@@ -151,18 +151,20 @@ def split_workspace_reads(tiling: dict, seq_lens: list[int]) -> int:
     """GM -> UB bytes of the kernel's split bookkeeping (0 when nothing is split).
 
     A (sequence, KV head) pair in p > 1 pieces (:func:`split_plan`): its combine reads the p
-    running maxima (``pairWidth`` floats each) and the p partial records (``partFloats``
-    floats each); for post_softmax each of its p pass-B items also reads the p (m, Z) pairs
-    (2 x ``pairWidth`` floats). The post_softmax score round trip is not included (4 bytes
-    per query head and position, computed by the bench harness).
+    running maxima (``pairWidth`` floats each; with group selection and pre_softmax also the
+    p kept maxima) and the p partial records (``partFloats`` floats each); for post_softmax
+    each of its p pass-B items also reads the p (m, Z) pairs (2 x ``pairWidth`` floats). The
+    post_softmax score round trip is not included (4 bytes per query head and position,
+    computed by the bench harness).
     """
     _u, pieces = split_plan(tiling, seq_lens)
     pw, rec = 4 * tiling["pairWidth"], 4 * tiling["partFloats"]
     post = tiling["placement"] == Placement.POST_SOFTMAX
+    maxima = 2 if (not post and tiling["selection"] == Selection.GROUP) else 1
     total = 0
     for p in pieces:
         if p > 1:
-            total += tiling["numKvHeads"] * (p * (pw + rec) + (p * p * 2 * pw if post else 0))
+            total += tiling["numKvHeads"] * (p * (maxima * pw + rec) + (p * p * 2 * pw if post else 0))
     return total
 
 

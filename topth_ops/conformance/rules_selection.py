@@ -19,6 +19,68 @@ def _group(h: Harness) -> None:
                             vmc=i % 3 != 0, selection="group", seed=h.seed("group", shape.id)))
 
 
+# A head's kept rows far below its own maximum (docs/semantics.md): group selection with
+# pre_softmax, B sequences, HKV KV heads of G query heads, head_dim D, S positions.
+FAR_SHAPE = (2, 2, 3, 32, 300)
+FAR_THETA = 150.0
+
+
+def far_case(gap: float, dtype: torch.dtype, seed: int = 0, hot: float = 200.0):
+    """(query, key, value, seq_lens, thresholds) of a group-selection case: head 0 of each
+    group scores `hot` on about 20 rows (the kept rows: group maximum above the threshold
+    hot - 50); heads 1 and 2 score about `gap` on a few rows that the group drops (their own
+    maxima; gap + 1 < hot - 50), and within a few units of 0 on the kept rows."""
+    B, HKV, G, D, S = FAR_SHAPE
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.zeros(B, HKV * G, D)
+    for g in range(HKV):
+        for h in range(G):
+            q[:, g * G + h, h] = 1.0
+    k = 0.5 * torch.randn(B, HKV, S, D, generator=gen)
+    k[..., :G] = 0.0
+    rows = torch.randperm(S, generator=gen)[:20]
+    far = torch.randperm(S, generator=gen)[:4]
+    far = far[~torch.isin(far, rows)]
+    k[:, :, rows, 0] = hot
+    k[:, :, rows, 1:G] = torch.randn(B, HKV, len(rows), G - 1, generator=gen)
+    k[:, :, far, 1] = gap
+    k[:, :, far, 2] = gap + 1.0
+    v = torch.randn(B, HKV, S, D, generator=gen)
+    lens = torch.tensor([S, S - 17])
+    th = torch.full((HKV, 1), hot - (200.0 - FAR_THETA))
+    return q.to(dtype), k.to(dtype), v.to(dtype), lens, th
+
+
+def _reproducer(dtype: torch.dtype, x: float) -> dict:
+    """docs/semantics.md: q0 = e0, q1 = e1, K rows [200 e0, x e1], V all ones, theta 150;
+    head 1 keeps only row 0, x below its maximum, and returns 1."""
+    q = torch.zeros(1, 2, 16)
+    q[0, 0, 0] = q[0, 1, 1] = 1.0
+    k = torch.zeros(1, 1, 2, 16)
+    k[0, 0, 0, 0], k[0, 0, 1, 1] = 200.0, x
+    v = torch.ones(1, 1, 2, 16)
+    return dict(query=q.to(dtype), key_cache=k.to(dtype), value_cache=v.to(dtype),
+                seq_lens=torch.tensor([2]), thresholds=torch.full((1, 1), FAR_THETA), scale=1.0,
+                placement="pre_softmax", selection="group", sdc="none", vmc=False)
+
+
+@rule("group_far_below_max", "selection='group', pre_softmax: a head whose kept rows all lie 95-140 below its own maximum (exp(a - m) subnormal or 0 in float32) gets its exact answer, every SDC variant, VMC")
+def _far_below_max(h: Harness) -> None:
+    from .cases import Case
+
+    _B, HKV, G, _D, _S = FAR_SHAPE
+    h.check(Case("group_far_below_max_reproducer", _reproducer(h.dtype, 120.0)))
+    sdcs = [("none", {}), ("exact", {}), ("exp_threshold", {"sdc_gamma": 0.5}),
+            ("offline", {"sdc_table": torch.full((HKV * G, 1), 0.3)}), ("exp_threshold", {"sdc_gamma": 0.0}),
+            ("offline", {"sdc_table": torch.full((HKV * G, 1), 1.2e-38)})]
+    for gap in (95.0, 140.0):
+        q, k, v, lens, th = far_case(gap, h.dtype, seed=h.seed("far", gap) % 1000)
+        for i, (sdc, extra) in enumerate(sdcs):
+            kw = dict(query=q, key_cache=k, value_cache=v, seq_lens=lens, thresholds=th, scale=1.0,
+                      placement="pre_softmax", selection="group", sdc=sdc, vmc=i % 2 == 1, **extra)
+            h.check(Case(f"group_far_below_max_gap{gap:g}_{sdc}{i}", kw))
+
+
 @rule("threshold_sets", "3-D thresholds: sequence b reads set threshold_set[b] of thresholds and sdc_table (per head and per group)")
 def _sets(h: Harness) -> None:
     for i, shape in enumerate(h.shapes):
