@@ -23,13 +23,6 @@
 
 using namespace topth_cpu;
 
-namespace topth_cpu {
-namespace avx512bf16_level {
-void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
-}
-}  // namespace topth_cpu
-
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -16,14 +16,23 @@ import torch
 _OF: dict = {}  # (class, option value) -> code: ``of`` runs on every call of the op
 
 
+def _cached(cls, value, name_of):
+    """The member of ``cls`` named ``name_of(value)``, looked up once per value (unhashable
+    values are looked up every time, with the lookup's own error)."""
+    try:
+        code = _OF.get((cls, value))
+    except TypeError:
+        return cls[name_of(value)]
+    if code is None:
+        code = _OF[(cls, value)] = cls[name_of(value)]
+    return code
+
+
 class _Code(IntEnum):
     @classmethod
     def of(cls, name: str):
         """The code of an option value of the contract, e.g. ``Sdc.of("exp_threshold")``."""
-        code = _OF.get((cls, name))
-        if code is None:
-            code = _OF[(cls, name)] = cls[name.upper()]
-        return code
+        return _cached(cls, name, lambda n: n.upper())
 
 
 class DType(_Code):
@@ -33,10 +42,7 @@ class DType(_Code):
 
     @classmethod
     def of(cls, dtype: torch.dtype) -> "DType":
-        code = _OF.get((cls, dtype))
-        if code is None:
-            code = _OF[(cls, dtype)] = cls[str(dtype).replace("torch.", "").upper()]
-        return code
+        return _cached(cls, dtype, lambda d: str(d).replace("torch.", "").upper())
 
 
 class Placement(_Code):

@@ -370,9 +370,9 @@ def _check_tensors(query, key_cache, value_cache, seq_lens, thresholds, sdc_tabl
         V.require_dtype(name, t, (torch.float32,), "float32")
 
     named = [("key_cache", k), ("value_cache", v), ("seq_lens", lens), ("thresholds", th), *optional.items()]
-    q_cpu = q.is_cpu  # there is one CPU device: no device objects to compare (this runs on every call)
+    q_cpu = V.on_cpu(q)  # there is one CPU device: no device objects to compare (this runs on every call)
     for name, t in named:
-        if t is not None and not (q_cpu and t.is_cpu) and t.device != q.device:
+        if t is not None and not (q_cpu and V.on_cpu(t)) and t.device != q.device:
             raise ValueError(f"{name} must be on the query's device {q.device}, got {t.device}")
     return q, k, v, lens, th, layout, selection
 

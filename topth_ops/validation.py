@@ -102,14 +102,19 @@ def require_real(name: str, value, *, positive: bool):
 
 def values_checkable(t: torch.Tensor) -> bool:
     """True when the values of ``t`` can be read without a device sync or a trace break."""
-    if not t.is_cpu:
+    if not on_cpu(t):
         return False
     if torch.compiler.is_compiling():
         return False
-    if type(t) is torch.Tensor and not torch._is_functional_tensor(t) \
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t):
-        return True  # a plain tensor: none of the wrappers is_fake looks into (the common case, cheaper)
+    if type(t) is torch.Tensor and not torch._is_functional_tensor(t) and not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return True  # none of the wrappers is_fake looks into (the common case, cheaper)
     return not _is_fake()(t)
+
+
+def on_cpu(t: torch.Tensor) -> bool:
+    """``t.device.type == "cpu"``, without making a device object for a plain tensor (this runs
+    for every tensor argument of every call)."""
+    return t.is_cpu if type(t) is torch.Tensor else t.device.type == "cpu"
 
 
 @functools.cache

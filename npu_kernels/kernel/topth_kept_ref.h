@@ -59,12 +59,21 @@ __aicore__ inline void TopthDecodeKernel<T>::KeptWeights(const LocalTensor<float
     PipeBarrier<PIPE_V>();
 }
 
+// Whether x exp(d) is formed as a plain product: exp(d) alone neither overflows nor turns
+// subnormal, and x is normal (a scalar unit that flushes subnormals would read a subnormal x
+// as 0 in the product; the log path reads it through its bits).
+__aicore__ inline bool PlainProduct(float d, bool subnormalX)
+{
+    return d > -87.0f && d < 88.0f && !subnormalX;
+}
+
 // E~ of every head relative to its kept reference (m_K, or m when nothing is kept) into
 // P_TMP, from (M, R, E, K, MK) of the whole row: x exp(d) with x = E (exact, d = m - ref),
 // gamma (n - k) (exp_threshold, d = theta - ref) or the table value (offline, d = m - ref).
-// The plain product where -87 < d < 88; elsewhere sign(x) exp(ln |x| + d), so that exp(d)
-// alone never overflows or turns subnormal while the product is in range (inf when the
-// product is not: then the kept weights are 0 and beta is 1). 0, inf and NaN stay as they are.
+// The plain product where -87 < d < 88 and x is normal (PlainProduct); elsewhere
+// sign(x) exp(ln |x| + d), so that exp(d) alone never overflows or turns subnormal while the
+// product is in range (inf when the product is not: then the kept weights are 0 and beta is 1).
+// 0, inf and NaN stay as they are.
 template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::KeptEstimates(uint32_t len, uint32_t row)
 {
@@ -103,9 +112,9 @@ __aicore__ inline void TopthDecodeKernel<T>::KeptEstimates(uint32_t len, uint32_
     for (uint32_t g = 0; g < G; ++g) {
         const float x = px.GetValue(2 * g), d = pd.GetValue(2 * g);
         const uint32_t bits = FloatBits(x) & 0x7FFFFFFFu;
-        const float shift = (bits != 0u && bits < 0x00800000u) ? LN_SUBNORMAL_UNIT : 0.0f;
-        const bool near = d > -87.0f && d < 88.0f;
-        pv.SetValue(2 * g, near ? d : pv.GetValue(2 * g) - shift + d);
+        const bool subnormal = bits != 0u && bits < 0x00800000u;
+        const float shift = subnormal ? LN_SUBNORMAL_UNIT : 0.0f;
+        pv.SetValue(2 * g, PlainProduct(d, subnormal) ? d : pv.GetValue(2 * g) - shift + d);
     }
     Sync<HardEvent::S_V>();
     Exp(pv, pv, PW);
@@ -115,7 +124,7 @@ __aicore__ inline void TopthDecodeKernel<T>::KeptEstimates(uint32_t len, uint32_
         const uint32_t bits = FloatBits(x) & 0x7FFFFFFFu;
         float r = x;
         if (bits != 0u && bits < 0x7F800000u) {
-            r = (d > -87.0f && d < 88.0f) ? x * e : (x < 0.0f ? -e : e);
+            r = PlainProduct(d, bits < 0x00800000u) ? x * e : (x < 0.0f ? -e : e);
         }
         pv.SetValue(2 * g, r);
     }

@@ -5,7 +5,8 @@ arguments of one call (the case itself is the conformance rule's, far_case)."""
 
 import torch
 
-from topth_ops.conformance.rules_selection import FAR_SHAPE, FAR_THETA as THETA, far_case
+from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_report, to_numpy
+from topth_ops.conformance.rules_selection import FAR_SHAPE, FAR_THETA as THETA, far_case, far_reproducer
 from topth_ops.paged import to_paged
 
 B, HKV, G, D, S = FAR_SHAPE
@@ -47,3 +48,14 @@ def far_kwargs(q, k, v, lens, th, sdc, extra, vmc, paged):
         kc, vc, table = to_paged(k, v, lens, 32, kv_layout="NHD", generator=torch.Generator().manual_seed(1))
         kw.update(key_cache=kc, value_cache=vc, block_table=table, kv_layout="NHD")
     return kw
+
+
+def check_against_oracle(out, stats, want, dtype, what: str = "") -> None:
+    """out within the dtype's tolerance of the float64 oracle's, kept and v_rows equal,
+    dropped_mass within the stats tolerance."""
+    rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[dtype])
+    assert rep is None, f"{what}: {rep}"
+    assert exact_report("kept", to_numpy(stats.kept), want.kept) is None, what
+    assert exact_report("v_rows", to_numpy(stats.v_rows), want.v_rows, dims=("b", "g")) is None, what
+    rep, _ = mismatch_report("dropped_mass", to_numpy(stats.dropped_mass), want.dropped_mass, **TOLERANCES["stats"])
+    assert rep is None, f"{what}: {rep}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-from topth_ops import validation as V
+from topth_ops import make_inputs, validation as V
 from topth_ops.backends.cpu import _tensor, _tensor_3d
 from topth_ops.codes import DType, Placement, Sdc, Selection, VmcMode
 
@@ -29,6 +29,31 @@ def test_values_checkable_plain_fake_and_wrapped():
     assert type(wrapped) is torch.Tensor and torch._is_functional_tensor(wrapped)
     assert V.values_checkable(wrapped) == (not is_fake(wrapped))
     assert not V.values_checkable(torch.empty(3, device="meta"))
+
+
+class _ReportsMeta(torch.Tensor):
+    """A subclass whose device property says meta while its data is on the CPU."""
+
+    @property
+    def device(self):
+        return torch.device("meta")
+
+
+def test_device_checks_ask_subclasses():
+    """The shortcut for plain CPU tensors must not answer for a subclass that reports
+    another device: it is not checkable on the host and not on the query's device."""
+    t = torch.arange(3).as_subclass(_ReportsMeta)
+    assert t.is_cpu and not V.on_cpu(t) and not V.values_checkable(t)
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 4, 8)
+    th = torch.zeros(1, 3).as_subclass(_ReportsMeta)
+    with pytest.raises(ValueError, match="thresholds must be on the query's device cpu, got meta"):
+        make_inputs(q, k, k, torch.tensor([4]), th)
+
+
+def test_option_codes_of_unhashable_values():
+    """An unhashable value gets the lookup's own error, not the cache's TypeError."""
+    with pytest.raises(AttributeError):
+        Sdc.of(["exact"])
 
 
 @pytest.mark.parametrize("positive", [True, False])

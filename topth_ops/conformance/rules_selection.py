@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .cases import random_case
+from .cases import Case, random_case
 from .harness import Harness, rule
 
 _PRE_SDC = ("none", "exact", "exp_threshold", "offline")
@@ -26,10 +26,30 @@ FAR_THETA = 150.0
 
 
 def far_case(gap: float, dtype: torch.dtype, seed: int = 0, hot: float = 200.0):
-    """(query, key, value, seq_lens, thresholds) of a group-selection case: head 0 of each
-    group scores `hot` on about 20 rows (the kept rows: group maximum above the threshold
-    hot - 50); heads 1 and 2 score about `gap` on a few rows that the group drops (their own
-    maxima; gap + 1 < hot - 50), and within a few units of 0 on the kept rows."""
+    """A group-selection case whose heads 1 and 2 keep only rows far below their own maxima.
+
+    Head 0 of each group scores ``hot`` on about 20 rows (the kept rows: the group maximum
+    is above the threshold hot - 50); heads 1 and 2 score about ``gap`` on a few rows that
+    the group drops (their own maxima; needs gap + 1 < hot - 50) and within a few units of
+    0 on the kept rows (docs/semantics.md, "A head's kept rows far below its own maximum").
+
+    Parameters
+    ----------
+    gap : float
+        Heads 1 and 2's maxima, about this far above their kept scores.
+    dtype : torch.dtype
+        Of query, key and value (float16, bfloat16 or float32).
+    seed : int
+        Of the random keys and values.
+    hot : float
+        Head 0's score on the kept rows.
+
+    Returns
+    -------
+    tuple
+        (query ``[B, HKV * G, D]``, key and value ``[B, HKV, S, D]`` (BNSD), seq_lens ``[B]``
+        int64, thresholds ``[HKV, 1]`` float32), with ``B, HKV, G, D, S = FAR_SHAPE``.
+    """
     B, HKV, G, D, S = FAR_SHAPE
     gen = torch.Generator().manual_seed(seed)
     q = torch.zeros(B, HKV * G, D)
@@ -51,9 +71,11 @@ def far_case(gap: float, dtype: torch.dtype, seed: int = 0, hot: float = 200.0):
     return q.to(dtype), k.to(dtype), v.to(dtype), lens, th
 
 
-def _reproducer(dtype: torch.dtype, x: float) -> dict:
-    """docs/semantics.md: q0 = e0, q1 = e1, K rows [200 e0, x e1], V all ones, theta 150;
-    head 1 keeps only row 0, x below its maximum, and returns 1."""
+def far_reproducer(dtype: torch.dtype, x: float) -> dict:
+    """Keyword arguments of the reproducer of docs/semantics.md ("A head's kept rows far below
+    its own maximum"): q0 = e0, q1 = e1 (head_dim 16), K rows [200 e0, x e1], V all ones,
+    theta 150, scale 1, pre_softmax, group selection, no SDC. Head 1 keeps only row 0, x below
+    its own maximum, and returns 1 in every element; ``dtype`` is that of q, K and V."""
     q = torch.zeros(1, 2, 16)
     q[0, 0, 0] = q[0, 1, 1] = 1.0
     k = torch.zeros(1, 1, 2, 16)
@@ -66,10 +88,9 @@ def _reproducer(dtype: torch.dtype, x: float) -> dict:
 
 @rule("group_far_below_max", "selection='group', pre_softmax: a head whose kept rows all lie 95-140 below its own maximum (exp(a - m) subnormal or 0 in float32) gets its exact answer, every SDC variant, VMC")
 def _far_below_max(h: Harness) -> None:
-    from .cases import Case
 
     _B, HKV, G, _D, _S = FAR_SHAPE
-    h.check(Case("group_far_below_max_reproducer", _reproducer(h.dtype, 120.0)))
+    h.check(Case("group_far_below_max_reproducer", far_reproducer(h.dtype, 120.0)))
     sdcs = [("none", {}), ("exact", {}), ("exp_threshold", {"sdc_gamma": 0.5}),
             ("offline", {"sdc_table": torch.full((HKV * G, 1), 0.3)}), ("exp_threshold", {"sdc_gamma": 0.0}),
             ("offline", {"sdc_table": torch.full((HKV * G, 1), 1.2e-38)})]
@@ -114,7 +135,6 @@ def edge_threshold_case(dtype: torch.dtype, placement: str, selection: str, seed
     scores exactly representable in every dtype (integers, scale 1). Two query heads per
     KV head read their scores in opposite order, so the group maximum differs from each
     head's own."""
-    from .cases import Case
 
     B, Hkv, G, D = len(EDGE_THRESHOLDS), 2, 2, 64
     lens = torch.arange(len(_EDGE_SCORES), len(_EDGE_SCORES) + B)

@@ -15,10 +15,9 @@ import torch
 
 from topth_ops import make_inputs
 from topth_ops.backends.ascendc import A2_TARGET, run_cpu_model, split_plan, split_workspace_reads
-from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_report, to_numpy
 from topth_ops.conformance.oracle import oracle_decode
 
-from ..far_case import G, HKV, SDC, SPLIT_SDC, far_case, far_kwargs, split_case
+from ..far_case import G, HKV, SDC, SPLIT_SDC, check_against_oracle as _check, far_case, far_kwargs, far_reproducer, split_case
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # the shared variants, and a subnormal table value (ln |x| taken from its bits in the kernel)
@@ -39,29 +38,12 @@ def _run(kw, split, path):
     return out, stats, rep
 
 
-def _check(out, stats, want, dtype, what):
-    tol = TOLERANCES[dtype]
-    rep, _ = mismatch_report("out", to_numpy(out), want.out, **tol)
-    assert rep is None, f"{what}: {rep}"
-    assert exact_report("kept", to_numpy(stats.kept), want.kept) is None, what
-    assert exact_report("v_rows", to_numpy(stats.v_rows), want.v_rows, dims=("b", "g")) is None, what
-    rep, _ = mismatch_report("dropped_mass", to_numpy(stats.dropped_mass), want.dropped_mass, **TOLERANCES["stats"])
-    assert rep is None, f"{what}: {rep}"
-
-
 @pytest.mark.parametrize("x", [30.0, 87.0, 90.0, 104.0, 120.0, 149.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_semantics_reproducer(x, dtype):
     """docs/semantics.md: q0 = e0, q1 = e1, K rows [200 e0, x e1], V all ones, theta = 150:
     head 1 keeps only row 0 (score 0, x below its maximum) and returns 1."""
-    q = torch.zeros(1, 2, 16)
-    q[0, 0, 0] = q[0, 1, 1] = 1.0
-    k = torch.zeros(1, 1, 2, 16)
-    k[0, 0, 0, 0], k[0, 0, 1, 1] = 200.0, x
-    v = torch.ones(1, 1, 2, 16)
-    kw = dict(query=q.to(dtype), key_cache=k.to(dtype), value_cache=v.to(dtype), seq_lens=torch.tensor([2]),
-              thresholds=torch.full((1, 1), 150.0), scale=1.0, placement="pre_softmax", selection="group",
-              sdc="none")
+    kw = far_reproducer(dtype, x)
     want = oracle_decode(**kw)
     assert want.out.tolist() == [[[1.0] * 16] * 2]
     for path in _paths(dtype):
