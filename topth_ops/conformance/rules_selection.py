@@ -88,7 +88,6 @@ def far_reproducer(dtype: torch.dtype, x: float) -> dict:
 
 @rule("group_far_below_max", "selection='group', pre_softmax: a head whose kept rows all lie 95-140 below its own maximum (exp(a - m) subnormal or 0 in float32) gets its exact answer, every SDC variant, VMC")
 def _far_below_max(h: Harness) -> None:
-
     _B, HKV, G, _D, _S = FAR_SHAPE
     h.check(Case("group_far_below_max_reproducer", far_reproducer(h.dtype, 120.0)))
     sdcs = [("none", {}), ("exact", {}), ("exp_threshold", {"sdc_gamma": 0.5}),
@@ -135,7 +134,6 @@ def edge_threshold_case(dtype: torch.dtype, placement: str, selection: str, seed
     scores exactly representable in every dtype (integers, scale 1). Two query heads per
     KV head read their scores in opposite order, so the group maximum differs from each
     head's own."""
-
     B, Hkv, G, D = len(EDGE_THRESHOLDS), 2, 2, 64
     lens = torch.arange(len(_EDGE_SCORES), len(_EDGE_SCORES) + B)
     S = int(lens.max())
