@@ -106,7 +106,8 @@ def values_checkable(t: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling():
         return False
-    if type(t) is torch.Tensor and not torch._is_functional_tensor(t) and not torch._C._functorch.is_functorch_wrapped_tensor(t):
+    if (type(t) is torch.Tensor and not torch._is_functional_tensor(t)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t)):
         return True  # none of the wrappers is_fake looks into (the common case, cheaper)
     return not _is_fake()(t)
 
