@@ -169,6 +169,36 @@ def _flush_subnormal_thresholds(inp):
     return torch.where(th.abs() < torch.finfo(torch.float32).tiny, th * 0.0, th)
 
 
+def _zero_when_kept_far_below_max(orig, res, st, out, stats):
+    """What the AVX2 level did before the kept reference: with group selection and pre_softmax,
+    a head whose kept rows all lie 87 or more below its own maximum (kept weights exp(a - m)
+    all 0 in float32) returned 0."""
+    out.copy_(res)
+    for dst, src in zip(stats, st):
+        dst.copy_(src)
+    if orig.selection != "group" or orig.placement != "pre_softmax":
+        return
+    from topth_ops.backends.torch_ref import dense_caches
+
+    n = orig.seq_lens.long()
+    k, _ = dense_caches(orig, n)
+    G = orig.group_size
+    kh = k.float().repeat_interleave(G, dim=1)  # [B, Hq, S, D]
+    a = orig.scale * torch.einsum("bhd,bhsd->bhs", orig.query.float(), kh)
+    valid = torch.arange(a.shape[-1])[None, None, :] < n[:, None, None]
+    a = torch.where(valid, a, float("-inf"))
+    th3 = orig.thresholds_3d()
+    sets = orig.threshold_set.long() if orig.threshold_set is not None else torch.zeros_like(n)
+    row = (n.clamp(min=1, max=orig.max_row_id) - 1)
+    theta = th3[sets[:, None], torch.arange(orig.num_kv_heads)[None, :], row[:, None]]  # [B, Hkv]
+    group_max = a.view(a.shape[0], orig.num_kv_heads, G, -1).amax(dim=2)
+    kept = (group_max > theta[..., None]).repeat_interleave(G, dim=1)  # [B, Hq, S]
+    m = a.amax(-1)
+    mk = torch.where(kept, a, float("-inf")).amax(-1)
+    far = kept.any(-1) & (m - mk > 87.0)
+    out[far] = 0
+
+
 MUTANTS = [
     # (mutant, rule that must catch it)
     (Mutant("ge-instead-of-gt", _replace(thresholds=lambda i: torch.nextafter(
@@ -205,6 +235,7 @@ MUTANTS = [
     (Mutant("clamps-tiny-thresholds", _replace(thresholds=_clamp_tiny_thresholds)), "threshold_edges"),
     (Mutant("flushes-subnormal-thresholds", _replace(thresholds=_flush_subnormal_thresholds)), "threshold_edges"),
     (Mutant("lengths-wrap-to-int32", _replace(seq_lens=lambda i: i.seq_lens.to(torch.int32))), "unchecked_values"),
+    (Mutant("kept-weights-from-own-max", edit_outputs=_zero_when_kept_far_below_max), "group_far_below_max"),
 ]
 
 
