@@ -178,19 +178,16 @@ def _zero_when_kept_far_below_max(orig, res, st, out, stats):
         dst.copy_(src)
     if orig.selection != "group" or orig.placement != "pre_softmax":
         return
-    from topth_ops.backends.torch_ref import dense_caches
+    from topth_ops.backends.torch_ref import dense_caches, per_sequence_rows
 
-    n = orig.seq_lens.long()
+    n = orig.clamped_lengths()
     k, _ = dense_caches(orig, n)
     G = orig.group_size
     kh = k.float().repeat_interleave(G, dim=1)  # [B, Hq, S, D]
     a = orig.scale * torch.einsum("bhd,bhsd->bhs", orig.query.float(), kh)
     valid = torch.arange(a.shape[-1])[None, None, :] < n[:, None, None]
     a = torch.where(valid, a, float("-inf"))
-    th3 = orig.thresholds_3d()
-    sets = orig.threshold_set.long() if orig.threshold_set is not None else torch.zeros_like(n)
-    row = (n.clamp(min=1, max=orig.max_row_id) - 1)
-    theta = th3[sets[:, None], torch.arange(orig.num_kv_heads)[None, :], row[:, None]]  # [B, Hkv]
+    theta = per_sequence_rows(orig, orig.thresholds_3d(), n)  # [B, Hkv]
     group_max = a.view(a.shape[0], orig.num_kv_heads, G, -1).amax(dim=2)
     kept = (group_max > theta[..., None]).repeat_interleave(G, dim=1)  # [B, Hq, S]
     m = a.amax(-1)
