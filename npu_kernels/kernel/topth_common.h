@@ -98,6 +98,20 @@ __aicore__ inline uint32_t FloatBits(float x)
 
 // 149 ln 2: a positive subnormal float32 is m x 2^-149 with the integer m < 2^23.
 constexpr float LN_SUBNORMAL_UNIT = 103.27892990343184f;
+
+// ln |x| of a nonzero x is Ln(LnArgument(x)) - LnShift(x), decided on the bits so that a flush
+// of subnormals to zero cannot turn it into -inf: |x| when x is normal (or inf / NaN), the
+// integer m of a subnormal m x 2^-149 with LnShift = 149 ln 2.
+__aicore__ inline bool IsSubnormal(float x)
+{
+    const uint32_t b = FloatBits(x) & 0x7FFFFFFFu;
+    return b != 0u && b < 0x00800000u;
+}
+__aicore__ inline float LnArgument(float x)
+{
+    return IsSubnormal(x) ? static_cast<float>(FloatBits(x) & 0x7FFFFFFFu) : (x < 0.0f ? -x : x);
+}
+__aicore__ inline float LnShift(float x) { return IsSubnormal(x) ? LN_SUBNORMAL_UNIT : 0.0f; }
 __aicore__ inline float QNaN() { return __builtin_nanf(""); }
 __aicore__ inline uint32_t Min32(uint32_t a, uint32_t b) { return a < b ? a : b; }
 __aicore__ inline uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }

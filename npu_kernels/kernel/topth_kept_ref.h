@@ -93,28 +93,18 @@ __aicore__ inline void TopthDecodeKernel<T>::KeptEstimates(uint32_t len, uint32_
         } else if (td.sdc == TOPTH_SDC_OFFLINE) {
             x = sdcGm.GetValue(SdcIndex(g, row));
         }
-        // ln |x| of a subnormal j x 2^-149 as ln(j) - 149 ln 2 (decided on the bits, so that a
-        // flush of subnormals to zero cannot turn it into -inf)
         const uint32_t bits = FloatBits(x) & 0x7FFFFFFFu;
-        float lnIn = 1.0f;  // where x is 0, inf or NaN (x stays as it is)
-        if (bits != 0u && bits < 0x00800000u) {
-            lnIn = static_cast<float>(bits);
-        } else if (bits != 0u && bits < 0x7F800000u) {
-            lnIn = x < 0.0f ? -x : x;
-        }
         px.SetValue(2 * g, x);
         pd.SetValue(2 * g, d);
-        pv.SetValue(2 * g, lnIn);
+        // ln |x| from the bits (LnArgument); 1 where x is 0, inf or NaN (x stays as it is)
+        pv.SetValue(2 * g, bits != 0u && bits < 0x7F800000u ? LnArgument(x) : 1.0f);
     }
     Sync<HardEvent::S_V>();
     Ln(pv, pv, PW);
     Sync<HardEvent::V_S>();
     for (uint32_t g = 0; g < G; ++g) {
         const float x = px.GetValue(2 * g), d = pd.GetValue(2 * g);
-        const uint32_t bits = FloatBits(x) & 0x7FFFFFFFu;
-        const bool subnormal = bits != 0u && bits < 0x00800000u;
-        const float shift = subnormal ? LN_SUBNORMAL_UNIT : 0.0f;
-        pv.SetValue(2 * g, PlainProduct(d, subnormal) ? d : pv.GetValue(2 * g) - shift + d);
+        pv.SetValue(2 * g, PlainProduct(d, IsSubnormal(x)) ? d : pv.GetValue(2 * g) - LnShift(x) + d);
     }
     Sync<HardEvent::S_V>();
     Exp(pv, pv, PW);
@@ -124,7 +114,7 @@ __aicore__ inline void TopthDecodeKernel<T>::KeptEstimates(uint32_t len, uint32_
         const uint32_t bits = FloatBits(x) & 0x7FFFFFFFu;
         float r = x;
         if (bits != 0u && bits < 0x7F800000u) {
-            r = PlainProduct(d, bits < 0x00800000u) ? x * e : (x < 0.0f ? -e : e);
+            r = PlainProduct(d, IsSubnormal(x)) ? x * e : (x < 0.0f ? -e : e);
         }
         pv.SetValue(2 * g, r);
     }

@@ -38,14 +38,12 @@ __aicore__ inline void TopthDecodeKernel<T>::BuildThresholds(bool logDomain)
     LocalTensor<float> tmp = Pair(P_TMP);
     if (logDomain) {
         Sync<HardEvent::V_S>();
-        // Decided on the bits, so that a flush of subnormals to zero cannot change the cut:
-        // ln of a positive subnormal m x 2^-149 is ln(m) - 149 ln 2, m a normal float.
+        // Decided on the bits (LnArgument, LnShift), so that a flush of subnormals to zero
+        // cannot change the cut.
         for (uint32_t g = 0; g < G; ++g) {
-            const uint32_t bits = FloatBits(thGm.GetValue(ThIndex(g, row)));
-            const bool positive = bits != 0u && bits < 0x80000000u;
-            const bool subnormal = positive && bits < 0x00800000u;
-            tmp.SetValue(2 * g, subnormal ? static_cast<float>(bits)
-                                          : (positive ? thGm.GetValue(ThIndex(g, row)) : 1.0f));
+            const float th = thGm.GetValue(ThIndex(g, row));
+            const uint32_t bits = FloatBits(th);
+            tmp.SetValue(2 * g, bits != 0u && bits < 0x80000000u ? LnArgument(th) : 1.0f);
         }
         Sync<HardEvent::S_V>();
         Ln(tmp, tmp, PW);
@@ -58,8 +56,7 @@ __aicore__ inline void TopthDecodeKernel<T>::BuildThresholds(bool logDomain)
             const uint32_t bits = FloatBits(th);
             const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
             const bool positive = bits != 0u && bits < 0x80000000u;
-            const float shift = (positive && bits < 0x00800000u) ? LN_SUBNORMAL_UNIT : 0.0f;
-            v = nan ? th : (positive ? tmp.GetValue(2 * g) - shift : NegInf());
+            v = nan ? th : (positive ? tmp.GetValue(2 * g) - LnShift(th) : NegInf());
         }
         thrScalar = v;
         Duplicate(thr[g * W], thrScalar, W);
