@@ -100,7 +100,7 @@ inline uint64_t PlanUb(TopthTilingData& t, uint32_t tileK, uint32_t tileV) {
     t.ubStage = widen ? static_cast<uint32_t>(Up(G * Dp * E, 32)) : 0;
     t.ubMu = t.vmc ? static_cast<uint32_t>(Dp * 4) : 0;
     // combine: the statistics of one partial record and one accumulator row at a time
-    const uint64_t recPairs = 4 + TOPTH_KEPT_REF(t.selection, t.placement);
+    const uint64_t recPairs = TOPTH_RECORD_PAIRS(t.selection, t.placement);
     t.ubCmb = split ? static_cast<uint32_t>((recPairs * t.pairWidth + 8 + Dp) * 4) : 0;
     // two pair vectors per split: (m, Z) in post_softmax's pass B; the combine's M and, with
     // group selection and pre_softmax, kept references of every split

@@ -36,6 +36,9 @@
 // takes one more pair vector, and one more in each split's partial record.
 #define TOPTH_KEPT_REF(selection, placement) \
     ((selection) == TOPTH_SELECT_GROUP && (placement) == TOPTH_PRE_SOFTMAX ? 1u : 0u)
+// Pair vectors at the head of a split's partial record: [M, R, E, K], and MK (the kept
+// reference) with TOPTH_KEPT_REF.
+#define TOPTH_RECORD_PAIRS(selection, placement) (4u + TOPTH_KEPT_REF(selection, placement))
 // The Ascend C API keeps a scratch area in the top 8 KiB of the unified buffer (Select in
 // tensor-scalar / tensor-tensor mode writes 32 bytes at 184 KiB on Atlas A2, whose UB is
 // 192 KiB): the tiling never plans buffers there.

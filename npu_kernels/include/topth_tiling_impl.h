@@ -133,7 +133,7 @@ inline bool ComputeTiling(const ProblemShape& s, const TargetInfo& target, Topth
     // Partial record of one split: [M, R, E, K] pair vectors (and MK, the kept reference, with
     // group selection and pre_softmax), an 8-word block (union count), then the G x Dp float32
     // accumulators.
-    const uint64_t recPairs = 4 + TOPTH_KEPT_REF(s.selection, s.placement);
+    const uint64_t recPairs = TOPTH_RECORD_PAIRS(s.selection, s.placement);
     t.partFloats = static_cast<uint32_t>(recPairs * t.pairWidth + 8 + uint64_t(t.group) * t.headDimPad);
 
     if (s.paged) {

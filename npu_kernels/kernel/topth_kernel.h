@@ -168,7 +168,7 @@ __aicore__ inline void TopthDecodeKernel<T>::Init(const KernelArgs& a, const Top
     S = td.maxSeqLen;
     rowAligned = ((D * sizeof(T)) % 32 == 0);
     keptRef = TOPTH_KEPT_REF(td.selection, td.placement) != 0;
-    recPairs = keptRef ? 5 : 4;
+    recPairs = TOPTH_RECORD_PAIRS(td.selection, td.placement);  // as the tiling's partFloats
 
     const uint64_t B = td.batch, Hq = td.numQHeads, Hkv = td.numKvHeads;
     qGm.SetGlobalBuffer((__gm__ T*)a.query, B * Hq * D);
