@@ -19,8 +19,6 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-float safe_max(float m) { return m == -kInf ? 0.0f : m; }
-
 // x * exp(d) (0 and NaN stay), without exp(d) alone overflowing or turning subnormal when the
 // product is in range: there in the log domain (relative error ~|log |x| + d| ulp); elsewhere
 // the plain product, as before.

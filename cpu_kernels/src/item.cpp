@@ -112,8 +112,6 @@ void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64
     });
 }
 
-float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
-
 // With group selection a head may keep only rows far below its own maximum (its maximum sits
 // on a row the group dropped): their weights exp(a - m) are then subnormal or 0 and so is their
 // sum R. Such a head's weights are recomputed relative to the maximum over its kept rows mk

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "topth_cpu/params.h"
@@ -52,6 +53,10 @@ struct Scratch {
 };
 
 enum Phase : int32_t { kFull = 0, kScores = 1, kSelect = 2 };
+
+// A head's maximum as a reference for its exponent sums: 0 where every score is -inf (its
+// sums are then 0 and exp(a - 0) never turns -inf - -inf into NaN).
+inline float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
 
 // Block of table entry i of sequence b (BNSD: the sequence itself); used entries of unchecked
 // tables are clamped so that nothing is read out of bounds.
