@@ -19,7 +19,7 @@ import torch
 
 from topth_ops import decode_attention
 
-from .cpu_cold import _time_rotation, llc_bytes
+from .cpu_cold import _layer_count, _time_rotation, llc_bytes
 
 SHAPES = {"smollm2": (8, 9, 3, 64, 8192), "llama8b": (8, 32, 8, 128, 8192)}
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
     per_layer = B * Hkv * S * D * dt.itemsize  # K bytes
-    layers = max(3, 2 * llc_bytes() // per_layer + 2)
+    layers = _layer_count(per_layer, llc_bytes())
     kv = [(torch.randn(B, Hkv, S, D, generator=gen).to(dt), torch.randn(B, Hkv, S, D, generator=gen).to(dt))
           for _ in range(layers)]
     q = torch.randn(B, Hq, D, generator=gen).to(dt)
