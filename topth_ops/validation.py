@@ -113,8 +113,20 @@ def values_checkable(t: torch.Tensor) -> bool:
 
 
 def on_cpu(t: torch.Tensor) -> bool:
-    """``t.device.type == "cpu"``, without making a device object for a plain tensor (this runs
-    for every tensor argument of every call)."""
+    """Whether ``t`` is on the CPU, without making a device object for a plain tensor (this runs
+    for every tensor argument of every call).
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        Any tensor or tensor subclass; a subclass is asked for its ``device``, which it may
+        report differently from where its data lives.
+
+    Returns
+    -------
+    bool
+        ``t.device.type == "cpu"``.
+    """
     return t.is_cpu if type(t) is torch.Tensor else t.device.type == "cpu"
 
 

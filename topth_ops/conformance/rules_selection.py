@@ -72,10 +72,27 @@ def far_case(gap: float, dtype: torch.dtype, seed: int = 0, hot: float = 200.0):
 
 
 def far_reproducer(dtype: torch.dtype, x: float) -> dict:
-    """Keyword arguments of the reproducer of docs/semantics.md ("A head's kept rows far below
-    its own maximum"): q0 = e0, q1 = e1 (head_dim 16), K rows [200 e0, x e1], V all ones,
-    theta 150, scale 1, pre_softmax, group selection, no SDC. Head 1 keeps only row 0, x below
-    its own maximum, and returns 1 in every element; ``dtype`` is that of q, K and V."""
+    """The reproducer of docs/semantics.md ("A head's kept rows far below its own maximum").
+
+    One sequence, one KV head, two query heads: q0 = e0, q1 = e1 (head_dim 16), K rows
+    [200 e0, x e1], V all ones, theta 150, scale 1, pre_softmax, group selection, no SDC.
+    The group keeps only row 0, which head 1 scores x below its own maximum; every output
+    element is 1.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        Of query, key and value (float16, bfloat16 or float32).
+    x : float
+        Head 1's score on row 1, its maximum (below theta, so that row is dropped).
+
+    Returns
+    -------
+    dict
+        Keyword arguments of :func:`topth_ops.decode_attention`: query ``[1, 2, 16]``, key and
+        value caches ``[1, 1, 2, 16]`` (BNSD), seq_lens ``[1]`` int64, thresholds ``[1, 1]``
+        float32, and the options above.
+    """
     q = torch.zeros(1, 2, 16)
     q[0, 0, 0] = q[0, 1, 1] = 1.0
     k = torch.zeros(1, 1, 2, 16)
