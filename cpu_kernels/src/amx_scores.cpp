@@ -69,6 +69,15 @@ inline void scatter_scores(const float* cbuf, int32_t G, int64_t T, __m512 scale
     }
 }
 
+// The 16 lines of one chunk of a K tile into L2. scores_packed prefetches, chunk by chunk, the
+// same chunk of the tiles kTilesAhead tiles ahead of those it multiplies, so the prefetches are
+// spread over the tile products (a burst of whole tiles ahead was slower: docs/cpu.md, "AMX
+// scores").
+constexpr int64_t kTilesAhead = 4;
+inline void prefetch_chunk_l2(const uint8_t* p) {
+    for (int64_t off = 0; off < 1024; off += 64) avx512_level::prefetch_l2(p + off);
+}
+
 }  // namespace
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
@@ -98,12 +107,18 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     _tile_loadconfig(&cfg);
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t far = avx512_level::far_rows(rb);
+    // software prefetch as the avx512bf16 scores decide it: none for one contiguous run of
+    // short rows (the hardware prefetchers follow it), the next 16 rows into L1 only for rows
+    // of kNearMinBytes or more
+    const bool prefetch = !avx512_level::one_run(rows, count, rb);
+    const bool near = rb >= avx512_level::kNearMinBytes;
     if (nch <= 2) {  // the query stays in tiles 6 and 7 for the whole call
         _tile_loadd(6, bq, 64);
         if (nch == 2) _tile_loadd(7, bq + 256, 64);
     }
     for (int64_t t0 = 0; t0 < count; t0 += 64) {
-        for (int64_t u = 0; u < 64; u += 16) avx512_level::prefetch_ahead(rows, t0 + u, count, rb, far);
+        if (prefetch)
+            for (int64_t u = 0; u < 64; u += 16) avx512_level::prefetch_ahead(rows, t0 + u, count, rb, far, near);
         int64_t T[4], st[4];
         const uint8_t* a[4];
         for (int g = 0; g < 4; ++g) {
@@ -160,11 +175,10 @@ void scores_packed(const uint8_t* const* tiles, int64_t skip, int64_t count, int
     cfg.colsb[5] = 0;
     _tile_loadconfig(&cfg);
     const int32_t nch = d / 32;
-    const int64_t ntiles = (skip + count + 15) / 16, tile_bytes = int64_t(d) * 32;
+    const int64_t ntiles = (skip + count + 15) / 16;
     const __m512 sc = _mm512_set1_ps(scale);
     float* cbuf = tile;  // four C tiles, 16 x 16 floats each
     for (int64_t i0 = 0; i0 < ntiles; i0 += 4) {
-        for (int64_t i = i0 + 8; i < ntiles && i < i0 + 12; ++i) avx512_level::prefetch_row_l2(tiles[i], tile_bytes);
         const int64_t nt = ntiles - i0 < 4 ? ntiles - i0 : 4;
         _tile_zero(0);
         _tile_zero(1);
@@ -173,6 +187,8 @@ void scores_packed(const uint8_t* const* tiles, int64_t skip, int64_t count, int
         for (int32_t c = 0; c < nch; ++c) {
             _tile_loadd(4, qraw + 32 * c, int64_t(dpad) * 2);
             const int64_t off = int64_t(c) * 1024;  // 16 pairs x 64 bytes per chunk
+            for (int64_t j = i0 + kTilesAhead; j < ntiles && j < i0 + kTilesAhead + nt; ++j)
+                prefetch_chunk_l2(tiles[j] + off);
             _tile_loadd(6, tiles[i0] + off, 64);
             _tile_dpbf16ps(0, 4, 6);
             if (nt > 1) { _tile_loadd(7, tiles[i0 + 1] + off, 64); _tile_dpbf16ps(1, 4, 7); }
