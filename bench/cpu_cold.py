@@ -41,6 +41,7 @@ Usage: ``python -m topth_ops.bench.cpu_cold [--shapes smollm2,llama8b] [--thread
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -135,6 +136,18 @@ def llc_bytes() -> int:
 
 def _layer_count(per_layer: int, llc: int) -> int:
     return max(3, min(MAX_POOL_BYTES // max(per_layer, 1), 2 * llc // max(per_layer, 1) + 2))
+
+
+def _mem_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes, None where the file is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _caches(layout: str, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, gen: torch.Generator):
@@ -260,13 +273,19 @@ def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts
     dense_th = torch.full((Hkv, 1), float("-inf"))
     refs: dict = {}
     kv_bytes = per_layer
-    need = per_layer * L * (len(layouts) + 2) + PROBE_BYTES  # every layout resident, + BNSD and vLLM's copy
+    # every layout resident, + the BNSD layers, vLLM's copy (one at a time, rebuilt per thread
+    # count) and its writer's transposed copy of one layer
+    need = per_layer * (L * (len(layouts) + 2) + 1) + PROBE_BYTES
     avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     if avail and need > 0.7 * avail:
         raise MemoryError(f"{name}: the interleaved timing keeps every layout's {L} layers resident, "
                           f"{need / 2**30:.1f} GiB of {avail / 2**30:.1f} GiB; pass fewer --layouts")
     timed = []  # (layout, variant, bytes read, V-row fraction, calls, note)
     for layout in layouts:
+        left = _mem_available()
+        if left is not None and left < 2 * per_layer * L:  # this layout's caches and their build
+            raise MemoryError(f"{name}: {left / 2**30:.1f} GiB of memory left before building {layout}'s {L} layers "
+                              f"of {per_layer / 2**20:.0f} MiB; pass fewer --layouts")
         caches = [_caches(layout, k, v, lens, gen) for k, v in layers]
         for variant, th in (("dense", dense_th), ("f=0.1", theta[0.1]), ("f=0.3", theta[0.3])):
             out, st = decode_attention(q, caches[0][0], caches[0][1], lens, th, scale=scale, placement="pre_softmax",
@@ -285,6 +304,7 @@ def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts
     probe_t = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
     for n in threads:
         torch.set_num_threads(n)
+        here = calls = None  # the previous thread count's copy of vLLM's caches, freed first
         here = list(timed)
         calls, note = _vllm_calls(layers, q, lens, scale)  # vLLM's metadata records the thread count
         if calls is None:
@@ -359,6 +379,7 @@ def main(argv: Optional[list] = None) -> int:
     rows = []
     for s in shapes:
         rows += run_shape(s, threads, mach, args.rounds, layouts)
+        gc.collect()  # the shape's caches, before the next shape allocates its own
         print(format_rows([r for r in rows if r.shape == s]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
