@@ -281,11 +281,15 @@ def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts
         raise MemoryError(f"{name}: the interleaved timing keeps every layout's {L} layers resident, "
                           f"{need / 2**30:.1f} GiB of {avail / 2**30:.1f} GiB; pass fewer --layouts")
     timed = []  # (layout, variant, bytes read, V-row fraction, calls, note)
-    for layout in layouts:
+    for i, layout in enumerate(layouts):
+        # what is still to be allocated: this and the later layouts' caches (BNSD reuses the
+        # layers), vLLM's copy, its writer's transposed layer and the read probe
+        rest = (per_layer * L * (sum(x != "BNSD" for x in layouts[i:]) + 1) + per_layer + PROBE_BYTES)
         left = _mem_available()
-        if left is not None and left < 2 * per_layer * L:  # this layout's caches and their build
-            raise MemoryError(f"{name}: {left / 2**30:.1f} GiB of memory left before building {layout}'s {L} layers "
-                              f"of {per_layer / 2**20:.0f} MiB; pass fewer --layouts")
+        if left is not None and left < rest:
+            raise MemoryError(f"{name}: building {', '.join(layouts[i:])} needs about {rest / 2**30:.1f} GiB more "
+                              f"({L} layers of {per_layer / 2**20:.0f} MiB each, vLLM's copy, the probe), "
+                              f"{left / 2**30:.1f} GiB is available; pass fewer --layouts or run this shape alone")
         caches = [_caches(layout, k, v, lens, gen) for k, v in layers]
         for variant, th in (("dense", dense_th), ("f=0.1", theta[0.1]), ("f=0.3", theta[0.3])):
             out, st = decode_attention(q, caches[0][0], caches[0][1], lens, th, scale=scale, placement="pre_softmax",

@@ -107,18 +107,17 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     _tile_loadconfig(&cfg);
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t far = avx512_level::far_rows(rb);
-    // software prefetch as the avx512bf16 scores decide it: none for one contiguous run of
-    // short rows (the hardware prefetchers follow it), the next 16 rows into L1 only for rows
-    // of kNearMinBytes or more
+    // no software prefetch for one contiguous run of short rows (the hardware prefetchers
+    // follow it; measured on AMX: docs/cpu.md, "AMX scores"); other lists keep the burst of the
+    // next 16 rows into L1 and of the rows `far` ahead into L2 before each group of 16 rows
     const bool prefetch = !avx512_level::one_run(rows, count, rb);
-    const bool near = rb >= avx512_level::kNearMinBytes;
     if (nch <= 2) {  // the query stays in tiles 6 and 7 for the whole call
         _tile_loadd(6, bq, 64);
         if (nch == 2) _tile_loadd(7, bq + 256, 64);
     }
     for (int64_t t0 = 0; t0 < count; t0 += 64) {
         if (prefetch)
-            for (int64_t u = 0; u < 64; u += 16) avx512_level::prefetch_ahead(rows, t0 + u, count, rb, far, near);
+            for (int64_t u = 0; u < 64; u += 16) avx512_level::prefetch_ahead(rows, t0 + u, count, rb, far);
         int64_t T[4], st[4];
         const uint8_t* a[4];
         for (int g = 0; g < 4; ++g) {

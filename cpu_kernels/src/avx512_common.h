@@ -107,8 +107,8 @@ inline int64_t far_rows(int64_t row_bytes) {
 constexpr int64_t kNearMinBytes = 256;
 
 // Before the tile of rows [t0, t0 + 16) of a list of count rows, in one burst: the tile `far`
-// rows ahead into L2 and, with `near`, the next tile into L1. Only the amx scores still prefetch
-// this way (not measured on AMX hardware since the other stages spread theirs: rows_ahead.h).
+// rows ahead into L2 and, with `near`, the next tile into L1. Only the amx row scores still prefetch
+// this way; on AMX hardware a spread version was slower there (docs/cpu.md, "AMX scores").
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far,
                            bool near = true) {
     if (near)
