@@ -109,7 +109,7 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const int64_t far = avx512_level::far_rows(rb);
     // no software prefetch for one contiguous run of short rows (the hardware prefetchers
     // follow it; measured on AMX: docs/cpu.md, "AMX scores"); other lists keep the burst of the
-    // next 16 rows into L1 and of the rows `far` ahead into L2 before each group of 16 rows
+    // next 16 rows into L1 and of the rows `far` ahead into L2, four of each before every 64 rows
     const bool prefetch = !avx512_level::one_run(rows, count, rb);
     if (nch <= 2) {  // the query stays in tiles 6 and 7 for the whole call
         _tile_loadd(6, bq, 64);
