@@ -69,14 +69,10 @@ inline void scatter_scores(const float* cbuf, int32_t G, int64_t T, __m512 scale
     }
 }
 
-// The 16 lines of one chunk of a K tile into L2. scores_packed prefetches, chunk by chunk, the
-// same chunk of the tiles kTilesAhead tiles ahead of those it multiplies, so the prefetches are
-// spread over the tile products (a burst of whole tiles ahead was slower: docs/cpu.md, "AMX
-// scores").
+// scores_packed prefetches, chunk by chunk, the same 1 KiB chunk of the K tiles kTilesAhead
+// tiles ahead of those it multiplies into L2, so the prefetches are spread over the tile
+// products (a burst of whole tiles ahead was slower: docs/cpu.md, "AMX scores").
 constexpr int64_t kTilesAhead = 4;
-inline void prefetch_chunk_l2(const uint8_t* p) {
-    for (int64_t off = 0; off < 1024; off += 64) avx512_level::prefetch_l2(p + off);
-}
 
 }  // namespace
 
@@ -187,7 +183,7 @@ void scores_packed(const uint8_t* const* tiles, int64_t skip, int64_t count, int
             _tile_loadd(4, qraw + 32 * c, int64_t(dpad) * 2);
             const int64_t off = int64_t(c) * 1024;  // 16 pairs x 64 bytes per chunk
             for (int64_t j = i0 + kTilesAhead; j < ntiles && j < i0 + kTilesAhead + nt; ++j)
-                prefetch_chunk_l2(tiles[j] + off);
+                avx512_level::prefetch_row_l2(tiles[j] + off, 1024);
             _tile_loadd(6, tiles[i0] + off, 64);
             _tile_dpbf16ps(0, 4, 6);
             if (nt > 1) { _tile_loadd(7, tiles[i0 + 1] + off, 64); _tile_dpbf16ps(1, 4, 7); }

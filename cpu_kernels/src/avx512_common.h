@@ -107,12 +107,10 @@ inline int64_t far_rows(int64_t row_bytes) {
 constexpr int64_t kNearMinBytes = 256;
 
 // Before the tile of rows [t0, t0 + 16) of a list of count rows, in one burst: the tile `far`
-// rows ahead into L2 and, with `near`, the next tile into L1. Only the amx row scores still prefetch
-// this way; on AMX hardware a spread version was slower there (docs/cpu.md, "AMX scores").
-inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far,
-                           bool near = true) {
-    if (near)
-        for (int64_t t = t0 + 16; t < count && t < t0 + 32; ++t) prefetch_row(rows[t], row_bytes);
+// rows ahead into L2 and the next tile into L1. Only the amx row scores still prefetch this way;
+// on AMX hardware a spread version was slower there (docs/cpu.md, "AMX scores").
+inline void prefetch_ahead(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t row_bytes, int64_t far) {
+    for (int64_t t = t0 + 16; t < count && t < t0 + 32; ++t) prefetch_row(rows[t], row_bytes);
     for (int64_t t = t0 + far; t < count && t < t0 + far + 16; ++t) prefetch_row_l2(rows[t], row_bytes);
 }
 
