@@ -194,73 +194,119 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
 
 namespace {
 
-// Slots [0, 16 W) of a transposed segment at k for heads h0 .. h0 + HB (S rows h0 ...): per
-// head element i, one broadcast query element times 8 slots per FMA. bfloat16 slots are
-// widened pairwise (even slots, odd slots) and interleaved back at the store. Lanes past
-// `rem` slots are read from a zero-padded copy of the row's tail (nothing past the segment
-// is read). pf: the next segment, pf_lines lines per row, prefetched into L2 one row per i.
-template <int HB, int W>
-inline void kt_chunk(const uint8_t* k, int64_t dstride, int32_t dtype, int32_t d, const float* q, int32_t dpad,
-                     int64_t rem, float* S, int64_t ldS, const uint8_t* pf, int pf_lines) {
-    const int64_t es = dtype == kF32 ? 4 : 2;
-    const bool full = rem >= 16 * W;
+// The lines of the next segment (the next block of the sequence), row after row and in address
+// order within a row, handed out a few per iteration of the current segment's walk, so that the
+// whole next segment is requested into L2 while this one is read. Requesting them at the
+// current chunk's offsets instead (one line per row, 256 bytes apart) left the walk waiting on
+// memory (docs/cpu.md, "K stored transposed").
+struct NextLines {
+    const uint8_t* row = nullptr;
+    int64_t col = 0, per_row = 0, dstride = 0;
+    inline void issue() {
+        prefetch_l2(row + 64 * col);
+        if (++col == per_row) {
+            col = 0;
+            row += dstride;
+        }
+    }
+};
+
+// Slots [0, 16 W) of a transposed segment at k (element i of slot t at k + i * dstride +
+// t * es) for HB heads: per head element i, one broadcast query element times 8 slots per FMA.
+// HB x 2W accumulators (at most 12) + one pair of slot vectors + one broadcast fit the 16
+// registers: the pairs are visited one at a time and the query element is broadcast again for
+// each (a load-port op), so nothing spills. bfloat16 slots are widened pairwise ([8 even | 8
+// odd]) and interleaved back at the store. TAIL: only rem < 16 W slots exist; each row's slots
+// are copied into a zeroed buffer first (nothing past the segment is read). share lines of nx
+// are issued over the d iterations.
+template <int DT, int HB, int W, bool TAIL>
+inline void kt_chunk(const uint8_t* k, int64_t dstride, int32_t d, const float* q, int32_t dpad, int64_t rem,
+                     float* S, int64_t ldS, NextLines& nx, int64_t share) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2;
     __m256 acc[HB][2 * W];
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int w = 0; w < 2 * W; ++w) acc[h][w] = _mm256_setzero_ps();
     alignas(32) uint8_t pad[64 * 4];
-    if (!full) memset(pad, 0, sizeof pad);
+    if constexpr (TAIL) memset(pad, 0, sizeof pad);
+    int64_t due = 0;
     for (int32_t i = 0; i < d; ++i) {
         const uint8_t* p = k + i * dstride;
-        if (pf)
-            for (int l = 0; l < pf_lines; ++l) prefetch_l2(pf + i * dstride + 64 * l);
-        if (!full) {
+        for (due += share; due >= d; due -= d) nx.issue();
+        if constexpr (TAIL) {
             memcpy(pad, p, size_t(rem * es));
             p = pad;
         }
-        __m256 kv[2 * W];
 #pragma GCC unroll 4
         for (int w = 0; w < W; ++w) {
-            if (dtype == kBF16) load_pair<kSplit>(p + 32 * w, kv[2 * w], kv[2 * w + 1]);
-            else if (dtype == kF16) load_pair<kF16>(p + 32 * w, kv[2 * w], kv[2 * w + 1]);
-            else load_pair<kF32>(p + 64 * w, kv[2 * w], kv[2 * w + 1]);
-        }
-#pragma GCC unroll 4
-        for (int h = 0; h < HB; ++h) {
-            const __m256 qb = _mm256_broadcast_ss(q + h * dpad + i);
-#pragma GCC unroll 8
-            for (int w = 0; w < 2 * W; ++w) acc[h][w] = _mm256_fmadd_ps(qb, kv[w], acc[h][w]);
+            __m256 a, b;
+            load_pair<DT>(p + 16 * w * es, a, b);
+#pragma GCC unroll 6
+            for (int h = 0; h < HB; ++h) {
+                const __m256 qb = _mm256_broadcast_ss(q + h * dpad + i);
+                acc[h][2 * w] = _mm256_fmadd_ps(qb, a, acc[h][2 * w]);
+                acc[h][2 * w + 1] = _mm256_fmadd_ps(qb, b, acc[h][2 * w + 1]);
+            }
         }
     }
+#pragma GCC unroll 6
     for (int h = 0; h < HB; ++h) {
         alignas(32) float out[16 * W];
+#pragma GCC unroll 4
         for (int w = 0; w < W; ++w) {
             __m256 a = acc[h][2 * w], b = acc[h][2 * w + 1];
-            if (dtype == kBF16) {  // [even slots | odd slots] -> natural order
+            if constexpr (DT == kSplit) {  // [even slots | odd slots] -> natural order
                 const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
                 a = _mm256_permute2f128_ps(lo, hi, 0x20);
                 b = _mm256_permute2f128_ps(lo, hi, 0x31);
             }
-            _mm256_store_ps(out + 16 * w, a);
-            _mm256_store_ps(out + 16 * w + 8, b);
+            float* o = TAIL ? out + 16 * w : S + h * ldS + 16 * w;
+            _mm256_storeu_ps(o, a);
+            _mm256_storeu_ps(o + 8, b);
         }
-        const int64_t n = rem < 16 * W ? rem : 16 * W;
-        for (int64_t t = 0; t < n; ++t) S[h * ldS + t] = out[t];
+        if constexpr (TAIL)
+            for (int64_t t = 0; t < rem; ++t) S[h * ldS + t] = out[t];
     }
 }
 
-template <int W>
-inline void kt_heads(const uint8_t* k, int64_t dstride, int32_t dtype, int32_t d, const float* q, int32_t dpad,
-                     int32_t G, int64_t rem, float* S, int64_t ldS, const uint8_t* pf, int pf_lines) {
-    for (int32_t h0 = 0; h0 < G;) {  // the next segment is prefetched during the first heads only
+// All `count` slots of the segment for heads [0, HB), in chunks of 16 W slots. With next
+// (the first head block only), the lines of the next segment (next_count slots per row) are
+// spread evenly over the chunks' iterations.
+template <int DT, int HB, int W>
+inline void kt_heads(const uint8_t* k, int64_t count, int64_t dstride, int32_t d, const float* q, int32_t dpad,
+                     float* S, int64_t ldS, const uint8_t* next, int64_t next_count) {
+    constexpr int64_t es = DT == kF32 ? 4 : 2, width = 16 * W;
+    NextLines nx;
+    int64_t lines = 0;
+    if (next && next_count > 0) {
+        nx.row = next;
+        nx.per_row = (next_count * es + 63) / 64;
+        nx.dstride = dstride;
+        lines = nx.per_row * d;
+    }
+    const int64_t chunks = (count + width - 1) / width;
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t t0 = c * width, rem = count - t0;
+        const int64_t share = (c + 1) * lines / chunks - c * lines / chunks;
+        if (rem >= width) kt_chunk<DT, HB, W, false>(k + t0 * es, dstride, d, q, dpad, rem, S + t0, ldS, nx, share);
+        else kt_chunk<DT, HB, W, true>(k + t0 * es, dstride, d, q, dpad, rem, S + t0, ldS, nx, share);
+    }
+}
+
+// Every head of the group in head blocks of 3 (32 slots per chunk), 4 (16), 2 (32) or 1 (64).
+template <int DT>
+void kt_group(const uint8_t* k, int64_t count, int64_t dstride, int32_t d, const float* q, int32_t dpad, int32_t G,
+              float* S, int64_t ldS, const uint8_t* next, int64_t next_count) {
+    for (int32_t h0 = 0; h0 < G;) {
         const float* qh = q + int64_t(h0) * dpad;
         float* Sh = S + h0 * ldS;
-        const uint8_t* p = h0 == 0 ? pf : nullptr;
+        const uint8_t* nx = h0 == 0 ? next : nullptr;
         switch (G - h0) {
-            case 1: kt_chunk<1, W>(k, dstride, dtype, d, qh, dpad, rem, Sh, ldS, p, pf_lines); h0 += 1; break;
-            case 2: kt_chunk<2, W>(k, dstride, dtype, d, qh, dpad, rem, Sh, ldS, p, pf_lines); h0 += 2; break;
-            default: kt_chunk<3, W>(k, dstride, dtype, d, qh, dpad, rem, Sh, ldS, p, pf_lines); h0 += 3; break;
+            case 1: kt_heads<DT, 1, 4>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 1; break;
+            case 2: kt_heads<DT, 2, 2>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 2; break;
+            case 3: kt_heads<DT, 3, 2>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 3; break;
+            default: kt_heads<DT, 4, 1>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 4; break;
         }
     }
 }
@@ -269,16 +315,10 @@ inline void kt_heads(const uint8_t* k, int64_t dstride, int32_t dtype, int32_t d
 
 void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
                const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count) {
-    const int64_t es = dtype == kF32 ? 4 : 2;
-    // 32 slots per chunk: HB x 4 accumulators of 8 slots (12 for groups of 3 and more)
-    constexpr int64_t width = 32;
-    for (int64_t t0 = 0; t0 < count; t0 += width) {
-        const uint8_t* pf = next && t0 < next_count ? next + t0 * es : nullptr;
-        const int pf_lines = pf ? int(((next_count - t0 < width ? next_count - t0 : width) * es + 63) / 64) : 0;
-        const int64_t rem = count - t0;
-        if (rem <= 16) kt_heads<1>(k + t0 * es, dstride, dtype, d, q, dpad, G, rem, S + t0, ldS, pf, pf_lines);
-        else kt_heads<2>(k + t0 * es, dstride, dtype, d, q, dpad, G, rem, S + t0, ldS, pf, pf_lines);
-    }
+    if (count <= 0) return;
+    if (dtype == kBF16) kt_group<kSplit>(k, count, dstride, d, q, dpad, G, S, ldS, next, next_count);
+    else if (dtype == kF16) kt_group<kF16>(k, count, dstride, d, q, dpad, G, S, ldS, next, next_count);
+    else kt_group<kF32>(k, count, dstride, d, q, dpad, G, S, ldS, next, next_count);
 }
 
 void max_bad(const float* S, int64_t len, float* m_out, int32_t* bad_out) {
