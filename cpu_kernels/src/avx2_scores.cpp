@@ -211,18 +211,31 @@ struct NextLines {
     }
 };
 
+// The float at p in all 8 lanes, loaded anew at every use: GCC merges equal broadcasts of the
+// pairs of one iteration into one register per head, and with 3 heads x 2 pairs that spilled
+// an accumulator (a store and a reload on every iteration's dependency chain: the 3-head
+// blocks ran at 21 TSC ticks per slot warm instead of 12, head_dim 64 bfloat16).
+inline __m256 broadcast_again(const float* p) {
+    __m256 v;
+    asm volatile("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
+    return v;
+}
+
 // Slots [0, 16 W) of a transposed segment at k (element i of slot t at k + i * dstride +
 // t * es) for HB heads: per head element i, one broadcast query element times 8 slots per FMA.
 // HB x 2W accumulators (at most 12) + one pair of slot vectors + one broadcast fit the 16
-// registers: the pairs are visited one at a time and the query element is broadcast again for
-// each (a load-port op), so nothing spills. bfloat16 slots are widened pairwise ([8 even | 8
-// odd]) and interleaved back at the store. TAIL: only rem < 16 W slots exist; each row's slots
-// are copied into a zeroed buffer first (nothing past the segment is read). share lines of nx
-// are issued over the d iterations.
+// registers: the pairs are visited one at a time and, for 3 heads x 2 pairs, the query element
+// is broadcast again for each (a load-port op, broadcast_again), so nothing spills. bfloat16 slots are widened
+// pairwise ([8 even | 8 odd]) and interleaved back at the store. TAIL: only rem < 16 W slots
+// exist; each row's slots are copied into a zeroed buffer first (nothing past the segment is
+// read). share lines of nx are issued over the d iterations.
 template <int DT, int HB, int W, bool TAIL>
 inline void kt_chunk(const uint8_t* k, int64_t dstride, int32_t d, const float* q, int32_t dpad, int64_t rem,
                      float* S, int64_t ldS, NextLines& nx, int64_t share) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
+    // accumulators + a pair + one broadcast per head would not fit the 16 registers (3 x 2):
+    // broadcast anew per pair; the other blocks keep one broadcast per head (measured faster)
+    constexpr bool kAgain = HB * 2 * W + 2 + HB > 16;
     __m256 acc[HB][2 * W];
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
@@ -244,7 +257,7 @@ inline void kt_chunk(const uint8_t* k, int64_t dstride, int32_t d, const float* 
             load_pair<DT>(p + 16 * w * es, a, b);
 #pragma GCC unroll 6
             for (int h = 0; h < HB; ++h) {
-                const __m256 qb = _mm256_broadcast_ss(q + h * dpad + i);
+                const __m256 qb = kAgain ? broadcast_again(q + h * dpad + i) : _mm256_broadcast_ss(q + h * dpad + i);
                 acc[h][2 * w] = _mm256_fmadd_ps(qb, a, acc[h][2 * w]);
                 acc[h][2 * w + 1] = _mm256_fmadd_ps(qb, b, acc[h][2 * w + 1]);
             }
