@@ -196,14 +196,15 @@ namespace {
 
 // The lines of the next segment (the next block of the sequence), row after row and in address
 // order within a row, handed out a few per iteration of the current segment's walk, so that the
-// whole next segment is requested into L2 while this one is read. Requesting them at the
-// current chunk's offsets instead (one line per row, 256 bytes apart) left the walk waiting on
-// memory (docs/cpu.md, "K stored transposed").
+// whole next segment is requested into L2 while this one is read (docs/cpu.md, "The AVX2
+// transposed-K stage"). Every address lies in a row's `bytes` used bytes; a row that does not
+// start on a line gets one more request, at its last byte, so its last line is covered too.
 struct NextLines {
     const uint8_t* row = nullptr;
-    int64_t col = 0, per_row = 0, dstride = 0;
+    int64_t col = 0, per_row = 0, bytes = 0, dstride = 0;
     inline void issue() {
-        prefetch_l2(row + 64 * col);
+        const int64_t off = 64 * col < bytes ? 64 * col : bytes - 1;
+        prefetch_l2(row + off);
         if (++col == per_row) {
             col = 0;
             row += dstride;
@@ -211,10 +212,9 @@ struct NextLines {
     }
 };
 
-// The float at p in all 8 lanes, loaded anew at every use: GCC merges equal broadcasts of the
-// pairs of one iteration into one register per head, and with 3 heads x 2 pairs that spilled
-// an accumulator (a store and a reload on every iteration's dependency chain: the 3-head
-// blocks ran at 21 TSC ticks per slot warm instead of 12, head_dim 64 bfloat16).
+// The float at p in all 8 lanes, loaded anew at every use: GCC would merge equal broadcasts of
+// one iteration's pairs into one register per head, which does not fit the registers of the
+// 3-head x 2-pair block (see kt_chunk).
 inline __m256 broadcast_again(const float* p) {
     __m256 v;
     asm volatile("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
@@ -223,19 +223,17 @@ inline __m256 broadcast_again(const float* p) {
 
 // Slots [0, 16 W) of a transposed segment at k (element i of slot t at k + i * dstride +
 // t * es) for HB heads: per head element i, one broadcast query element times 8 slots per FMA.
-// HB x 2W accumulators (at most 12) + one pair of slot vectors + one broadcast fit the 16
-// registers: the pairs are visited one at a time and, for 3 heads x 2 pairs, the query element
-// is broadcast again for each (a load-port op, broadcast_again), so nothing spills. bfloat16 slots are widened
-// pairwise ([8 even | 8 odd]) and interleaved back at the store. TAIL: only rem < 16 W slots
-// exist; each row's slots are copied into a zeroed buffer first (nothing past the segment is
-// read). share lines of nx are issued over the d iterations.
+// The pairs of slot vectors are visited one at a time, so HB x 2W accumulators (at most 12),
+// one pair and the broadcasts share the 16 registers; where one broadcast per head would not
+// fit (3 heads x 2 pairs), the query element is broadcast anew for each pair (a load-port op).
+// bfloat16 slots are widened pairwise ([8 even | 8 odd]) and interleaved back at the store.
+// TAIL: only rem < 16 W slots exist; each row's slots are copied into a zeroed buffer first
+// (nothing past the segment is read). share lines of nx are issued over the d iterations.
 template <int DT, int HB, int W, bool TAIL>
 inline void kt_chunk(const uint8_t* k, int64_t dstride, int32_t d, const float* q, int32_t dpad, int64_t rem,
                      float* S, int64_t ldS, NextLines& nx, int64_t share) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
-    // accumulators + a pair + one broadcast per head would not fit the 16 registers (3 x 2):
-    // broadcast anew per pair; the other blocks keep one broadcast per head (measured faster)
-    constexpr bool kAgain = HB * 2 * W + 2 + HB > 16;
+    constexpr bool kAgain = HB * 2 * W + 2 + HB > 16;  // one broadcast per head would not fit
     __m256 acc[HB][2 * W];
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
@@ -257,7 +255,8 @@ inline void kt_chunk(const uint8_t* k, int64_t dstride, int32_t d, const float* 
             load_pair<DT>(p + 16 * w * es, a, b);
 #pragma GCC unroll 6
             for (int h = 0; h < HB; ++h) {
-                const __m256 qb = kAgain ? broadcast_again(q + h * dpad + i) : _mm256_broadcast_ss(q + h * dpad + i);
+                const float* qe = q + h * dpad + i;
+                const __m256 qb = kAgain ? broadcast_again(qe) : _mm256_broadcast_ss(qe);
                 acc[h][2 * w] = _mm256_fmadd_ps(qb, a, acc[h][2 * w]);
                 acc[h][2 * w + 1] = _mm256_fmadd_ps(qb, b, acc[h][2 * w + 1]);
             }
@@ -294,7 +293,9 @@ inline void kt_heads(const uint8_t* k, int64_t count, int64_t dstride, int32_t d
     int64_t lines = 0;
     if (next && next_count > 0) {
         nx.row = next;
-        nx.per_row = (next_count * es + 63) / 64;
+        nx.bytes = next_count * es;
+        const bool unaligned = reinterpret_cast<uintptr_t>(next) % 64 != 0 || dstride % 64 != 0;
+        nx.per_row = (nx.bytes + 63) / 64 + (unaligned ? 1 : 0);
         nx.dstride = dstride;
         lines = nx.per_row * d;
     }
