@@ -1,6 +1,7 @@
 // The avx2 level's transposed-K scores stage (vLLM's vector-ISA cache: per block and KV head
 // K as [head_dim][block_size]) against the row scores stage on the same bytes read as rows
-// (BNSD) and a plain read of them, in TSC ticks per slot (docs/cpu.md, "K stored transposed").
+// (BNSD) and a plain read of them, in TSC ticks per slot (docs/cpu.md, "The AVX2 transposed-K
+// stage").
 // Warm: 1024 slots, best of 3000 calls. Cold: copies of 8192 slots (blocks of 128 in order, as
 // one work item reads them) rotated over 1 GiB, median of 30 rounds of 8 items (a first round
 // is not counted), the three variants interleaved. The first line checks the transposed stage

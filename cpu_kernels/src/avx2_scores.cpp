@@ -315,12 +315,12 @@ void kt_group(const uint8_t* k, int64_t count, int64_t dstride, int32_t d, const
     for (int32_t h0 = 0; h0 < G;) {
         const float* qh = q + int64_t(h0) * dpad;
         float* Sh = S + h0 * ldS;
-        const uint8_t* nx = h0 == 0 ? next : nullptr;
+        const uint8_t* ahead = h0 == 0 ? next : nullptr;  // prefetched by the first block only
         switch (G - h0) {
-            case 1: kt_heads<DT, 1, 4>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 1; break;
-            case 2: kt_heads<DT, 2, 2>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 2; break;
-            case 3: kt_heads<DT, 3, 2>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 3; break;
-            default: kt_heads<DT, 4, 1>(k, count, dstride, d, qh, dpad, Sh, ldS, nx, next_count); h0 += 4; break;
+            case 1: kt_heads<DT, 1, 4>(k, count, dstride, d, qh, dpad, Sh, ldS, ahead, next_count); h0 += 1; break;
+            case 2: kt_heads<DT, 2, 2>(k, count, dstride, d, qh, dpad, Sh, ldS, ahead, next_count); h0 += 2; break;
+            case 3: kt_heads<DT, 3, 2>(k, count, dstride, d, qh, dpad, Sh, ldS, ahead, next_count); h0 += 3; break;
+            default: kt_heads<DT, 4, 1>(k, count, dstride, d, qh, dpad, Sh, ldS, ahead, next_count); h0 += 4; break;
         }
     }
 }
