@@ -203,7 +203,9 @@ def post_select_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_all = l_all * tl.exp(m_all - m_safe) + l_s * tl.exp(m_s - m_safe)
         m_all = m_new
-    lse = tl.where(m_all == float("-inf"), 0.0, m_all) + tl.log(l_all)
+    # +inf where every score is -inf (l = 0): each a - LSE of the head is then -inf (weight 0,
+    # never kept) instead of -inf - -inf = NaN
+    lse = tl.where(l_all == 0.0, float("inf"), tl.where(m_all == float("-inf"), 0.0, m_all) + tl.log(l_all))
 
     g_idx = (b * num_kv_heads + kvh).to(tl.int64) * num_splits + pid_s
     c_base = g_idx * CAP

@@ -153,6 +153,8 @@ def combine_kernel(
                             + row.to(tl.int64) * st_srow, mask=gmask, other=0.0)
             e_est = _scaled_exp(e_est, m_big - mk_big)
         denom = r_all + e_est
+        # denom = 0 with rows kept: every kept score of the head is -inf (weight 0, not 0 / 0)
+        any_kept = any_kept & (denom > 0.0)
         denom_safe = tl.where(any_kept, denom, 1.0)
         out = tl.where(any_kept[:, None], acc / denom_safe[:, None], 0.0)
         w_kept = tl.where(any_kept, r_all / denom_safe, 0.0)

@@ -94,7 +94,7 @@ void combine_lse(Plan& plan, int64_t pair) {
     for (int32_t h = 0; h < plan.G; ++h) {
         const float Msafe = safe_max(pair_max(plan, first, count, h));
         plan.pair_m[size_t(pair * plan.G + h)] = Msafe;
-        plan.pair_logz[size_t(pair * plan.G + h)] = std::log(pair_z(plan, first, count, h, Msafe));
+        plan.pair_logz[size_t(pair * plan.G + h)] = log_sum(pair_z(plan, first, count, h, Msafe));
     }
 }
 

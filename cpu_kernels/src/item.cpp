@@ -232,7 +232,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
                 logz = plan.pair_logz[size_t(pair * G + h)];
             } else {
                 M = safe_max(m_loc[h]);
-                logz = std::log(plan.Z[size_t(i * G + h)]);
+                logz = log_sum(plan.Z[size_t(i * G + h)]);
             }
             sub1[h] = M;
             sub2[h] = logz;

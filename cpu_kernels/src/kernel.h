@@ -3,6 +3,7 @@
 // scratch, and the stages' entry points. docs/cpu.md describes the design.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -57,6 +58,12 @@ enum Phase : int32_t { kFull = 0, kScores = 1, kSelect = 2 };
 // A head's maximum as a reference for its exponent sums: 0 where every score is -inf (its
 // sums are then 0 and exp(a - 0) never turns -inf - -inf into NaN).
 inline float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
+
+// ln Z of a head's exponent sum, the log-sum of its post_softmax log-probabilities
+// a - M - ln Z: +inf where Z is 0 (every valid score -inf), so that each of those
+// log-probabilities is -inf (never kept, and no NaN in the group maximum) instead of
+// -inf - -inf = NaN. NaN stays NaN.
+inline float log_sum(float Z) { return Z == 0.0f ? std::numeric_limits<float>::infinity() : std::log(Z); }
 
 // Block of table entry i of sequence b (BNSD: the sequence itself); used entries of unchecked
 // tables are clamped so that nothing is read out of bounds.

@@ -33,7 +33,14 @@ template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::PassB()
 {
     // Reference max M in P_M, Z in P_R: lnZ, broadcasts, then fresh accumulators.
+    // Z >= 1 wherever a score is finite (its maximum's term is exp(0)), so ln Z >= 0 there;
+    // Z = 0 where every score is -inf, and |ln Z| = +inf then makes each a - m - ln Z of that
+    // head -inf (never kept) instead of -inf - -inf = NaN in the group maximum.
     Ln(Pair(P_LNZ), Pair(P_R), PW);
+    PipeBarrier<PIPE_V>();
+    Muls(Pair(P_TMP), Pair(P_LNZ), -1.0f, PW);
+    PipeBarrier<PIPE_V>();
+    Max(Pair(P_LNZ), Pair(P_LNZ), Pair(P_TMP), PW);
     Brcb(mB, Pair(P_M), static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));
     PipeBarrier<PIPE_V>();
     Brcb(fB, Pair(P_LNZ), static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));

@@ -118,7 +118,9 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
     if inputs.placement == "pre_softmax":
         x, cut = a, theta
     else:
-        x = a - m_safe - torch.log(Z)  # log s_j; compared in the log domain
+        # log s_j, compared in the log domain; -inf where a_j = -inf (also in a head whose
+        # every score is -inf, Z = 0, where a - m - ln Z would be NaN and poison the group max)
+        x = torch.where(a == float("-inf"), float("-inf"), a - m_safe - torch.log(Z))
         cut = log_threshold(theta)
     if inputs.selection == "group":
         # One threshold per KV head against the group maximum of x (NaN-propagating max).
@@ -137,7 +139,8 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
         # m; exp(m - mk) >= 1 rescales it (inf only when the product exceeds float32: the kept
         # weights are then 0).
         mk = torch.where(kept, a, float("-inf")).amax(dim=-1, keepdim=True)
-        mk = torch.where(kept.any(-1, keepdim=True), mk, m_safe)
+        # m where the head keeps no row with a finite score (then its kept weights are 0)
+        mk = torch.where(mk > float("-inf"), mk, m_safe)
         emk = torch.where(valid, torch.exp(a - mk), 0.0)  # exp(a_j - mk) at every valid position
         ek = torch.where(kept, emk, 0.0)
         R = ek.sum(-1, keepdim=True)
@@ -151,9 +154,10 @@ def reference_decode(inputs: DecodeInputs) -> tuple[torch.Tensor, DecodeStats]:
             E = _scaled_exp(inputs.sdc_gamma * dropped, theta_h - mk)  # 0 when gamma or nothing dropped is 0
         else:  # offline: sdc_table is in units of exp(a - m)
             E = _scaled_exp(per_sequence_rows(inputs, inputs.sdc_table_3d(), n).unsqueeze(-1), m_safe - mk)
-        w = torch.where(kept, ek / (R + E), 0.0)
+        # R + E = 0 only where every kept weight is 0 (a_j = -inf: weight 0, never NaN)
+        w = torch.where(kept & (R + E != 0), ek / (R + E), 0.0)
     else:
-        w = torch.where(kept, e / Z, 0.0)
+        w = torch.where(kept & (Z != 0), e / Z, 0.0)  # Z = 0: every score -inf, weight 0
 
     beta = (1.0 - w.sum(-1)).clamp(0.0, 1.0)  # [B, Hq]; NaN stays NaN
     v = v_cache.to(f32)

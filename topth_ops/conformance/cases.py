@@ -151,7 +151,10 @@ def _score_row(qd, kd, b, n, Hq, group, scale, placement):
         a = scale * (kd[b, h // group, :n] @ qd[b, h])
         if placement == "post_softmax" and n:
             m = a.max()
-            a = a - (m + np.log(np.exp(a - m).sum()))
+            if np.isneginf(m):  # every score -inf: every log-probability -inf
+                a = np.full_like(a, -np.inf)
+            else:  # a_j = -inf stays -inf (never kept), NaN / +inf scores give NaN
+                a = np.where(np.isneginf(a), -np.inf, a - (m + np.log(np.exp(a - m).sum())))
         per_head.append(a)
     return per_head
 

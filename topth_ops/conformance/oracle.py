@@ -205,9 +205,10 @@ def oracle_decode(
                         E = sdc_gamma * n_drop * np.exp(theta - m) if n_drop > 0 else 0.0
                     else:
                         E = table[s, h, row]
-                    w = e[keep] / (R_sum + E) if keep.any() else np.zeros(0)
+                    # R + E = 0: every kept score is -inf (weight 0, semantics "Edge cases")
+                    w = e[keep] / (R_sum + E) if keep.any() and R_sum + E != 0 else np.zeros(int(keep.sum()))
                 else:
-                    w = e[keep] / e.sum()
+                    w = e[keep] / e.sum() if e.sum() != 0 else np.zeros(int(keep.sum()))
                 beta = min(max(1.0 - w.sum(), 0.0), 1.0)  # semantics 4
                 o = w @ vals[keep] if keep.any() else np.zeros(D)
                 if vmc:

@@ -231,6 +231,41 @@ def _nan(h: Harness) -> None:
         h.check(case)
 
 
+NEG_INF_SHAPE = Shape((54, 97, 7, 130), 9, 3, 64, 130)
+# (placement, sdc) of the neg_inf_scores cases; VMC on every other one
+NEG_INF_VARIANTS = (("pre_softmax", "none"), ("pre_softmax", "exact"), ("pre_softmax", "exp_threshold"),
+                    ("pre_softmax", "offline"), ("post_softmax", "none"))
+
+
+def inject_neg_inf(q, k, v) -> None:
+    """-inf scores in NEG_INF_SHAPE's tensors (in place): sequence 0 head 1 and sequence 3 head 8
+    score -inf everywhere (a -inf query element meets key elements > 0; the other heads of
+    their groups stay finite); sequence 1 rows 4 and 60 score -inf in every head of group 2;
+    sequence 2 group 1 scores -inf everywhere in every head (nothing kept)."""
+    k[0, 0, :, 1] = k[0, 0, :, 1].abs() + 0.5
+    q[0, 1, 1] = float("-inf")
+    q[1, 6:9, 2] = q[1, 6:9, 2].abs() + 0.5
+    k[1, 2, 4, 2] = k[1, 2, 60, 2] = float("-inf")
+    k[2, 1, :, 3] = k[2, 1, :, 3].abs() + 0.5
+    q[2, 3:6, 3] = float("-inf")
+    k[3, 2, :, 4] = k[3, 2, :, 4].abs() + 0.5
+    q[3, 8, 4] = float("-inf")
+
+
+def neg_inf_case(dtype: torch.dtype, placement: str, sdc: str, selection: str, vmc: bool, seed: int) -> Case:
+    """A random call on NEG_INF_SHAPE with inject_neg_inf's -inf scores (guard-banded thresholds)."""
+    return random_case(f"neg_inf_{placement}_{sdc}_{selection}", NEG_INF_SHAPE, dtype, placement=placement,
+                       sdc=sdc, vmc=vmc, selection=selection, mutate=inject_neg_inf, seed=seed)
+
+
+@rule("neg_inf_scores", "a score of -inf has weight 0 and is never kept; a head whose every score is -inf returns 0 (mu with VMC) and changes nothing for the other heads of its group; both placements and selections")
+def _neg_inf(h: Harness) -> None:
+    for i, (placement, sdc) in enumerate(NEG_INF_VARIANTS):
+        for selection in ("head", "group"):
+            h.check(neg_inf_case(h.dtype, placement, sdc, selection, vmc=i % 2 == 0,
+                                 seed=h.seed("neginf", placement, sdc, selection)))
+
+
 @rule("batch_independence", "a sequence's result does not depend on the other sequences, max_seq_len or batch order")
 def _batch(h: Harness) -> None:
     for shape in h.shapes:
