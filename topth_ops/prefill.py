@@ -237,7 +237,9 @@ def prefill_attention(
             if rule.placement == "pre_softmax" or rule.kind == "topk":
                 x, x_theta = a, theta
             else:
-                x = t.sub_(torch.log(Z))  # log of s_j, compared in the log domain
+                # log of s_j, compared in the log domain; -inf where a_j = -inf (also in a head
+                # whose every score is -inf: Z = 0, where t - ln Z would be NaN in the group max)
+                x = torch.where(a == float("-inf"), float("-inf"), t.sub_(torch.log(Z)))
                 x_theta = torch.where(theta > 0, torch.log(theta), float("-inf"))
                 x_theta = torch.where(torch.isnan(theta), theta, x_theta)
             if rule.selection == "group":
@@ -264,7 +266,7 @@ def prefill_attention(
                 # nothing kept and no compensation: w is all zero (never 0 / 0 = NaN)
                 w.div_(torch.where(denom == 0, torch.ones_like(denom), denom))
             else:
-                w = e.masked_fill_(~kept, 0.0).div_(Z)
+                w = e.masked_fill_(~kept, 0.0).div_(torch.where(Z == 0, torch.ones_like(Z), Z))  # Z = 0: all -inf
         beta = (1.0 - w.sum(-1)).clamp(0.0, 1.0)  # [B, Hq, C]
         o = torch.matmul(w.reshape(B, Hkv, G * C, Sc), vc).view(B, Hq, C, D)
         if rule.vmc:

@@ -55,6 +55,28 @@ def test_prefill_rows_equal_decode_op_steps(placement, sdc, vmc):
     assert 0 < int(st.kept[:, :, 10:].sum()) < int(rows[:, 10:].sum()) * HQ
 
 
+@pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
+@pytest.mark.parametrize("selection", ["head", "group"])
+def test_neg_inf_head_equals_decode_op(placement, selection):
+    """A head whose every score is -inf (docs/semantics.md, "Edge cases"): 0 plus mu (VMC) for
+    it, the other heads of its group as the decode op gives them, row by row."""
+    q, k, v, pre, post, _ = _inputs(2)
+    k[0, 0, :, 1] = k[0, 0, :, 1].abs() + 0.5
+    q[0, 1, :, 1] = float("-inf")  # sequence 0, head 1 (group 0): every score -inf
+    th = pre if placement == "pre_softmax" else post
+    th = th[:HKV] if selection == "group" else th
+    rule = RowRule("table", placement=placement, thresholds=th, vmc=True, selection=selection)
+    rows = torch.arange(1, S + 1).view(1, S).expand(B, S)
+    out, st = prefill_attention(q, k, v, rows, rule, scale=D ** -0.5, return_stats=True)
+    for i in range(S):
+        n = i + 1
+        o, s = decode_attention(q[:, :, i], k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), torch.full((B,), n),
+                                th, placement=placement, vmc=True, selection=selection, return_stats=True)
+        torch.testing.assert_close(out[:, :, i], o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o[0, 1], v[0, 0, :n].mean(0), rtol=1e-5, atol=1e-5)  # beta = 1: mu
+        assert torch.equal(st.kept[:, :, i], s.kept)
+
+
 def test_topk_rule_matches_explicit_sort():
     q, k, v, *_ = _inputs(1)
     K = 5
