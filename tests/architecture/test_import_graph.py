@@ -194,7 +194,7 @@ def test_no_module_getattr():
 LAYERS = [
     ("topth_ops.cuda_kernels", "topth_ops.cpu_kernels", "topth_ops.npu_kernels"),
     ("topth_ops.validation", "topth_ops.packed", "topth_ops.codes", "topth_ops.env", "topth_ops.vmean", "topth_ops.cli"),
-    ("topth_ops.contract", "topth_ops.paged", "topth_ops.value_sum"),
+    ("topth_ops.contract", "topth_ops.contract_checks", "topth_ops.paged", "topth_ops.value_sum"),
     ("topth_ops.registry", "topth_ops.prefill"),
     ("topth_ops.op", "topth_ops.api", "topth_ops"),
     ("topth_ops.backends",),
