@@ -62,7 +62,7 @@ def decode_attention(
     thresholds : torch.Tensor
         float32 ``[H, max_row_id]``, or ``[num_sets, H, max_row_id]`` with
         ``threshold_set``: theta per head and row id (logits for pre_softmax,
-        probabilities for post_softmax); -inf keeps everything. H is num_q_heads
+        probabilities for post_softmax); -inf keeps every finite score. H is num_q_heads
         (``selection="head"``) or num_kv_heads (``selection="group"``).
     scale : float, optional
         Softmax scale, finite and > 0; default ``1 / sqrt(head_dim)``.

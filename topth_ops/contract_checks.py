@@ -23,7 +23,7 @@ _shape = V.shape_str
 
 
 def check_tensors(query, key_cache, value_cache, seq_lens, thresholds, sdc_table, value_mean, block_table,
-                   threshold_set, kv_layout, selection):
+                  threshold_set, kv_layout, selection):
     """Tensor arguments: types, ranks, dtypes and one device; the layout and selection names.
 
     Parameters
@@ -183,7 +183,7 @@ def check_options(vmc, return_stats, value_mean, scale, batch: int, num_kv_heads
 
 
 def check_values(lens, block_table, threshold_set, sdc_table, th, max_seq_len: int, block_size: int,
-                  num_blocks: int) -> None:
+                 num_blocks: int) -> None:
     """Values, where they need no device sync (CPU tensors outside a trace): seq_lens in
     [0, max_seq_len], used block ids in [0, num_blocks), threshold_set in [0, num_sets),
     sdc_table finite and >= 0.

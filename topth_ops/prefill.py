@@ -259,7 +259,8 @@ def prefill_attention(
                 elif rule.sdc == "exp_threshold":
                     dropped = (n4 - kept.sum(-1, keepdim=True)).to(f32)
                     E = rule.sdc_gamma * dropped * torch.exp(theta - m_safe)
-                    E = torch.where(dropped > 0, E, torch.zeros_like(E))
+                    # 0 when nothing is dropped or gamma is 0 (never 0 x inf = NaN)
+                    E = torch.where((dropped > 0) & (rule.sdc_gamma != 0), E, torch.zeros_like(E))
                 elif rule.sdc == "offline":
                     E = _lookup(tables[1], n)
                 denom = Rk + E

@@ -130,15 +130,17 @@ void combine_pair(Plan& plan, int64_t pair) {
             for (int32_t d = 0; d < D; ++d) o[d] = 0.0f;
         } else {
             const float Msafe = safe_max(pair_max(plan, first, count, hh));
-            // the sums' reference: the largest m_ref of the splits that kept rows (pre_softmax
-            // with group selection: a split's m_ref may be its kept maximum, far below Msafe,
-            // item.cpp); Msafe when no split kept any
+            // the sums' reference: the largest m_ref of the splits that kept rows with a finite
+            // score (pre_softmax with group selection: a split's m_ref may be its kept maximum,
+            // far below Msafe, item.cpp; a split whose kept scores are all -inf has R = 0 and
+            // must not set the reference); Msafe when no split kept any
             float Mref = Msafe;
             if (P.placement == kPre) {
                 float mk = -kInf;
                 for (int64_t p = first; p < first + count; ++p) {
                     const size_t ph = size_t(p * G + hh);
-                    if (plan.kc[ph] > 0 && plan.m_loc[ph] != -kInf) mk = std::fmax(mk, plan.m_ref[ph]);
+                    if (plan.kc[ph] > 0 && plan.m_loc[ph] != -kInf && plan.R[ph] != 0.0f)
+                        mk = std::fmax(mk, plan.m_ref[ph]);
                 }
                 if (mk != -kInf) Mref = mk;
             }
@@ -152,7 +154,7 @@ void combine_pair(Plan& plan, int64_t pair) {
                 if (plan.m_loc[ph] == -kInf) continue;  // every score -inf: no weight
                 // the dropped sum (exact SDC) is relative to the split's own maximum
                 Dd += scaled_exp(plan.Dd[ph], safe_max(plan.m_loc[ph]) - Mref);
-                if (plan.kc[ph] == 0) continue;
+                if (plan.kc[ph] == 0 || plan.R[ph] == 0.0f) continue;  // R = 0: its kept scores are -inf
                 const float f = std::exp(plan.m_ref[ph] - Mref);  // <= 1: Mref is the largest
                 R += f * plan.R[ph];
                 const float* a = &plan.acc[ph * size_t(dpad)];

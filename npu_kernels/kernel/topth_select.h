@@ -33,14 +33,13 @@ template <typename T>
 __aicore__ inline void TopthDecodeKernel<T>::PassB()
 {
     // Reference max M in P_M, Z in P_R: lnZ, broadcasts, then fresh accumulators.
-    // Z >= 1 wherever a score is finite (its maximum's term is exp(0)), so ln Z >= 0 there;
-    // Z = 0 where every score is -inf, and |ln Z| = +inf then makes each a - m - ln Z of that
-    // head -inf (never kept) instead of -inf - -inf = NaN in the group maximum.
+    // Z is at least about 1 wherever a score is finite (its maximum's term is exp(0)); Z = 0
+    // where every score is -inf. Z is raised to 2^-100 first, so ln Z is finite there and each
+    // a - m - ln Z of that head is -inf (never kept) instead of -inf - -inf = NaN in the group
+    // maximum (a poisoned head's NaN scores keep it NaN whatever Maxs does with a NaN Z).
+    Maxs(Pair(P_R), Pair(P_R), 7.888609052210118e-31f, PW);
+    PipeBarrier<PIPE_V>();
     Ln(Pair(P_LNZ), Pair(P_R), PW);
-    PipeBarrier<PIPE_V>();
-    Muls(Pair(P_TMP), Pair(P_LNZ), -1.0f, PW);
-    PipeBarrier<PIPE_V>();
-    Max(Pair(P_LNZ), Pair(P_LNZ), Pair(P_TMP), PW);
     Brcb(mB, Pair(P_M), static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));
     PipeBarrier<PIPE_V>();
     Brcb(fB, Pair(P_LNZ), static_cast<uint8_t>(PW / 8), BrcbRepeatParams(1, 8));

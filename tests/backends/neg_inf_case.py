@@ -5,7 +5,7 @@ VMC, and changes nothing for the other heads of its group): the conformance rule
 
 import torch
 
-from topth_ops.conformance.rules import NEG_INF_VARIANTS, neg_inf_case
+from topth_ops.conformance.rules import NEG_INF_VARIANTS, neg_inf_case, overflow_case
 from topth_ops.paged import to_paged
 
 
@@ -23,3 +23,10 @@ def neg_inf_calls(dtype: torch.dtype, layouts=(None,)):
                                              generator=torch.Generator().manual_seed(i))
                     kw.update(key_cache=kc, value_cache=vc, block_table=table, kv_layout=layout)
                 yield (placement, sdc, selection, layout), kw
+
+
+def overflow_calls(dtype: torch.dtype):
+    """Yields (what, keyword arguments) of the rule's float32-overflow case (a kept row that
+    scores -inf in one head of the group), with and without VMC and with exact SDC."""
+    for sdc, vmc in (("none", False), ("none", True), ("exact", False), ("exp_threshold", True)):
+        yield ("overflow", sdc, vmc), overflow_case(dtype, sdc, vmc).kwargs

@@ -72,3 +72,35 @@ def test_empty_sequence_is_zero():
     k = torch.full((1, 1, 3, 4), float("nan"))
     r = oracle_decode(q, k, k, torch.tensor([0]), torch.zeros(2, 3), vmc=True)
     assert (r.out == 0).all() and (r.kept == 0).all() and (r.v_rows == 0).all()
+
+
+def test_all_neg_inf_head_in_a_group_by_hand():
+    """Group selection: head 1 scores -inf everywhere (docs/semantics.md, "Edge cases"): weight 0
+    on the rows its group keeps, so with VMC it returns mu with dropped_mass 1 (also with
+    exp_threshold, gamma 0 and theta - m far past float64's exp range: E~ = 0, never 0 x inf);
+    head 0, scores [3, 2, 0, 0], keeps rows 0-1."""
+    D, n = 2, 4
+    q = torch.zeros(1, 2, D, dtype=torch.float64)
+    q[0, 0, 0] = 1.0
+    q[0, 1, 1] = float("-inf")
+    k = torch.zeros(1, 1, n, D, dtype=torch.float64)
+    k[0, 0, :, 0] = torch.tensor([3.0, 2.0, 0.0, 0.0], dtype=torch.float64)
+    k[0, 0, :, 1] = 1.0
+    v = torch.zeros(1, 1, n, D, dtype=torch.float64)
+    v[0, 0, :, 0] = torch.tensor([10.0, 20.0, 30.0, 40.0], dtype=torch.float64)
+    mu = 25.0
+    e = np.exp(np.array([0.0, -1.0, -3.0, -3.0]))
+    for placement, theta in (("pre_softmax", 1.0), ("post_softmax", 0.1)):
+        r = oracle_decode(q, k, v, torch.tensor([n]), torch.tensor([[theta]]), scale=1.0, placement=placement,
+                          selection="group", vmc=True)
+        assert r.kept.tolist() == [[2, 2]] and r.v_rows.tolist() == [[2]], placement
+        assert r.out[0, 1, 0] == mu and r.dropped_mass[0, 1] == 1.0, placement
+        w = e[:2] / (e.sum() if placement == "post_softmax" else e[:2].sum())
+        assert math.isclose(r.out[0, 0, 0], w[0] * 10 + w[1] * 20 + (1 - w.sum()) * mu, rel_tol=1e-12), placement
+    # scale 400: head 0 scores [1200, 800, 0, 0], theta 800 keeps row 0; head 1's exp(theta - m)
+    # (m taken as 0) overflows float64
+    r = oracle_decode(q, k, v, torch.tensor([n]), torch.tensor([[800.0]]), scale=400.0, placement="pre_softmax",
+                      selection="group", vmc=True, sdc="exp_threshold", sdc_gamma=0.0)
+    assert r.kept.tolist() == [[1, 1]]
+    assert r.out[0, 1, 0] == mu and r.dropped_mass[0, 1] == 1.0
+    assert r.out[0, 0, 0] == 10.0 and r.dropped_mass[0, 0] == 0.0

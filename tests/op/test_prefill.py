@@ -77,6 +77,28 @@ def test_neg_inf_head_equals_decode_op(placement, selection):
         assert torch.equal(st.kept[:, :, i], s.kept)
 
 
+def test_exp_threshold_gamma_zero_far_threshold_equals_decode_op():
+    """sdc="exp_threshold" with sdc_gamma = 0 and theta - m past float32's exp range: E~ = 0
+    (never 0 x inf = NaN), as in the decode op; head 1 of the group scores -inf everywhere."""
+    S4 = 4
+    q, k = torch.zeros(1, 2, S4, D), torch.zeros(1, 1, S4, D)
+    v = torch.randn(1, 1, S4, D, generator=torch.Generator().manual_seed(0))
+    q[0, 0, :, 0] = 1.0
+    k[0, 0, ::2, 0] = 100.0  # head 0 scores 100 on rows 0 and 2 (kept with theta 90), 0 elsewhere
+    k[0, 0, :, 1] = 1.0
+    q[0, 1, :, 1] = float("-inf")  # head 1: every score -inf
+    th = torch.full((1, S4), 90.0)
+    rule = RowRule("table", placement="pre_softmax", sdc="exp_threshold", sdc_gamma=0.0, thresholds=th, vmc=True,
+                   selection="group")
+    out, st = prefill_attention(q, k, v, torch.arange(1, S4 + 1).view(1, S4), rule, scale=1.0, return_stats=True)
+    for i in range(S4):
+        o, s = decode_attention(q[:, :, i], k[:, :, :i + 1].contiguous(), v[:, :, :i + 1].contiguous(),
+                                torch.tensor([i + 1]), th, scale=1.0, placement="pre_softmax", sdc="exp_threshold",
+                                sdc_gamma=0.0, vmc=True, selection="group", return_stats=True)
+        torch.testing.assert_close(out[:, :, i], o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(st.dropped_mass[:, :, i], s.dropped_mass, rtol=1e-6, atol=1e-6)
+
+
 def test_topk_rule_matches_explicit_sort():
     q, k, v, *_ = _inputs(1)
     K = 5

@@ -263,7 +263,8 @@ def kept_union_masks(inputs: DecodeInputs) -> list:
     if inputs.placement == "pre_softmax":
         x, cut = a, theta
     else:
-        x = a - torch.logsumexp(a, dim=-1, keepdim=True)
+        # -inf where a = -inf (a head whose every score is -inf: not -inf - -inf = NaN)
+        x = torch.where(a == float("-inf"), float("-inf"), a - torch.logsumexp(a, dim=-1, keepdim=True))
         cut = torch.where(theta > 0, torch.log(theta), float("-inf"))
         cut = torch.where(torch.isnan(theta), theta, cut)
     if inputs.selection == "group":

@@ -258,12 +258,36 @@ def neg_inf_case(dtype: torch.dtype, placement: str, sdc: str, selection: str, v
                        sdc=sdc, vmc=vmc, selection=selection, mutate=inject_neg_inf, seed=seed)
 
 
+def overflow_case(dtype: torch.dtype, sdc: str = "none", vmc: bool = False) -> Case:
+    """Group selection, pre_softmax, one KV head of two query heads, 64 positions: head 1 makes
+    the group keep rows 0 and 40; head 0's float32 score overflows to -inf at row 0 (weight 0
+    there), its maximum (row 1, 100) is dropped and its score at row 40 is -200. So head 0
+    returns row 40's V alone, however a backend splits the positions (a split holding only
+    row 0 of head 0's kept rows must not set its reference). float32 and bfloat16 inputs only:
+    float16 products cannot overflow float32."""
+    d, S = 16, 64
+    q, k = torch.zeros(1, 2, d), torch.zeros(1, 1, S, d)
+    q[0, 0, 0], q[0, 0, 1], q[0, 0, 2] = 1e20, 1.0, 1.0
+    q[0, 1, 0], q[0, 1, 3] = -2e-18, 1.0
+    k[0, 0, 0, 0] = -1e20                       # row 0: head 0 -1e40 (-inf in float32), head 1 200
+    k[0, 0, 1, 1] = 100.0                       # row 1: head 0 100, head 1 0 (dropped)
+    k[0, 0, 40, 2], k[0, 0, 40, 3] = -200.0, 200.0  # row 40: head 0 -200, head 1 200
+    v = torch.randn(1, 1, S, d, generator=torch.Generator().manual_seed(0))
+    kw = dict(query=q.to(dtype), key_cache=k.to(dtype), value_cache=v.to(dtype), seq_lens=torch.tensor([S]),
+              thresholds=torch.full((1, 1), 150.0), scale=1.0, placement="pre_softmax", selection="group",
+              sdc=sdc, vmc=vmc)
+    return Case(f"neg_inf_overflow_{sdc}{'_vmc' if vmc else ''}", kw)
+
+
 @rule("neg_inf_scores", "a score of -inf has weight 0 and is never kept; a head whose every score is -inf returns 0 (mu with VMC) and changes nothing for the other heads of its group; both placements and selections")
 def _neg_inf(h: Harness) -> None:
     for i, (placement, sdc) in enumerate(NEG_INF_VARIANTS):
         for selection in ("head", "group"):
             h.check(neg_inf_case(h.dtype, placement, sdc, selection, vmc=i % 2 == 0,
                                  seed=h.seed("neginf", placement, sdc, selection)))
+    if h.dtype != torch.float16:
+        for sdc, vmc in (("none", False), ("none", True), ("exact", False)):
+            h.check(overflow_case(h.dtype, sdc, vmc))
 
 
 @rule("batch_independence", "a sequence's result does not depend on the other sequences, max_seq_len or batch order")

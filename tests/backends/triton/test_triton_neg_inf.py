@@ -9,10 +9,10 @@ import torch
 from topth_ops.backends.triton.launch import LaunchConfig
 from topth_ops.conformance.oracle import oracle_decode
 
-from ..neg_inf_case import neg_inf_calls
+from ..neg_inf_case import neg_inf_calls, overflow_calls
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 2, 3])
 def test_neg_inf(launch, check, splits):
-    for _what, kw in neg_inf_calls(torch.float32, (None, "NHD")):
+    for _what, kw in [*neg_inf_calls(torch.float32, (None, "NHD")), *overflow_calls(torch.float32)]:
         check(launch(kw, LaunchConfig(block_n=32, num_splits=splits)), oracle_decode(**kw), torch.float32)
