@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .oracle import oracle_decode
+from .oracle import keep_values, oracle_decode
 
 # Smallest allowed distance between a valid score and its threshold (score units for
 # pre_softmax, log-probability units for post_softmax). float32 scores of this suite's
@@ -149,13 +149,7 @@ def _score_row(qd, kd, b, n, Hq, group, scale, placement):
     per_head = []
     for h in range(Hq):
         a = scale * (kd[b, h // group, :n] @ qd[b, h])
-        if placement == "post_softmax" and n:
-            m = a.max()
-            if np.isneginf(m):  # every score -inf: every log-probability -inf
-                a = np.full_like(a, -np.inf)
-            else:  # a_j = -inf stays -inf (never kept), NaN / +inf scores give NaN
-                a = np.where(np.isneginf(a), -np.inf, a - (m + np.log(np.exp(a - m).sum())))
-        per_head.append(a)
+        per_head.append(keep_values(a, placement) if n else a)  # what the oracle compares
     return per_head
 
 

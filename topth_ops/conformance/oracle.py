@@ -73,9 +73,23 @@ def _sequence_kv(k: np.ndarray, v: np.ndarray, b: int, g: int, n: int, block_tab
     return np.array(keys), np.array(vals)
 
 
-def _keep_values(a: np.ndarray, placement: str) -> np.ndarray:
-    """What the threshold is compared with: the logits a (pre_softmax) or, for post_softmax,
-    the log-probabilities log s_j (compared with ln theta; exact enough in float64)."""
+def keep_values(a: np.ndarray, placement: str) -> np.ndarray:
+    """What the threshold is compared with (docs/semantics.md, "The formulas", steps 2-3).
+
+    Parameters
+    ----------
+    a : numpy.ndarray
+        float64 ``[n]``, n >= 1: one head's scores over its valid positions.
+    placement : {"pre_softmax", "post_softmax"}
+
+    Returns
+    -------
+    numpy.ndarray
+        float64 ``[n]``: the logits ``a`` (pre_softmax) or the log-probabilities log s_j
+        (post_softmax, compared with ln theta; exact enough in float64): -inf where a_j is
+        -inf (every entry when every score is -inf), NaN throughout when a score is NaN or
+        +inf.
+    """
     if placement == "pre_softmax":
         return a
     m = a.max()
@@ -175,7 +189,7 @@ def oracle_decode(
                     nonfinite[b, list(heads)] = True
                     out[b, [h for h in heads if h not in bad]] = np.nan
                     continue
-                x = np.max([_keep_values(a_all[h], placement) for h in heads], axis=0)
+                x = np.max([keep_values(a_all[h], placement) for h in heads], axis=0)
                 keep_g, marg = _keep_mask(x, th[s, g, row], placement)
             union = np.zeros(n, dtype=bool)
             for h in heads:
@@ -188,7 +202,7 @@ def oracle_decode(
                     theta = th[s, g, row]
                 else:
                     theta = th[s, h, row]
-                    keep, margin[b, h] = _keep_mask(_keep_values(a, placement), theta, placement)
+                    keep, margin[b, h] = _keep_mask(keep_values(a, placement), theta, placement)
                 m = a.max()
                 if np.isneginf(m):  # every score -inf: no weight anywhere
                     e, m = np.zeros(n), 0.0
