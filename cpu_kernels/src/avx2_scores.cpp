@@ -145,19 +145,28 @@ const float* query_for(const float* q, int32_t G, int32_t dpad, float* buf) {
     return buf;
 }
 
+// Rows [0, count). pf null: the stage prefetches its own list, the rows `far` ahead into L2
+// and the next tile's into L1 (none for one contiguous run). pf given (unit_scores): pf[t]
+// (t < pf_count) into L2 while row t is read, and the next tile of this call's rows into L1.
 template <int DT>
-void direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* q, int32_t G, float* S,
-            int64_t ldS, float* qbuf) {
+void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_list, int64_t pf_count, int32_t d,
+            int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* qbuf) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const float* qs = query_for<DT>(q, G, dpad, qbuf);
     constexpr int64_t kStep = kTile;
-    const bool prefetch = !one_run(rows, count, row_bytes);
+    const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
     const uint8_t* pfar[kTile];
     const uint8_t* pnear[kTile];
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {
         const int64_t T = count - t0 < kStep ? count - t0 : kStep;
-        const uint8_t* const* pf = prefetch ? ahead_rows(rows, t0, count, far, kTile, pfar) : nullptr;
+        const uint8_t* const* pf = nullptr;
+        if (pf_list && t0 < pf_count) {  // past pf_count: its last row again (a harmless repeat)
+            for (int64_t t = 0; t < kTile; ++t) pfar[t] = pf_list[t0 + t < pf_count ? t0 + t : pf_count - 1];
+            pf = pfar;
+        } else if (!pf_list && prefetch) {
+            pf = ahead_rows(rows, t0, count, far, kTile, pfar);
+        }
         const uint8_t* const* pn = prefetch ? ahead_rows(rows, t0, count, kStep, kTile, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         tile_scores<DT>(rows + t0, T, d / 16, qs, dpad, G, S + t0, ldS, pf, pn);
@@ -166,16 +175,16 @@ void direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, 
 
 }  // namespace
 
-void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
+void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
+               int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile) {
     if (count <= 0) return;
     // tile: 16 * dpad floats of converted rows, then the split query (G * dpad floats, scratch
     // of 40 * dpad + 1024 floats: Scratch::reserve) for groups of up to 16 heads
     float* qbuf = tile + 16 * int64_t(dpad);
     if (sdim == 1 && d % 16 == 0 && (dtype != kBF16 || G <= 16)) {
-        if (dtype == kF32) direct<kF32>(rows, count, d, dpad, q, G, S, ldS, qbuf);
-        else if (dtype == kF16) direct<kF16>(rows, count, d, dpad, q, G, S, ldS, qbuf);
-        else direct<kSplit>(rows, count, d, dpad, q, G, S, ldS, qbuf);
+        if (dtype == kF32) direct<kF32>(rows, count, pf, pf_count, d, dpad, q, G, S, ldS, qbuf);
+        else if (dtype == kF16) direct<kF16>(rows, count, pf, pf_count, d, dpad, q, G, S, ldS, qbuf);
+        else direct<kSplit>(rows, count, pf, pf_count, d, dpad, q, G, S, ldS, qbuf);
         return;
     }
     const int64_t es = dtype == kF32 ? 4 : 2;
@@ -183,13 +192,24 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const uint8_t* r[16];
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        if (row_bytes) prefetch_ahead(rows, t0, 16, count, row_bytes, far);
+        if (row_bytes && pf) {  // the caller's rows into L2, this call's next tile into L1
+            const int64_t n2 = pf_count - t0, n1 = count - (t0 + 16);
+            prefetch_rows(pf, t0, n2 < 16 ? n2 : 16, row_bytes, true);
+            prefetch_rows(rows, t0 + 16, n1 < 16 ? n1 : 16, row_bytes, false);
+        } else if (row_bytes) {
+            prefetch_ahead(rows, t0, 16, count, row_bytes, far);
+        }
         for (int64_t t = 0; t < T; ++t) {
             load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
             r[t] = reinterpret_cast<const uint8_t*>(tile + t * dpad);
         }
         tile_scores<kF32>(r, T, dpad / 16, q, dpad, G, S + t0, ldS, nullptr, nullptr);
     }
+}
+
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
+    scores_pf(rows, count, nullptr, 0, dtype, sdim, d, dpad, q, G, S, ldS, tile);
 }
 
 namespace {
@@ -365,7 +385,7 @@ float sum_exp(const float* S, int64_t len, float mref) {
 const SimdOps* ops_avx2() {
     static const SimdOps ops = {"avx2", avx2_level::scores, avx2_level::max_bad, avx2_level::sum_exp,
                                 avx2_level::select, avx2_level::pv, avx2_level::vsum,
-                                nullptr, nullptr, avx2_level::scores_kt};
+                                nullptr, nullptr, avx2_level::scores_kt, avx2_level::scores_pf};
     return &ops;
 }
 

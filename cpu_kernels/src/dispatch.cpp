@@ -300,10 +300,15 @@ Counters decode(const Params& P, int32_t level) {
     auto items = [&](Phase phase) {
         for (int64_t p = 0; p < pairs; ++p) g_remaining[p].store(pl.pair_count[size_t(p)], std::memory_order_relaxed);
         const int64_t U = int64_t(pl.unit_first.size()) - 1;
+        const bool walk = phase != kSelect && unit_walk(pl);
         parallel_for(threads, U, [&](int64_t u, int32_t w) {
-            for (int64_t t = pl.unit_first[size_t(u)]; t < pl.unit_first[size_t(u) + 1]; ++t) {
+            const int64_t first = pl.unit_first[size_t(u)], end = pl.unit_first[size_t(u) + 1];
+            Scratch& sc = g_scratch[size_t(w)];
+            const bool walked = walk && end - first > 1;  // the KV heads of one NHD range: one K walk
+            if (walked) unit_scores(pl, &pl.order[size_t(first)], end - first, sc);
+            for (int64_t t = first; t < end; ++t) {
                 const int64_t i = pl.order[size_t(t)];
-                run_item(pl, i, phase, g_scratch[size_t(w)]);
+                run_item(pl, i, phase, sc, walked ? sc.scored[size_t(t - first)] : nullptr);
                 const int64_t pair = pl.items[size_t(i)].b * P.num_kv_heads + pl.items[size_t(i)].g;
                 if (g_remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
                     if (phase == kScores) combine_lse(pl, pair);

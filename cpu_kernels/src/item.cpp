@@ -160,20 +160,72 @@ float threshold_of(const Plan& plan, int64_t b, int64_t th_head) {
     return P.thresholds[plan.set[b] * P.th_s[0] + th_head * P.th_s[1] + plan.row[b] * P.th_s[2]];
 }
 
-void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
+bool unit_walk(const Plan& plan) {
+    const Params& P = *plan.P;
+    const bool transposed = P.k_s[2] == 1 && P.k_s[3] != 1 && plan.ops->scores_kt;  // as in run_item
+    return !P.kv_packed && !transposed && plan.ops->scores_pf;
+}
+
+void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
+    // The walk goes over the range in chunks of kWalk positions, each chunk head after head
+    // (one stage call per head), so that the heads' rows of a few blocks are read together
+    // rather than the whole range once per head. While a chunk is read, the next one is
+    // prefetched into L2 slot by slot, all heads of a slot together: in address order inside
+    // each block of an NHD cache, spread over the chunk's calls.
+    constexpr int64_t kWalk = 48;
+    const Params& P = *plan.P;
+    const Item& first = plan.items[size_t(items[0])];  // every item of a unit has its b, lo, hi
+    const int64_t len = first.hi - first.lo, b = first.b, piece = n * kWalk;
+    const int32_t G = plan.G, dpad = plan.dpad;
+    if (int64_t(sc.walk.size()) < 3 * piece) sc.walk.resize(size_t(3 * piece));
+    if (!plan.two_phase && int64_t(sc.unit_S.size()) < G * n * len) sc.unit_S.resize(size_t(G * n * len));
+    sc.scored.resize(size_t(n));
+    for (int64_t k = 0; k < n; ++k)
+        sc.scored[size_t(k)] = plan.two_phase ? plan.ws.data() + plan.items[size_t(items[k])].ws_off
+                                              : sc.unit_S.data() + k * G * len;
+    const uint8_t** cur = sc.walk.data();
+    const uint8_t** nxt = cur + piece;
+    const uint8_t** slots = nxt + piece;
+    // rows of positions [first.lo + c, + its count) of every item's head, head after head
+    const auto chunk_rows = [&](int64_t c, const uint8_t** out) {
+        const int64_t cnt = std::min(kWalk, len - c);
+        for (int64_t k = 0; k < n; ++k)
+            consecutive_rows(P, P.key, P.k_s, b, plan.items[size_t(items[k])].g, first.lo + c, cnt, out + k * cnt);
+        return cnt;
+    };
+    for (int64_t c = 0, cnt = chunk_rows(0, cur); cnt > 0;) {
+        const int64_t next = c + cnt < len ? chunk_rows(c + cnt, nxt) : 0;
+        for (int64_t k = 0; k < n; ++k)
+            for (int64_t r = 0; r < next; ++r) slots[r * n + k] = nxt[k * next + r];
+        for (int64_t k = 0; k < n; ++k) {
+            const int64_t g = plan.items[size_t(items[k])].g;
+            const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
+            const int64_t pf_count = std::max<int64_t>(0, std::min(cnt, n * next - k * cnt));
+            plan.ops->scores_pf(cur + k * cnt, cnt, slots + k * cnt, pf_count, P.dtype, P.k_s[3], plan.D, dpad, q,
+                                G, sc.scored[size_t(k)] + c, len, sc.tile.data());
+        }
+        std::swap(cur, nxt);
+        c += cnt;
+        cnt = next;
+    }
+}
+
+void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored) {
     const Params& P = *plan.P;
     const SimdOps& ops = *plan.ops;
     const Item& it = plan.items[size_t(i)];
     const int32_t G = plan.G, D = plan.D, dpad = plan.dpad;
     const int64_t len = it.hi - it.lo, b = it.b, g = it.g;
-    float* S = plan.two_phase ? plan.ws.data() + it.ws_off : sc.S.data();
+    float* S = scored ? scored : plan.two_phase ? plan.ws.data() + it.ws_off : sc.S.data();
     float* m_loc = &plan.m_loc[size_t(i * G)];
     const uint8_t** rows = sc.rows.data();
 
     if (phase != kSelect) {
         const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
         const uint16_t* qraw = plan.qraw.empty() ? nullptr : plan.qraw.data() + (b * P.num_q_heads + g * G) * dpad;
-        if (P.kv_packed && ops.scores_packed && qraw && G <= 16) {  // vLLM's AMX cache, native
+        if (scored) {
+            // computed by unit_scores
+        } else if (P.kv_packed && ops.scores_packed && qraw && G <= 16) {  // vLLM's AMX cache, native
             packed_key_tiles(P, b, g, it.lo, len, rows);
             ops.scores_packed(rows, it.lo % 16, len, D, dpad, qraw, G, P.scale, S, len, sc.tile.data());
         } else if (P.kv_packed) {  // rows unpacked first, kChunk at a time
@@ -217,7 +269,6 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc) {
     float* sub2 = sub1 + G;
     float* cut = sub2 + G;
     float* mref = cut + G;
-    const float inf = std::numeric_limits<float>::infinity();
     const int64_t pair = b * P.num_kv_heads + g;
     for (int32_t h = 0; h < G; ++h) {
         const float theta = threshold_of(plan, b, P.group_selection ? g : g * G + h);

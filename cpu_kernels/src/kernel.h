@@ -50,6 +50,11 @@ struct Scratch {
     std::vector<int32_t> idx;
     std::vector<uint8_t> flags;
     std::vector<const uint8_t*> rows;
+    // unit_scores: row pointers of two chunks of its walk and of the next one slot by slot; the
+    // scores of a unit's items (calls without split-KV); where each item's scores are
+    std::vector<const uint8_t*> walk;
+    std::vector<float> unit_S;
+    std::vector<float*> scored;
     void reserve(int64_t len, int32_t G, int32_t dpad);
 };
 
@@ -87,7 +92,15 @@ void packed_value_rows(const Params& P, int64_t b, int64_t g, int64_t lo, const 
                        uint16_t* dst, const uint8_t** out);
 
 // item.cpp
-void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc);
+// scored: where unit_scores left the item's scores (its K pass is then done), else null
+void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored = nullptr);
+// Whether unit_scores serves the units of several items of this call: K rows read row by row
+// (not vLLM's packed or transposed caches) on a level with scores_pf.
+bool unit_walk(const Plan& plan);
+// The scores of the n items of one unit (the KV heads of one range of a sequence whose heads
+// are interleaved in each slot: paged NHD), their K rows read in one walk over the range
+// (docs/cpu.md, "Paged NHD"); afterwards sc.scored[k] holds item items[k]'s scores.
+void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc);
 float threshold_of(const Plan& plan, int64_t b, int64_t th_head);
 // combine.cpp
 void combine_lse(Plan& plan, int64_t pair);

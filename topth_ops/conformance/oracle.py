@@ -216,8 +216,10 @@ def oracle_decode(
                         E = e[~keep].sum()
                     elif sdc == "exp_threshold":
                         n_drop = n - int(keep.sum())
-                        # 0 whenever gamma is 0 (also where exp(theta - m) overflows)
-                        E = sdc_gamma * n_drop * np.exp(theta - m) if n_drop > 0 and sdc_gamma != 0 else 0.0
+                        # 0 whenever gamma is 0 (also where exp(theta - m) overflows); an
+                        # overflow otherwise makes E +inf and every weight 0, as in float32
+                        with np.errstate(over="ignore"):
+                            E = sdc_gamma * n_drop * np.exp(theta - m) if n_drop > 0 and sdc_gamma != 0 else 0.0
                     else:
                         E = table[s, h, row]
                     # R + E = 0: every kept score is -inf (weight 0, semantics "Edge cases")
