@@ -51,7 +51,8 @@ struct Scratch {
     std::vector<uint8_t> flags;
     std::vector<const uint8_t*> rows;
     // unit_scores: row pointers of two chunks of its walk and of the next one slot by slot; the
-    // scores of a unit's items (calls without split-KV); where each item's scores are
+    // scores of a unit's items in one-phase calls (two-phase calls use Plan::ws); where each
+    // item's scores are
     std::vector<const uint8_t*> walk;
     std::vector<float> unit_S;
     std::vector<float*> scored;

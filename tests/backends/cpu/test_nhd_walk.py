@@ -4,7 +4,8 @@ walk: chunks of 48 positions, head after head, the next chunk prefetched slot by
 (docs/cpu.md, "Paged NHD"). Checked against the float64 oracle on every SIMD level of this
 machine, the levels without the walk included: 2, 3 and 8 KV heads, lengths on both sides of
 a chunk and longer than one unit, head dims of the direct and the tile paths, both
-placements, with and without split-KV (two phases for post_softmax)."""
+placements, with and without split-KV (two phases for post_softmax), one and two threads, and
+caches whose slots are padded (views of a wider tensor)."""
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ SHAPES = [
     (8, 4, 128, torch.float16, 16),    # llama 8B's
     (2, 2, 40, torch.float32, 48),     # head_dim not a multiple of 16: the tile path
     (3, 1, 16, torch.bfloat16, 5),     # MHA, blocks shorter than a chunk
+    (2, 17, 32, torch.bfloat16, 16),   # a group past 16: bfloat16 scores take the tile path
 ]
 # one sequence per interesting length: under, at and past a chunk of 48, and long enough for
 # several units (ranges are cut to what fits one core's L2), plus an empty one
@@ -33,12 +35,24 @@ LENS = (47, 48, 49, 0, 97, 1500)
 @pytest.mark.parametrize("num_kv,group,head_dim,dtype,block", SHAPES)
 @pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
 @pytest.mark.parametrize("split", ["0", "70"])
-def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, placement, split):
+@pytest.mark.parametrize("threads,padded", [(1, False), (2, True)])
+def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, placement, split, threads, padded):
     shape = Shape(LENS, num_kv * group, num_kv, head_dim, max(LENS))
     case = random_case("nhd-walk", shape, dtype, placement=placement, selection="group", vmc=True,
                        keep_range=(0.5, 0.55), seed=num_kv * 1000 + head_dim)
-    kw = paged_case(case, block, "NHD", seed=7).kwargs
-    out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: level, cpu_backend.ENV_SPLIT: split})
+    kw = dict(paged_case(case, block, "NHD", seed=7).kwargs)
+    if padded:  # each head's row 8 elements short of the next one: no slot is contiguous
+        for name in ("key_cache", "value_cache"):
+            t = kw[name]
+            wide = torch.full((*t.shape[:-1], t.shape[-1] + 8), float("nan"), dtype=t.dtype)
+            wide[..., : t.shape[-1]] = t
+            kw[name] = wide[..., : t.shape[-1]]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: level, cpu_backend.ENV_SPLIT: split})
+    finally:
+        torch.set_num_threads(saved)
     assert counters["simd"] == level
     # the KV heads of a range share a unit, so the walk has something to walk
     assert counters["units"] < counters["items"], counters
