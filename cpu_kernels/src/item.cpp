@@ -112,6 +112,14 @@ void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64
     });
 }
 
+// K stored transposed per block (vLLM's vector-ISA CPU cache) on a level that reads it as such.
+bool key_transposed(const Params& P, const SimdOps& ops) { return P.k_s[2] == 1 && P.k_s[3] != 1 && ops.scores_kt; }
+
+// scale * query of the G heads of KV group g of sequence b ([G][dpad] floats).
+const float* group_query(const Plan& plan, int64_t b, int64_t g) {
+    return plan.q.data() + (b * plan.P->num_q_heads + g * plan.G) * plan.dpad;
+}
+
 // With group selection a head may keep only rows far below its own maximum (its maximum sits
 // on a row the group dropped): their weights exp(a - m) are then subnormal or 0 and so is their
 // sum R. Such a head's weights are recomputed relative to the maximum over its kept rows mk
@@ -162,8 +170,7 @@ float threshold_of(const Plan& plan, int64_t b, int64_t th_head) {
 
 bool unit_walk(const Plan& plan) {
     const Params& P = *plan.P;
-    const bool transposed = P.k_s[2] == 1 && P.k_s[3] != 1 && plan.ops->scores_kt;  // as in run_item
-    return !P.kv_packed && !transposed && plan.ops->scores_pf;
+    return !P.kv_packed && !key_transposed(P, *plan.ops) && plan.ops->scores_pf;
 }
 
 void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
@@ -198,8 +205,7 @@ void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
         for (int64_t k = 0; k < n; ++k)
             for (int64_t r = 0; r < next; ++r) slots[r * n + k] = nxt[k * next + r];
         for (int64_t k = 0; k < n; ++k) {
-            const int64_t g = plan.items[size_t(items[k])].g;
-            const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
+            const float* q = group_query(plan, b, plan.items[size_t(items[k])].g);
             const int64_t pf_count = std::max<int64_t>(0, std::min(cnt, n * next - k * cnt));
             plan.ops->scores_pf(cur + k * cnt, cnt, slots + k * cnt, pf_count, P.dtype, P.k_s[3], plan.D, dpad, q,
                                 G, sc.scored[size_t(k)] + c, len, sc.tile.data());
@@ -221,7 +227,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored) {
     const uint8_t** rows = sc.rows.data();
 
     if (phase != kSelect) {
-        const float* q = plan.q.data() + (b * P.num_q_heads + g * G) * dpad;
+        const float* q = group_query(plan, b, g);
         const uint16_t* qraw = plan.qraw.empty() ? nullptr : plan.qraw.data() + (b * P.num_q_heads + g * G) * dpad;
         if (scored) {
             // computed by unit_scores
@@ -234,7 +240,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored) {
                 packed_key_rows(P, b, g, it.lo + c, cnt, sc.unpacked.data(), rows);
                 ops.scores(rows, cnt, P.dtype, 1, D, dpad, q, G, S + c, len, sc.tile.data(), qraw, P.scale);
             }
-        } else if (P.k_s[2] == 1 && P.k_s[3] != 1 && ops.scores_kt) {  // K transposed per block
+        } else if (key_transposed(P, ops)) {
             transposed_key_scores(P, ops, b, g, it.lo, len, q, G, dpad, S, len);
         } else {
             // the whole range in one call (Scratch::rows holds len pointers): the stage prefetches
