@@ -42,6 +42,11 @@ namespace {
 constexpr int64_t kMinSplit = 256;       // fewest positions per KV split
 constexpr int64_t kItemsPerThread = 8;   // split until there are about this many items per thread
 constexpr int64_t kInlineWork = 1 << 15;  // K elements below which one thread does everything
+// Units whose K rows unit_scores walks (item.cpp) span at least this many positions: the walk
+// prefetches each chunk of a unit while reading the one before, so a unit's first chunk comes
+// unprefetched, and the units of a few hundred positions that the L2 rule below gives on a
+// small L2 pay that often (docs/cpu.md, "Paged NHD: units for the walk").
+constexpr int64_t kWalkUnit = 2048;
 // Caches whose KV heads are interleaved inside each slot (paged NHD): the items of one range
 // for all KV heads run back to back on one thread (one unit), and ranges are cut so that the
 // K and V rows of all heads fit in one core's L2 (sysconf; 2 MiB when unknown): the lines the
@@ -161,12 +166,17 @@ void build_plan(Plan& pl, const Params& P) {
     // Their items are grouped per range only when that leaves every thread at least two groups
     // (one sequence of a few hundred positions must not end up on one thread).
     bool interleaved = P.block_table && Hkv > 1 && !P.kv_packed && P.k_s[1] < P.k_s[2];
-    const int64_t fit = std::max(kMinSplit, unit_bytes() / (2 * Hkv * P.head_dim * es));
-    if (interleaved && threads > 1) {
-        int64_t groups = 0;
-        for (int64_t b = 0; b < B; ++b) groups += (pl.n[size_t(b)] + fit - 1) / fit;
-        interleaved = groups >= 2 * threads;
-    }
+    const int64_t fit_l2 = std::max(kMinSplit, unit_bytes() / (2 * Hkv * P.head_dim * es));
+    const auto groups = [&](int64_t len) {  // units of at most len positions
+        int64_t u = 0;
+        for (int64_t b = 0; b < B; ++b) u += (pl.n[size_t(b)] + len - 1) / len;
+        return u;
+    };
+    if (interleaved && threads > 1) interleaved = groups(fit_l2) >= 2 * threads;
+    // units the walk reads (kWalkUnit) where they too leave every thread two
+    int64_t fit = fit_l2;
+    if (interleaved && unit_walk(pl) && (threads == 1 || groups(std::max(kWalkUnit, fit_l2)) >= 2 * threads))
+        fit = std::max(kWalkUnit, fit_l2);
     if (P.split_len > 0) {
         split = P.split_len;
     } else {

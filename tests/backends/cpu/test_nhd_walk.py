@@ -27,8 +27,9 @@ SHAPES = [
     (2, 17, 32, torch.bfloat16, 16),   # a group past 16: bfloat16 scores take the tile path
 ]
 # one sequence per interesting length: under, at and past a chunk of 48, and long enough for
-# several units (ranges are cut to what fits one core's L2), plus an empty one
-LENS = (47, 48, 49, 0, 97, 1500)
+# several units (ranges are cut to what fits one core's L2, and to at least 2048 positions on
+# levels with the walk: dispatch.cpp), plus an empty one
+LENS = (47, 48, 49, 0, 97, 4500)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -56,6 +57,8 @@ def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, pl
     assert counters["simd"] == level
     # the KV heads of a range share a unit, so the walk has something to walk
     assert counters["units"] < counters["items"], counters
+    if level == "avx2" and split == "0":  # the walk's units span 2048 positions or more
+        assert counters["units"] <= sum(1 for n in LENS if n) - 1 + -(-max(LENS) // 2048), counters
     want = case.oracle()
     rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[dtype])
     assert rep is None, rep
