@@ -61,8 +61,8 @@ CPU = Path("cpu_kernels")
 CPU_SRC = CPU / "src"
 cpu_kernel = Pybind11Extension(
     "topth_ops.cpu_kernels._topth_cpu",
-    sources=[str(CPU_SRC / f) for f in ("binding.cpp", "dispatch.cpp", "item.cpp", "packed.cpp", "combine.cpp",
-                                        "pool.cpp", "simd_generic.cpp", "value_sum.cpp",
+    sources=[str(CPU_SRC / f) for f in ("binding.cpp", "dispatch.cpp", "item.cpp", "unit_walk.cpp",
+                                        "packed.cpp", "combine.cpp", "pool.cpp", "simd_generic.cpp", "value_sum.cpp",
                                         "calib_hist.cpp", "table_check.cpp")],
     include_dirs=[str(CPU / "include"), str(CPU_SRC)],
     cxx_std=17,

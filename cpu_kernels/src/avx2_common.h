@@ -32,6 +32,8 @@ float sum_exp(const float* S, int64_t len, float m);
 int64_t select(const SelectArgs& a);
 void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered);
+void pv_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
+           int64_t sdim, int32_t d, int32_t dpad, const float* wk, int64_t ldw, int32_t G, float* acc, float* tile);
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
           float* sum, float* tile);
 

@@ -8,7 +8,7 @@
 // with the block's rows re-read from L1, so no row is fetched from memory twice. A
 // scattered list is visited in a strided order (pv_visit.h, visit_stride, explains why).
 // Every list but one run of short rows is prefetched at two distances, spread over the rows
-// of each block (pv_direct). Other rows are converted to a float32 tile first. Also the V-row
+// of each block (pv_direct); pv_pf takes the rows to put into L2 from its caller instead. Other rows are converted to a float32 tile first. Also the V-row
 // sum for the VMC mean (value_mean absent).
 #include "avx2_common.h"
 #include "pv_visit.h"
@@ -120,17 +120,19 @@ inline void pv_heads(const uint8_t* const* rb, int64_t R, int32_t nch, const flo
 // Rows `rows` (head_dim d a multiple of 16, contiguous) in visit order, kRowBlock at a time,
 // the next block prefetched into L1 and the rows about 12 KiB ahead into L2, one row ahead per
 // row of a block (pv_rows); a list that is one run of short rows is left to the hardware
-// prefetchers (one_run).
+// prefetchers (one_run). pf_list given (unit_pv; stride 1): pf_list[t] (t < pf_count) goes
+// into L2 while row t is read, instead of the rows further down this list.
 template <int DT>
 void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
-               int32_t G, float* acc, int64_t stride) {
+               int32_t G, float* acc, int64_t stride, const uint8_t* const* pf_list, int64_t pf_count) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const uint8_t* rb[kRowBlock];
+    const uint8_t* given[kRowBlock];
     int64_t vis[kRowBlock];
     int64_t tv = 0;                              // row of the next step
     rows_ahead::VisitAhead<kRowBlock> ahead(rows, count, stride, far);
-    const bool prefetch = stride != 1 || !one_run(rows, count, row_bytes);
+    const bool prefetch = pf_list || stride != 1 || !one_run(rows, count, row_bytes);
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
         for (int64_t t = 0; t < R; ++t) {
@@ -140,25 +142,28 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
         }
         const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
         const uint8_t* const* pf;
-        ahead.block(k0, R, prefetch, prefetch, &pn, &pf);
+        ahead.block(k0, R, prefetch, prefetch && !pf_list, &pn, &pf);
+        if (pf_list && k0 < pf_count) {  // past pf_count: its last row again (a harmless repeat)
+            for (int64_t t = 0; t < R; ++t) given[t] = pf_list[k0 + t < pf_count ? k0 + t : pf_count - 1];
+            pf = given;
+        }
         pv_block<DT>(rb, R, d / 16, wk, ldw, k0, vis, stride, G, acc, dpad, pf, pn);
     }
 }
 
-}  // namespace
-
-void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
+// Every row path of pv and pv_pf (pf_list only with stride 1).
+void pv_any(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int64_t stride,
+            const uint8_t* const* pf_list, int64_t pf_count) {
     if (count <= 0) return;
-    const int64_t stride = scattered ? visit_stride(count) : 1;
     if (sdim == 1 && d % 16 == 0) {
         if (dtype == kF32) {
-            pv_direct<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            pv_direct<kF32>(rows, count, d, dpad, wk, ldw, G, acc, stride, pf_list, pf_count);
         } else if (dtype == kF16) {
-            pv_direct<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            pv_direct<kF16>(rows, count, d, dpad, wk, ldw, G, acc, stride, pf_list, pf_count);
         } else {
             split16(acc, int64_t(G) * dpad);
-            pv_direct<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, stride);
+            pv_direct<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, stride, pf_list, pf_count);
             merge16(acc, int64_t(G) * dpad);
         }
         return;
@@ -179,6 +184,19 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
         }
         pv_block<kF32>(rb, R, dpad / 16, wk, ldw, k0, vis, stride, G, acc, dpad, nullptr, nullptr);
     }
+}
+
+}  // namespace
+
+void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
+    if (count <= 0) return;
+    pv_any(rows, count, dtype, sdim, d, dpad, wk, ldw, G, acc, tile, scattered ? visit_stride(count) : 1, nullptr, 0);
+}
+
+void pv_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
+           int64_t sdim, int32_t d, int32_t dpad, const float* wk, int64_t ldw, int32_t G, float* acc, float* tile) {
+    pv_any(rows, count, dtype, sdim, d, dpad, wk, ldw, G, acc, tile, 1, pf_count > 0 ? pf : nullptr, pf_count);
 }
 
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,

@@ -385,7 +385,8 @@ float sum_exp(const float* S, int64_t len, float mref) {
 const SimdOps* ops_avx2() {
     static const SimdOps ops = {"avx2", avx2_level::scores, avx2_level::max_bad, avx2_level::sum_exp,
                                 avx2_level::select, avx2_level::pv, avx2_level::vsum,
-                                nullptr, nullptr, avx2_level::scores_kt, avx2_level::scores_pf};
+                                nullptr, nullptr, avx2_level::scores_kt, avx2_level::scores_pf,
+                                avx2_level::pv_pf};
     return &ops;
 }
 

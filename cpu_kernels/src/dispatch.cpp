@@ -45,7 +45,7 @@ constexpr int64_t kInlineWork = 1 << 15;  // K elements below which one thread d
 // Units whose K rows unit_scores walks (item.cpp) span at least this many positions: the walk
 // prefetches each chunk of a unit while reading the one before, so a unit's first chunk comes
 // unprefetched, and the units of a few hundred positions that the L2 rule below gives on a
-// small L2 pay that often (docs/cpu.md, "Paged NHD: units for the walk").
+// small L2 pay that often (docs/cpu.md, "Paged NHD: units for the walk, and the P.V walk").
 constexpr int64_t kWalkUnit = 2048;
 // Caches whose KV heads are interleaved inside each slot (paged NHD): the items of one range
 // for all KV heads run back to back on one thread (one unit), and ranges are cut so that the
@@ -310,20 +310,29 @@ Counters decode(const Params& P, int32_t level) {
     auto items = [&](Phase phase) {
         for (int64_t p = 0; p < pairs; ++p) g_remaining[p].store(pl.pair_count[size_t(p)], std::memory_order_relaxed);
         const int64_t U = int64_t(pl.unit_first.size()) - 1;
-        const bool walk = phase != kSelect && unit_walk(pl);
+        const bool walk = phase != kSelect && unit_walk(pl), walk_pv = phase != kScores && pv_walk(pl);
         parallel_for(threads, U, [&](int64_t u, int32_t w) {
             const int64_t first = pl.unit_first[size_t(u)], end = pl.unit_first[size_t(u) + 1];
             Scratch& sc = g_scratch[size_t(w)];
-            const bool walked = walk && end - first > 1;  // the KV heads of one NHD range: one K walk
-            if (walked) unit_scores(pl, &pl.order[size_t(first)], end - first, sc);
-            for (int64_t t = first; t < end; ++t) {
-                const int64_t i = pl.order[size_t(t)];
-                run_item(pl, i, phase, sc, walked ? sc.scored[size_t(t - first)] : nullptr);
+            // the KV heads of one NHD range: one K walk, and one P.V walk (unit_pv decides)
+            const bool walked = walk && end - first > 1, walked_pv = walk_pv && end - first > 1;
+            const auto done = [&](int64_t i) {
                 const int64_t pair = pl.items[size_t(i)].b * P.num_kv_heads + pl.items[size_t(i)].g;
                 if (g_remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
                     if (phase == kScores) combine_lse(pl, pair);
                     else combine_pair(pl, pair);
                 }
+            };
+            if (walked) unit_scores(pl, &pl.order[size_t(first)], end - first, sc);
+            for (int64_t t = first; t < end; ++t) {
+                const int64_t i = pl.order[size_t(t)];
+                run_item(pl, i, phase, sc, walked ? sc.scored[size_t(t - first)] : nullptr,
+                         walked_pv ? t - first : -1);
+                if (!walked_pv) done(i);
+            }
+            if (walked_pv) {
+                unit_pv(pl, &pl.order[size_t(first)], end - first, sc);
+                for (int64_t t = first; t < end; ++t) done(pl.order[size_t(t)]);
             }
         }, P.use_openmp != 0);
     };

@@ -54,6 +54,8 @@ void for_each_segment(const Params& P, int64_t lo, int64_t count, Seg seg) {
     }
 }
 
+}  // namespace
+
 // Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive) of (b, g).
 void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
                       int64_t count, const uint8_t** out) {
@@ -94,6 +96,16 @@ void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b,
     }
 }
 
+// K stored transposed per block (vLLM's vector-ISA CPU cache) on a level that reads it as such.
+bool key_transposed(const Params& P, const SimdOps& ops) { return P.k_s[2] == 1 && P.k_s[3] != 1 && ops.scores_kt; }
+
+// scale * query of the G heads of KV group g of sequence b ([G][dpad] floats).
+const float* group_query(const Plan& plan, int64_t b, int64_t g) {
+    return plan.q.data() + (b * plan.P->num_q_heads + g * plan.G) * plan.dpad;
+}
+
+namespace {
+
 // Scores of positions lo .. lo + count - 1 of (b, g) from a cache whose K is stored transposed
 // per block (slots contiguous, head_dim strided: vLLM's vector-ISA CPU cache), one call of the
 // stage per block segment, each told where the next segment starts (it prefetches that one).
@@ -110,14 +122,6 @@ void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64
         ops.scores_kt(at(bi, slot), run, dstride, P.dtype, int32_t(P.head_dim), dpad, q, G, S + t, ldS, next,
                       next_count);
     });
-}
-
-// K stored transposed per block (vLLM's vector-ISA CPU cache) on a level that reads it as such.
-bool key_transposed(const Params& P, const SimdOps& ops) { return P.k_s[2] == 1 && P.k_s[3] != 1 && ops.scores_kt; }
-
-// scale * query of the G heads of KV group g of sequence b ([G][dpad] floats).
-const float* group_query(const Plan& plan, int64_t b, int64_t g) {
-    return plan.q.data() + (b * plan.P->num_q_heads + g * plan.G) * plan.dpad;
 }
 
 // With group selection a head may keep only rows far below its own maximum (its maximum sits
@@ -168,55 +172,15 @@ float threshold_of(const Plan& plan, int64_t b, int64_t th_head) {
     return P.thresholds[plan.set[b] * P.th_s[0] + th_head * P.th_s[1] + plan.row[b] * P.th_s[2]];
 }
 
-bool unit_walk(const Plan& plan) {
-    const Params& P = *plan.P;
-    return !P.kv_packed && !key_transposed(P, *plan.ops) && plan.ops->scores_pf;
+UnitList unit_list(Scratch& sc, int64_t k, int64_t len, int32_t G) {
+    const int64_t ldw = len + kSlack;
+    // resize keeps the lists of the unit's earlier items
+    if (int64_t(sc.unit_idx.size()) < (k + 1) * ldw) sc.unit_idx.resize(size_t((k + 1) * ldw));
+    if (int64_t(sc.unit_wk.size()) < (k + 1) * G * ldw) sc.unit_wk.resize(size_t((k + 1) * G * ldw));
+    return {sc.unit_idx.data() + k * ldw, sc.unit_wk.data() + k * G * ldw, ldw};
 }
 
-void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
-    // The walk goes over the range in chunks of kWalk positions, each chunk head after head
-    // (one stage call per head), so that the heads' rows of a few blocks are read together
-    // rather than the whole range once per head. While a chunk is read, the next one is
-    // prefetched into L2 slot by slot, all heads of a slot together: in address order inside
-    // each block of an NHD cache, spread over the chunk's calls.
-    constexpr int64_t kWalk = 48;
-    const Params& P = *plan.P;
-    const Item& first = plan.items[size_t(items[0])];  // every item of a unit has its b, lo, hi
-    const int64_t len = first.hi - first.lo, b = first.b, piece = n * kWalk;
-    const int32_t G = plan.G, dpad = plan.dpad;
-    if (int64_t(sc.walk.size()) < 3 * piece) sc.walk.resize(size_t(3 * piece));
-    if (!plan.two_phase && int64_t(sc.unit_S.size()) < G * n * len) sc.unit_S.resize(size_t(G * n * len));
-    sc.scored.resize(size_t(n));
-    for (int64_t k = 0; k < n; ++k)
-        sc.scored[size_t(k)] = plan.two_phase ? plan.ws.data() + plan.items[size_t(items[k])].ws_off
-                                              : sc.unit_S.data() + k * G * len;
-    const uint8_t** cur = sc.walk.data();
-    const uint8_t** nxt = cur + piece;
-    const uint8_t** slots = nxt + piece;
-    // rows of positions [first.lo + c, + its count) of every item's head, head after head
-    const auto chunk_rows = [&](int64_t c, const uint8_t** out) {
-        const int64_t cnt = std::min(kWalk, len - c);
-        for (int64_t k = 0; k < n; ++k)
-            consecutive_rows(P, P.key, P.k_s, b, plan.items[size_t(items[k])].g, first.lo + c, cnt, out + k * cnt);
-        return cnt;
-    };
-    for (int64_t c = 0, cnt = chunk_rows(0, cur); cnt > 0;) {
-        const int64_t next = c + cnt < len ? chunk_rows(c + cnt, nxt) : 0;
-        for (int64_t k = 0; k < n; ++k)
-            for (int64_t r = 0; r < next; ++r) slots[r * n + k] = nxt[k * next + r];
-        for (int64_t k = 0; k < n; ++k) {
-            const float* q = group_query(plan, b, plan.items[size_t(items[k])].g);
-            const int64_t pf_count = std::max<int64_t>(0, std::min(cnt, n * next - k * cnt));
-            plan.ops->scores_pf(cur + k * cnt, cnt, slots + k * cnt, pf_count, P.dtype, P.k_s[3], plan.D, dpad, q,
-                                G, sc.scored[size_t(k)] + c, len, sc.tile.data());
-        }
-        std::swap(cur, nxt);
-        c += cnt;
-        cnt = next;
-    }
-}
-
-void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored) {
+void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored, int64_t slot) {
     const Params& P = *plan.P;
     const SimdOps& ops = *plan.ops;
     const Item& it = plan.items[size_t(i)];
@@ -302,35 +266,45 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored) {
     a.S = S; a.ldS = len; a.G = G; a.len = len;
     a.sub1 = sub1; a.sub2 = sub2; a.cut = cut; a.group = P.group_selection; a.mref = mref;
     a.need_dropped = P.placement == kPre && P.sdc == kSdcExact;
-    const int64_t ldw = len + kSlack;
-    a.idx = sc.idx.data(); a.wk = sc.wk.data(); a.ldw = ldw; a.flags = sc.flags.data();
+    const UnitList list = slot >= 0 ? unit_list(sc, slot, len, G) : UnitList{sc.idx.data(), sc.wk.data(), len + kSlack};
+    const int64_t ldw = list.ldw;
+    a.idx = list.idx; a.wk = list.wk; a.ldw = ldw; a.flags = sc.flags.data();
     a.R = &plan.R[size_t(i * G)]; a.dropped = &plan.Dd[size_t(i * G)]; a.kcount = &plan.kc[size_t(i * G)];
     const int64_t kept = ops.select(a);
     plan.uni[size_t(i)] = kept;
     if (P.placement == kPre && P.group_selection && kept > 0) rebase_far_kept(plan, i, a, kept);
+    plan.v_rows[size_t(i)] = kept;
+    if (slot < 0) item_pv(plan, i, sc, list);  // else unit_pv, over the unit's lists
+}
 
+void item_pv(Plan& plan, int64_t i, Scratch& sc, const UnitList& list) {
+    const Params& P = *plan.P;
+    const SimdOps& ops = *plan.ops;
+    const Item& it = plan.items[size_t(i)];
+    const int32_t G = plan.G, D = plan.D, dpad = plan.dpad;
+    const int64_t len = it.hi - it.lo, b = it.b, g = it.g, kept = plan.uni[size_t(i)], ldw = list.ldw;
+    const uint8_t** rows = sc.rows.data();
     float* acc = &plan.acc[size_t(i * G * dpad)];
     std::memset(acc, 0, sizeof(float) * size_t(G * dpad));
     // the whole kept list in one call (Scratch::rows holds len pointers), so the P.V stage's
     // prefetch runs ahead across it
     if (kept > 0 && P.kv_packed && ops.pv_packed) {  // vLLM's AMX cache, read in place
-        packed_value_pointers(P, b, g, it.lo, sc.idx.data(), kept, rows);
-        ops.pv_packed(rows, kept, D, dpad, P.block_size * 32, sc.wk.data(), ldw, G, acc, int32_t(4 * kept <= 3 * len));
+        packed_value_pointers(P, b, g, it.lo, list.idx, kept, rows);
+        ops.pv_packed(rows, kept, D, dpad, P.block_size * 32, list.wk, ldw, G, acc, int32_t(4 * kept <= 3 * len));
     } else if (kept > 0 && P.kv_packed) {  // vLLM's AMX cache: the kept rows unpacked, kChunk at a time
         for (int64_t c = 0; c < kept; c += kChunk) {
             const int64_t cnt = kept - c < kChunk ? kept - c : kChunk;
-            packed_value_rows(P, b, g, it.lo, sc.idx.data() + c, cnt, sc.unpacked.data(), rows);
-            ops.pv(rows, cnt, P.dtype, 1, D, dpad, sc.wk.data() + c, ldw, G, acc, sc.tile.data(), 0);
+            packed_value_rows(P, b, g, it.lo, list.idx + c, cnt, sc.unpacked.data(), rows);
+            ops.pv(rows, cnt, P.dtype, 1, D, dpad, list.wk + c, ldw, G, acc, sc.tile.data(), 0);
         }
     } else if (kept > 0) {
-        listed_rows(P, P.value, P.v_s, b, g, it.lo, sc.idx.data(), kept, rows);
+        listed_rows(P, P.value, P.v_s, b, g, it.lo, list.idx, kept, rows);
         // a sparse subset (at most 3/4 of the range) is visited in a strided order; the dense
         // mode and nearly dense lists stream in ascending order (the hardware prefetchers
         // then read only rows that are used)
-        ops.pv(rows, kept, P.dtype, P.v_s[3], D, dpad, sc.wk.data(), ldw, G, acc, sc.tile.data(),
+        ops.pv(rows, kept, P.dtype, P.v_s[3], D, dpad, list.wk, ldw, G, acc, sc.tile.data(),
                int32_t(4 * kept <= 3 * len));
     }
-    plan.v_rows[size_t(i)] = kept;
 }
 
 }  // namespace topth_cpu

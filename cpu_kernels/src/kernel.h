@@ -56,6 +56,11 @@ struct Scratch {
     std::vector<const uint8_t*> walk;
     std::vector<float> unit_S;
     std::vector<float*> scored;
+    // unit_pv: the kept lists and weights of a unit's items (unit_list), and per item the
+    // start and count of its rows in the chunk of the walk and in the next one
+    std::vector<int32_t> unit_idx;
+    std::vector<float> unit_wk;
+    std::vector<int64_t> unit_pos;
     void reserve(int64_t len, int32_t G, int32_t dpad);
 };
 
@@ -93,16 +98,48 @@ void packed_value_rows(const Params& P, int64_t b, int64_t g, int64_t lo, const 
                        uint16_t* dst, const uint8_t** out);
 
 // item.cpp
-// scored: where unit_scores left the item's scores (its K pass is then done), else null
-void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored = nullptr);
+// Byte pointers of the rows of positions lo .. lo + count - 1 (consecutive), or lo + idx[t],
+// of (sequence b, KV head g) of the cache at base with element strides s.
+void consecutive_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
+                      int64_t count, const uint8_t** out);
+void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b, int64_t g, int64_t lo,
+                 const int32_t* idx, int64_t count, const uint8_t** out);
+// K stored transposed per block (vLLM's vector-ISA cache) on a level that reads it as such.
+bool key_transposed(const Params& P, const SimdOps& ops);
+// scale * query of the G heads of KV group g of sequence b ([G][dpad] floats).
+const float* group_query(const Plan& plan, int64_t b, int64_t g);
+// The kept list ([ldw] indices) and weights ([G][ldw]) of item k of a unit whose P.V unit_pv
+// walks; ldw = the item's length + slack. Grows the scratch, keeping earlier items' lists.
+struct UnitList {
+    int32_t* idx;
+    float* wk;
+    int64_t ldw;
+};
+UnitList unit_list(Scratch& sc, int64_t k, int64_t len, int32_t G);
+// scored: where unit_scores left the item's scores (its K pass is then done), else null.
+// slot >= 0: the item is the slot-th of a unit whose P.V unit_pv walks; its selection goes to
+// unit_list(sc, slot, ...) and its P.V is left to unit_pv.
+void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored = nullptr, int64_t slot = -1);
+// P.V of item i over its kept list (plan.uni[i] entries of list), into plan.acc.
+void item_pv(Plan& plan, int64_t i, Scratch& sc, const UnitList& list);
+float threshold_of(const Plan& plan, int64_t b, int64_t th_head);
+
+// unit_walk.cpp (docs/cpu.md, "Paged NHD")
 // Whether unit_scores serves the units of several items of this call: K rows read row by row
 // (not vLLM's packed or transposed caches) on a level with scores_pf.
 bool unit_walk(const Plan& plan);
 // The scores of the n items of one unit (the KV heads of one range of a sequence whose heads
-// are interleaved in each slot: paged NHD), their K rows read in one walk over the range
-// (docs/cpu.md, "Paged NHD"); afterwards sc.scored[k] holds item items[k]'s scores.
+// are interleaved in each slot: paged NHD), their K rows read in one walk over the range;
+// afterwards sc.scored[k] holds item items[k]'s scores.
 void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc);
-float threshold_of(const Plan& plan, int64_t b, int64_t th_head);
+// Whether unit_pv serves the P.V of units of several items: V rows read row by row (not vLLM's
+// packed cache) on a level with pv_pf.
+bool pv_walk(const Plan& plan);
+// P.V of the n items of one unit after run_item left their kept lists in unit_list(sc, k, ...)
+// (k the item's place in the unit): where every list holds more than 3/4 of the range, the V
+// rows of all of them read in one walk over the range, else item_pv item by item; fills each
+// item's plan.acc.
+void unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc);
 // combine.cpp
 void combine_lse(Plan& plan, int64_t pair);
 void combine_pair(Plan& plan, int64_t pair);

@@ -1,11 +1,13 @@
 """Paged NHD caches with several KV heads, where the kernel groups the items of every KV head
 of a range into one unit and (on levels with a ``scores_pf`` stage) reads their K rows in one
-walk: chunks of 48 positions, head after head, the next chunk prefetched slot by slot
-(docs/cpu.md, "Paged NHD"). Checked against the float64 oracle on every SIMD level of this
-machine, the levels without the walk included: 2, 3 and 8 KV heads, lengths on both sides of
-a chunk and longer than one unit, head dims of the direct and the tile paths, both
-placements, with and without split-KV (two phases for post_softmax), one and two threads, and
-caches whose slots are padded (views of a wider tensor)."""
+walk: chunks of 48 positions, head after head, the next chunk prefetched slot by slot; on
+levels with a ``pv_pf`` stage, units whose kept lists are all nearly dense read their V rows
+the same way (docs/cpu.md, "Paged NHD"). Checked against the float64 oracle on every SIMD
+level of this machine, the levels without the walks included: 2, 3 and 8 KV heads, lengths on
+both sides of a chunk and longer than one unit, head dims of the direct and the tile paths,
+both placements, half and most rows kept, with and without split-KV (two phases for
+post_softmax), one and two threads, and caches whose slots are padded (views of a wider
+tensor)."""
 
 import pytest
 import torch
@@ -37,10 +39,13 @@ LENS = (47, 48, 49, 0, 97, 4500)
 @pytest.mark.parametrize("placement", ["pre_softmax", "post_softmax"])
 @pytest.mark.parametrize("split", ["0", "70"])
 @pytest.mark.parametrize("threads,padded", [(1, False), (2, True)])
-def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, placement, split, threads, padded):
+# about half of the rows kept: scattered lists, P.V item by item; most: the P.V walk
+@pytest.mark.parametrize("keep", [(0.5, 0.55), (0.85, 0.95)], ids=["half", "most"])
+def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, placement, split, threads, padded,
+                                keep):
     shape = Shape(LENS, num_kv * group, num_kv, head_dim, max(LENS))
     case = random_case("nhd-walk", shape, dtype, placement=placement, selection="group", vmc=True,
-                       keep_range=(0.5, 0.55), seed=num_kv * 1000 + head_dim)
+                       keep_range=keep, seed=num_kv * 1000 + head_dim)
     kw = dict(paged_case(case, block, "NHD", seed=7).kwargs)
     if padded:  # each head's row 8 elements short of the next one: no slot is contiguous
         for name in ("key_cache", "value_cache"):
