@@ -167,16 +167,23 @@ void build_plan(Plan& pl, const Params& P) {
     // (one sequence of a few hundred positions must not end up on one thread).
     bool interleaved = P.block_table && Hkv > 1 && !P.kv_packed && P.k_s[1] < P.k_s[2];
     const int64_t fit_l2 = std::max(kMinSplit, unit_bytes() / (2 * Hkv * P.head_dim * es));
-    const auto groups = [&](int64_t len) {  // units of at most len positions
-        int64_t u = 0;
-        for (int64_t b = 0; b < B; ++b) u += (pl.n[size_t(b)] + len - 1) / len;
-        return u;
-    };
-    if (interleaved && threads > 1) interleaved = groups(fit_l2) >= 2 * threads;
-    // units the walk reads (kWalkUnit) where they too leave every thread two
+    if (interleaved && threads > 1) {
+        int64_t groups = 0;
+        for (int64_t b = 0; b < B; ++b) groups += (pl.n[size_t(b)] + fit_l2 - 1) / fit_l2;
+        interleaved = groups >= 2 * threads;
+    }
+    // units the walk reads: kWalkUnit positions, shorter where that would leave a thread fewer
+    // than 4 units' worth of the batch's positions (longest first then evens the rest out)
     int64_t fit = fit_l2;
-    if (interleaved && unit_walk(pl) && (threads == 1 || groups(std::max(kWalkUnit, fit_l2)) >= 2 * threads))
-        fit = std::max(kWalkUnit, fit_l2);
+    if (interleaved && unit_walk(pl)) {
+        int64_t want = kWalkUnit;
+        if (threads > 1) {
+            int64_t positions = 0;
+            for (int64_t b = 0; b < B; ++b) positions += pl.n[size_t(b)];
+            want = std::min(want, positions / (4 * threads));
+        }
+        fit = std::max(fit_l2, want);
+    }
     if (P.split_len > 0) {
         split = P.split_len;
     } else {
