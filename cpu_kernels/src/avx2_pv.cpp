@@ -8,8 +8,9 @@
 // with the block's rows re-read from L1, so no row is fetched from memory twice. A
 // scattered list is visited in a strided order (pv_visit.h, visit_stride, explains why).
 // Every list but one run of short rows is prefetched at two distances, spread over the rows
-// of each block (pv_direct); pv_pf takes the rows to put into L2 from its caller instead. Other rows are converted to a float32 tile first. Also the V-row
-// sum for the VMC mean (value_mean absent).
+// of each block (pv_direct); pv_pf takes the rows to put into L2 from its caller instead.
+// Other rows are converted to a float32 tile first. Also the V-row sum for the VMC mean
+// (value_mean absent).
 #include "avx2_common.h"
 #include "pv_visit.h"
 

@@ -42,7 +42,7 @@ namespace {
 constexpr int64_t kMinSplit = 256;       // fewest positions per KV split
 constexpr int64_t kItemsPerThread = 8;   // split until there are about this many items per thread
 constexpr int64_t kInlineWork = 1 << 15;  // K elements below which one thread does everything
-// Units whose K rows unit_scores walks (item.cpp) span at least this many positions: the walk
+// Units whose K rows unit_scores walks (unit_walk.cpp) span at least this many positions: the walk
 // prefetches each chunk of a unit while reading the one before, so a unit's first chunk comes
 // unprefetched, and the units of a few hundred positions that the L2 rule below gives on a
 // small L2 pay that often (docs/cpu.md, "Paged NHD: units for the walk, and the P.V walk").

@@ -69,8 +69,8 @@ void unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
     const int64_t len = first.hi - first.lo, b = first.b;
     const int32_t G = plan.G, dpad = plan.dpad;
     // Walked only when every list is nearly dense (more than 3/4 of the range): a scattered
-    // list is read item by item, in the strided visit of the P.V stage (pv_visit.h), which
-    // keeps the hardware prefetchers off the unkept rows.
+    // list is read item by item, in the strided visit of the P.V stage for 256 rows or more
+    // (pv_visit.h), which keeps the hardware prefetchers off the unkept rows.
     for (int64_t k = 0; k < n; ++k)
         if (4 * plan.uni[size_t(items[k])] <= 3 * len) {
             for (int64_t j = 0; j < n; ++j) item_pv(plan, items[j], sc, unit_list(sc, j, len, G));

@@ -128,7 +128,7 @@ struct SimdOps {
                       int32_t dtype, int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S,
                       int64_t ldS, float* tile) = nullptr;
     // pv over rows in the given order (never the strided visit) with the caller choosing what
-    // goes into L2 while the rows are read: pf[t] (t < pf_count, may be null) while row t is
+    // goes into L2 while the rows are read: pf[t] (t < pf_count, may be null) while row t is read
     // (the walk over the KV heads of a paged NHD range: kernel.h, unit_pv). Null on levels
     // without it.
     void (*pv_pf)(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count,
