@@ -191,7 +191,6 @@ void pv_any(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
 
 void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
-    if (count <= 0) return;
     pv_any(rows, count, dtype, sdim, d, dpad, wk, ldw, G, acc, tile, scattered ? visit_stride(count) : 1, nullptr, 0);
 }
 

@@ -42,7 +42,8 @@ namespace {
 constexpr int64_t kMinSplit = 256;       // fewest positions per KV split
 constexpr int64_t kItemsPerThread = 8;   // split until there are about this many items per thread
 constexpr int64_t kInlineWork = 1 << 15;  // K elements below which one thread does everything
-// Units whose K rows unit_scores walks (unit_walk.cpp) span at least this many positions: the walk
+// Units whose K rows unit_scores walks (unit_walk.cpp) span this many positions (fewer where the
+// threads need more units: build_plan, never below the L2 rule's length): the walk
 // prefetches each chunk of a unit while reading the one before, so a unit's first chunk comes
 // unprefetched, and the units of a few hundred positions that the L2 rule below gives on a
 // small L2 pay that often (docs/cpu.md, "Paged NHD: units for the walk, and the P.V walk").
@@ -177,11 +178,7 @@ void build_plan(Plan& pl, const Params& P) {
     int64_t fit = fit_l2;
     if (interleaved && unit_walk(pl)) {
         int64_t want = kWalkUnit;
-        if (threads > 1) {
-            int64_t positions = 0;
-            for (int64_t b = 0; b < B; ++b) positions += pl.n[size_t(b)];
-            want = std::min(want, positions / (4 * threads));
-        }
+        if (threads > 1) want = std::min(want, total / Hkv / (4 * threads));  // total: positions x Hkv
         fit = std::max(fit_l2, want);
     }
     if (P.split_len > 0) {
