@@ -23,10 +23,11 @@ Layouts of the same data (``topth_ops.decode_attention`` backend ``cpu``):
   the same packing by :func:`topth_ops.paged.to_paged` (bfloat16), or K transposed per block
   (other dtypes).
 
-Variants: ``dense`` (thresholds -inf: every V row read), ``f=0.1`` (pre_softmax, group
-selection, one threshold per KV head at the 90th percentile of the group-maximum scores:
-about 10% of the V rows read; the measured fraction is reported), ``f=0.3`` (the same at the
-70th percentile), ``sdpa`` (torch's ``scaled_dot_product_attention`` with
+Variants: ``dense`` (every V row read), ``f=0.1`` (group selection, one threshold per KV head
+at the 90th percentile of the group-maximum scores, or log-probabilities with
+``--placement post_softmax``, the default and recommended placement: about 10% of the V rows
+read; the measured fraction is reported), ``f=0.3`` (the same at the 70th percentile),
+``sdpa`` (torch's ``scaled_dot_product_attention`` with
 ``enable_gqa`` on BNSD), ``vllm-kernel`` (vLLM's ``cpu_attention_with_kv_cache`` on its own
 layout, block 128, written by its own ``cpu_attn_reshape_and_cache``) when vLLM's CPU build
 imports.
@@ -35,7 +36,8 @@ Every layout and variant of the ``cpu`` kernel is checked once against the torch
 (output within the dtype tolerance, V rows exact) before anything is timed.
 
 Usage: ``python -m topth_ops.bench.cpu_cold [--shapes smollm2,llama8b] [--threads 1,2]
-[--json OUT]``. Record the printed machine line with every result.
+[--placement post_softmax|pre_softmax] [--json OUT]``. Record the printed machine line with
+every result (the tables recorded until 2026-12-06 timed pre_softmax).
 """
 
 from __future__ import annotations
@@ -45,11 +47,9 @@ import gc
 import json
 import math
 import os
-import platform
 import random
 import re
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
@@ -60,6 +60,7 @@ from topth_ops import decode_attention
 from topth_ops.paged import to_paged
 
 from .cpu import vllm_decode, within_tolerance
+from .machine import Machine, machine, mem_available
 
 SHAPES = {
     # name: (batch, q heads, kv heads, head_dim, seq_len, dtype)
@@ -74,14 +75,6 @@ MAX_POOL_BYTES = 6 << 30
 """Upper bound of the rotated caches of one layout (memory of these 24 GiB machines); every
 layout is resident at once (interleaved timing), so run_shape refuses a run that would need
 more than 70% of the machine's memory."""
-
-
-@dataclass
-class Machine:
-    model: str
-    flags: list
-    cores: int
-    llc_bytes: int
 
 
 @dataclass
@@ -101,53 +94,8 @@ class Row:
     times_ms: list = field(default_factory=list)
 
 
-def machine() -> Machine:
-    """CPU model, ISA flags that matter here, usable cores, last-level cache size."""
-    model, flags = platform.processor() or "unknown", []
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        m = re.search(r"Model name:\s*(.+)", text)
-        model = m.group(1).strip() if m else model
-        fam, mod = re.search(r"CPU family:\s*(\S+)", text), re.search(r"\nModel:\s*(\S+)", text)
-        if fam and mod:  # a generic model name ("AMD EPYC") says little: family and model say which
-            model += f" (family {fam.group(1)}, model {mod.group(1)})"
-        f = re.search(r"Flags:\s*(.+)", text)
-        have = set(f.group(1).split()) if f else set()
-        flags = [x for x in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-                 if x in have]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return Machine(model, flags, len(os.sched_getaffinity(0)), llc_bytes())
-
-
-def llc_bytes() -> int:
-    """Size of the largest cache level the kernel reports for cpu0 (default 512 MiB)."""
-    best = 0
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    for d in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        try:
-            size = open(os.path.join(base, d, "size")).read().strip()
-        except OSError:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-        best = max(best, int(size.rstrip("KMG")) * mult)
-    return best or (512 << 20)
-
-
 def _layer_count(per_layer: int, llc: int) -> int:
     return max(3, min(MAX_POOL_BYTES // max(per_layer, 1), 2 * llc // max(per_layer, 1) + 2))
-
-
-def _mem_available() -> Optional[int]:
-    """MemAvailable of /proc/meminfo in bytes, None where the file is absent."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _caches(layout: str, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, gen: torch.Generator):
@@ -186,6 +134,28 @@ def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, g
         return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
     s = kc.stride()  # vector ISA: K region [head_dim, block_size]
     return kc.as_strided(kc.shape, (s[0], s[1], 1, bs)), vc, {"block_table": table, "kv_layout": "HND"}
+
+
+def thresholds(q: torch.Tensor, k: torch.Tensor, scale: float, placement: str):
+    """The variants' thresholds from one layer: (dense, {0.1: f=0.1, 0.3: f=0.3}), each
+    [kv_heads, 1] float32, for group selection (one threshold per KV head).
+
+    f = 0.1 keeps about 10% of each group's V rows: the threshold at the 90th percentile of the
+    group-maximum scores (pre_softmax) or log-probabilities a - logsumexp(a) of the row
+    (post_softmax, returned as a probability), over every sequence; f = 0.3 the same at the
+    70th. Dense: -inf (pre_softmax) or 0 (post_softmax), every V row read. q [B, Hq, D], k
+    [B, Hkv, S, D] (BNSD).
+    """
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    a = torch.einsum("bkgd,bksd->bkgs", q.float().view(B, Hkv, Hq // Hkv, D), k.float()) * scale
+    if placement == "post_softmax":
+        a = a - torch.logsumexp(a, dim=-1, keepdim=True)
+    gmax = a.amax(2).permute(1, 0, 2).reshape(Hkv, -1)
+    theta = {f: gap_threshold(gmax, 1.0 - f) for f in (0.1, 0.3)}
+    if placement == "post_softmax":
+        return torch.zeros(Hkv, 1), {f: t.exp() for f, t in theta.items()}
+    return torch.full((Hkv, 1), float("-inf")), theta
 
 
 def gap_threshold(scores: torch.Tensor, q: float) -> torch.Tensor:
@@ -230,7 +200,7 @@ def _vllm_calls(layers, q, lens, scale):
     return [fn for fn, _out, _isa in built], f"isa {built[0][2]}"
 
 
-def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, scale) -> None:
+def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, scale, placement) -> None:
     """Before timing: the kernel's output on layer 0 in ``layout`` equals the torch reference
     on BNSD (dtype tolerance), and its V rows equal the reference's exactly.
 
@@ -240,7 +210,7 @@ def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, 
         A layout or variant computes something else (the timing would be meaningless).
     """
     if variant not in refs:
-        refs[variant] = decode_attention(q, layer0[0], layer0[1], lens, th, scale=scale, placement="pre_softmax",
+        refs[variant] = decode_attention(q, layer0[0], layer0[1], lens, th, scale=scale, placement=placement,
                                          selection="group", backend="torch", return_stats=True)
     ref, ref_st = refs[variant]
     ok, err = within_tolerance(out, ref)
@@ -251,11 +221,12 @@ def _check(out, st, refs: dict, variant: str, layout: str, layer0, q, lens, th, 
 
 
 def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts=LAYOUTS,
-              seed: int = 0) -> list[Row]:
+              seed: int = 0, placement: str = "post_softmax") -> list[Row]:
     """Every layout and variant of one shape, timed interleaved with the read probe: each round
     runs every variant's rotation over the layers once and the probe once, in a new random
     order (this machine's speed drifts over minutes; a row is the median over rounds, its
-    percentage is of the probe's median in the same rounds)."""
+    percentage is of the probe's median in the same rounds). ``placement``: of the ``cpu``
+    kernel's variants (their thresholds: :func:`thresholds`)."""
     B, Hq, Hkv, D, S, dt = SHAPES[name]
     gen = torch.Generator().manual_seed(seed)
     per_layer = 2 * B * Hkv * S * D * dt.itemsize
@@ -265,12 +236,7 @@ def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts
     q = torch.randn(B, Hq, D, generator=gen).to(dt)
     lens = torch.full((B,), S, dtype=torch.int64)
     scale = 1.0 / math.sqrt(D)
-    # f = 0.1: group selection, per KV head a threshold at the 90th percentile of layer 0's
-    # group-maximum scores (pre_softmax): about 10% of each group's V rows read
-    a = torch.einsum("bkgd,bksd->bkgs", q.float().view(B, Hkv, Hq // Hkv, D), layers[0][0].float()) * scale
-    gmax = a.amax(2).permute(1, 0, 2).reshape(Hkv, -1)
-    theta = {f: gap_threshold(gmax, 1.0 - f) for f in (0.1, 0.3)}
-    dense_th = torch.full((Hkv, 1), float("-inf"))
+    dense_th, theta = thresholds(q, layers[0][0], scale, placement)
     refs: dict = {}
     kv_bytes = per_layer
     # every layout resident, + the BNSD layers, vLLM's copy (one at a time, rebuilt per thread
@@ -285,19 +251,19 @@ def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts
         # what is still to be allocated: this and the later layouts' caches (BNSD reuses the
         # layers), vLLM's copy, its writer's transposed layer and the read probe
         rest = (per_layer * L * (sum(x != "BNSD" for x in layouts[i:]) + 1) + per_layer + PROBE_BYTES)
-        left = _mem_available()
+        left = mem_available()
         if left is not None and left < rest:
             raise MemoryError(f"{name}: building {', '.join(layouts[i:])} needs about {rest / 2**30:.1f} GiB more "
                               f"({L} layers of {per_layer / 2**20:.0f} MiB each, vLLM's copy, the probe), "
                               f"{left / 2**30:.1f} GiB is available; pass fewer --layouts or run this shape alone")
         caches = [_caches(layout, k, v, lens, gen) for k, v in layers]
         for variant, th in (("dense", dense_th), ("f=0.1", theta[0.1]), ("f=0.3", theta[0.3])):
-            out, st = decode_attention(q, caches[0][0], caches[0][1], lens, th, scale=scale, placement="pre_softmax",
+            out, st = decode_attention(q, caches[0][0], caches[0][1], lens, th, scale=scale, placement=placement,
                                        selection="group", backend="cpu", return_stats=True, **caches[0][2])
-            _check(out, st, refs, variant, layout, layers[0], q, lens, th, scale)
+            _check(out, st, refs, variant, layout, layers[0], q, lens, th, scale, placement)
             frac = float(st.v_rows.double().sum()) / (B * Hkv * S)
             read = B * Hkv * S * D * dt.itemsize * (1 + frac)
-            calls = [lambda c=c, t=th: decode_attention(q, c[0], c[1], lens, t, scale=scale, placement="pre_softmax",
+            calls = [lambda c=c, t=th: decode_attention(q, c[0], c[1], lens, t, scale=scale, placement=placement,
                                                         selection="group", backend="cpu", **c[2]) for c in caches]
             timed.append((layout, variant, read, frac, calls, ""))
     sdpa = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
@@ -359,6 +325,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds; each times every variant's rotation over the layers once, in random order (median)")
+    ap.add_argument("--placement", default="post_softmax", choices=("post_softmax", "pre_softmax"),
+                    help="placement of the cpu kernel's variants (default: post_softmax, the recommended one)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -378,16 +346,17 @@ def main(argv: Optional[list] = None) -> int:
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     mach = machine()
-    print(f"machine: {mach.model}; flags {' '.join(mach.flags)}; {mach.cores} cores; LLC {mach.llc_bytes >> 20} MiB",
-          flush=True)
+    print(f"machine: {mach.model}; flags {' '.join(mach.flags)}; {mach.cores} cores; LLC {mach.llc_bytes >> 20} MiB; "
+          f"placement {args.placement}", flush=True)
     rows = []
     for s in shapes:
-        rows += run_shape(s, threads, mach, args.rounds, layouts)
+        rows += run_shape(s, threads, mach, args.rounds, layouts, placement=args.placement)
         gc.collect()  # the shape's caches, before the next shape allocates its own
         print(format_rows([r for r in rows if r.shape == s]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": asdict(mach), "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"machine": asdict(mach), "placement": args.placement, "rows": [asdict(r) for r in rows]}, f,
+                      indent=1)
     return 0
 
 

@@ -19,7 +19,8 @@ import torch
 
 from topth_ops import decode_attention
 
-from .cpu_cold import _layer_count, _time_rotation, llc_bytes
+from .cpu_cold import _layer_count, _time_rotation
+from .machine import llc_bytes
 
 SHAPES = {"smollm2": (8, 9, 3, 64, 8192), "llama8b": (8, 32, 8, 128, 8192)}
 

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from topth_ops.vllm.settings import VllmTopthSettings
     from topth_ops.vllm.stats import ServingStats
 
-    from .cpu_cold import machine
+    from .machine import machine
     from .vllm_common import save_json
 
     torch.set_num_threads(args.threads)

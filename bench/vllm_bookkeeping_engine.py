@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     from topth_ops.vllm import runtime as runtime_mod
 
     from . import vllm_common as vc
-    from .cpu_cold import machine
+    from .machine import machine
     from .vllm_serving import engine_settings, read_probe_gbps, stdlib_prompts
 
     mach, probe = machine(), read_probe_gbps()

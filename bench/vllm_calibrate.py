@@ -166,7 +166,7 @@ def main(argv=None) -> int:
 
         second = load_thresholds(a.second_round, a.threshold_set)
         a.k, a.placement, a.selection = str(second.k), second.placement, second.selection
-    from .cpu_cold import machine
+    from .machine import machine
 
     ids = prompts(a.model, a.prompts, a.min_tokens, a.max_tokens, a.held_out)
     max_len = max(len(p) for p in ids) + a.new_tokens + 16

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     lo, hi = (int(x) for x in args.prompt_tokens.split(","))
     work = prompts(args.model, args.requests, lo, hi, args.max_tokens)
     choices = [menu[i % len(menu)] for i in range(args.requests)]
-    from .cpu_cold import machine
+    from .machine import machine
 
     out: dict = {"requests": args.requests, "choices": choices, "prompt_lengths": [len(p) for p, _ in work],
                  "machine": vars(machine()), "thresholds": args.thresholds, "guard_thresholds": args.guard_thresholds,

@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         ap.error("the topth configuration needs --thresholds")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
-    from topth_ops.bench.cpu_cold import machine
+    from topth_ops.bench.machine import machine
     from topth_ops.bench.vllm_serving import read_probe_gbps
 
     mach, probe = machine(), read_probe_gbps()

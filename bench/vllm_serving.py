@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from . import vllm_common as vc
-from .cpu_cold import machine
+from .machine import machine
 
 CONFIGS = ("vllm", "dense", "topth", "topth_nometrics")
 

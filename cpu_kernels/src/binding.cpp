@@ -217,6 +217,7 @@ PYBIND11_MODULE(_topth_cpu, m) {
     m.def("amx_unavailable_reason", [] { return std::string(amx_unavailable_reason()); },
           "why the amx level cannot run here ('' when it can)");
     m.def("best_simd_level", [] { return std::string(simd_level_name(best_simd_level())); });
+    m.def("l2_bytes", [] { return unit_bytes(); }, "one core's L2 size in bytes as the scheduler plans with it");
     m.def("pool_workers", &pool_workers, "worker threads of the own pool started so far");
     m.def("openmp_runtime", [] { return std::string(openmp_runtime()); },
           "path of the loaded OpenMP runtime the kernel runs on ('' when none, or after fork)");

@@ -50,20 +50,10 @@ constexpr int64_t kInlineWork = 1 << 15;  // K elements below which one thread d
 constexpr int64_t kWalkUnit = 2048;
 // Caches whose KV heads are interleaved inside each slot (paged NHD): the items of one range
 // for all KV heads run back to back on one thread (one unit), and ranges are cut so that the
-// K and V rows of all heads fit in one core's L2 (sysconf; 2 MiB when unknown): the lines the
+// K and V rows of all heads fit in one core's L2 (unit_bytes, below): the lines the
 // hardware prefetchers bring in for the other heads are then still there when those heads'
 // items read them. Measured on the Xeon (2 MiB L2; docs/cpu.md): a quarter of L2 left dense
 // NHD ~10% slower and f = 0.1 up to 10% slower than the whole L2.
-int64_t unit_bytes() {
-    static const int64_t bytes = [] {
-#if defined(_SC_LEVEL2_CACHE_SIZE)
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        if (l2 > 0) return std::min<int64_t>(std::max<int64_t>(l2, 256 << 10), 8 << 20);
-#endif
-        return int64_t(2) << 20;
-    }();
-    return bytes;
-}
 
 // One element of the query as float32 (exact for half and bfloat16).
 float load_scalar(const uint8_t* p, int32_t dtype) {
@@ -148,7 +138,7 @@ void build_plan(Plan& pl, const Params& P) {
     pl.n.assign(size_t(B), 0);
     pl.row.assign(size_t(B), 0);
     pl.set.assign(size_t(B), 0);
-    int64_t total = 0, units = 0;
+    int64_t total = 0, units = 0, longest_n = 0;
     for (int64_t b = 0; b < B; ++b) {
         // unchecked values are clamped in their full dtype range (no int32 wrap first)
         const int64_t n = clamp64(index_at(P.seq_lens, b, P.lens_s, P.seq_lens_i64 != 0), 0, max_seq_len);
@@ -158,6 +148,7 @@ void build_plan(Plan& pl, const Params& P) {
             pl.set[size_t(b)] = clamp64(index_at(P.threshold_set, b, P.tset_s, P.tset_i64 != 0), 0, P.num_sets - 1);
         total += n * Hkv;
         units += n > 0 ? Hkv : 0;
+        longest_n = std::max(longest_n, n);
     }
     int64_t threads = std::max<int32_t>(P.threads, 1);
     if (total * P.head_dim < kInlineWork) threads = 1;
@@ -179,6 +170,16 @@ void build_plan(Plan& pl, const Params& P) {
     if (interleaved && unit_walk(pl)) {
         int64_t want = kWalkUnit;
         if (threads > 1) want = std::min(want, total / Hkv / (4 * threads));  // total: positions x Hkv
+        // post_softmax: a sequence cut into ranges takes two phases (the row's max and exponent
+        // sum before any selection), and the scores of every item go out to memory in between;
+        // whole sequences keep one phase where a sequence's scores fit in L2, every thread
+        // still gets two sequences and none more than its share of the positions (docs/cpu.md,
+        // "post_softmax on paged NHD")
+        const int64_t seqs = units / Hkv;
+        const bool fits = longest_n * Hkv * pl.G * int64_t(sizeof(float)) <= unit_bytes();
+        if (P.placement == kPost && fits &&
+            (threads == 1 || (seqs >= 2 * threads && longest_n * threads <= total / Hkv)))
+            want = longest_n;
         fit = std::max(fit_l2, want);
     }
     if (P.split_len > 0) {
@@ -267,6 +268,19 @@ void build_plan(Plan& pl, const Params& P) {
 }
 
 }  // namespace
+
+// One core's L2 in bytes (sysconf, clamped to 256 KiB .. 8 MiB; 2 MiB when unknown): the size
+// the scheduler plans units with (build_plan).
+int64_t unit_bytes() {
+    static const int64_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        if (l2 > 0) return std::min<int64_t>(std::max<int64_t>(l2, 256 << 10), 8 << 20);
+#endif
+        return int64_t(2) << 20;
+    }();
+    return bytes;
+}
 
 const char* amx_unavailable_reason() {
     static const std::string reason = amx_check();

@@ -128,6 +128,8 @@ float threshold_of(const Plan& plan, int64_t b, int64_t th_head);
 // Whether unit_scores serves the units of several items of this call: K rows read row by row
 // (not vLLM's packed or transposed caches) on a level with scores_pf.
 bool unit_walk(const Plan& plan);
+// One core's L2 size as the scheduler assumes it (dispatch.cpp).
+int64_t unit_bytes();
 // The scores of the n items of one unit (the KV heads of one range of a sequence whose heads
 // are interleaved in each slot: paged NHD), their K rows read in one walk over the range;
 // afterwards sc.scored[k] holds item items[k]'s scores.

@@ -1,17 +1,19 @@
 """The cold-cache layout benchmark (bench/cpu_cold.py) on a tiny shape: every layout and
 variant runs, is checked against the torch reference, and reports the bytes it read."""
 
+import pytest
 import torch
 
 from topth_ops.bench import cpu_cold
 
 
-def test_every_layout_runs_checked_on_a_tiny_shape(monkeypatch):
+@pytest.mark.parametrize("placement", ["post_softmax", "pre_softmax"])
+def test_every_layout_runs_checked_on_a_tiny_shape(monkeypatch, placement):
     monkeypatch.setitem(cpu_cold.SHAPES, "tiny", (2, 4, 2, 64, 512, torch.bfloat16))
     monkeypatch.setattr(cpu_cold, "MAX_POOL_BYTES", 4 << 20)
     monkeypatch.setattr(cpu_cold, "PROBE_BYTES", 1 << 20)
     mach = cpu_cold.Machine("test", [], 1, 1 << 20)
-    rows = cpu_cold.run_shape("tiny", [1], mach, rounds=1)
+    rows = cpu_cold.run_shape("tiny", [1], mach, rounds=1, placement=placement)
     ours = [r for r in rows if r.variant in ("dense", "f=0.1", "f=0.3")]
     assert {r.layout for r in ours} == set(cpu_cold.LAYOUTS)
     for r in ours:

@@ -6,7 +6,7 @@ the same way (docs/cpu.md, "Paged NHD"). Checked against the float64 oracle on e
 level of this machine, the levels without the walks included: 2, 3 and 8 KV heads, lengths on
 both sides of a chunk and longer than one unit, head dims of the direct and the tile paths,
 both placements, half and most rows kept, with and without split-KV (two phases for
-post_softmax), one and two threads, and caches whose slots are padded (views of a wider
+post_softmax; whole sequences in one phase where the threads allow), one and two threads, and caches whose slots are padded (views of a wider
 tensor)."""
 
 import pytest
@@ -19,6 +19,7 @@ from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_rep
 from .env_run import run_with_env
 
 LEVELS = cpu_backend.cpu_module().simd_levels()
+L2_BYTES = cpu_backend.cpu_module().l2_bytes()  # the scheduler's L2 size
 
 # (KV heads, query heads per KV head, head_dim, dtype, block size)
 SHAPES = [
@@ -30,7 +31,8 @@ SHAPES = [
 ]
 # one sequence per interesting length: under, at and past a chunk of 48, and long enough for
 # several units (ranges are cut to what fits one core's L2, and to 2048 positions on one thread
-# on levels with the walk: dispatch.cpp), plus an empty one
+# on levels with the walk, except post_softmax on one thread: whole sequences; dispatch.cpp),
+# plus an empty one
 LENS = (47, 48, 49, 0, 97, 4500)
 
 
@@ -62,11 +64,50 @@ def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, pl
     assert counters["simd"] == level
     # the KV heads of a range share a unit, so the walk has something to walk
     assert counters["units"] < counters["items"], counters
-    if level == "avx2" and split == "0" and threads == 1:  # the walk's units: 2048 positions
-        assert counters["units"] <= sum(1 for n in LENS if n) - 1 + -(-max(LENS) // 2048), counters
+    if level == "avx2" and split == "0" and threads == 1:
+        if placement == "post_softmax" and max(LENS) * num_kv * group * 4 <= L2_BYTES:
+            # whole sequences (their scores fit in L2): one phase, no split
+            assert counters["units"] == sum(1 for n in LENS if n) and counters["splits_max"] == 1, counters
+        else:  # the walk's units: 2048 positions
+            assert counters["units"] <= sum(1 for n in LENS if n) - 1 + -(-max(LENS) // 2048), counters
+    if level == "avx2" and split == "0" and threads == 2:  # one sequence holds most positions: split
+        assert counters["splits_max"] > 1, counters
     want = case.oracle()
     rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[dtype])
     assert rep is None, rep
     assert exact_report("kept", to_numpy(stats.kept), want.kept) is None
     assert exact_report("v_rows", to_numpy(stats.v_rows), want.v_rows) is None
     assert counters["k_rows"] == sum(LENS) * num_kv
+
+
+# post_softmax on the walk's level: whole sequences as units (one phase) where a sequence's scores
+# fit in L2, every thread gets two of them and none more than its share of the positions; else
+# ranges in two phases
+@pytest.mark.skipif("avx2" not in LEVELS, reason="the K walk runs on the avx2 level; this CPU lacks AVX2")
+@pytest.mark.parametrize("lens,threads,whole", [
+    ((3000, 2900, 3100, 2500), 2, True),   # balanced: one phase on two threads
+    ((6000, 100, 200, 300), 2, False),     # one sequence past a thread's share: split
+    ((3000, 2900, 3100), 2, False),        # fewer than two sequences per thread: split
+    ((6000, 100), 1, True),                # one thread: always whole
+])
+def test_post_softmax_whole_sequences(lens, threads, whole):
+    shape = Shape(lens, 9, 3, 64, max(lens))
+    case = random_case("nhd-post", shape, torch.bfloat16, placement="post_softmax", selection="group", vmc=True,
+                       keep_range=(0.3, 0.6), seed=11)
+    kw = dict(paged_case(case, 32, "NHD", seed=3).kwargs)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: "avx2", cpu_backend.ENV_SPLIT: "0"})
+    finally:
+        torch.set_num_threads(saved)
+    assert counters["threads"] == threads, counters
+    if whole and max(lens) * 9 * 4 <= L2_BYTES:
+        assert counters["units"] == len(lens) and counters["splits_max"] == 1, counters
+    else:
+        assert counters["splits_max"] > 1, counters
+    want = case.oracle()
+    rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[torch.bfloat16])
+    assert rep is None, rep
+    assert exact_report("kept", to_numpy(stats.kept), want.kept) is None
+    assert exact_report("v_rows", to_numpy(stats.v_rows), want.v_rows) is None
