@@ -137,15 +137,36 @@ def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, g
 
 
 def thresholds(q: torch.Tensor, k: torch.Tensor, scale: float, placement: str):
-    """The variants' thresholds from one layer: (dense, {0.1: f=0.1, 0.3: f=0.3}), each
-    [kv_heads, 1] float32, for group selection (one threshold per KV head).
+    """The variants' thresholds, from one layer, for group selection (one per KV head).
 
-    f = 0.1 keeps about 10% of each group's V rows: the threshold at the 90th percentile of the
-    group-maximum scores (pre_softmax) or log-probabilities a - logsumexp(a) of the row
-    (post_softmax, returned as a probability), over every sequence; f = 0.3 the same at the
-    70th. Dense: -inf (pre_softmax) or 0 (post_softmax), every V row read. q [B, Hq, D], k
-    [B, Hkv, S, D] (BNSD).
+    Parameters
+    ----------
+    q : torch.Tensor
+        [batch, q_heads, head_dim], the query.
+    k : torch.Tensor
+        [batch, kv_heads, seq, head_dim] (BNSD), the layer's keys; q_heads a multiple of kv_heads.
+    scale : float
+        The softmax scale.
+    placement : str
+        ``"pre_softmax"`` (thresholds on scores) or ``"post_softmax"`` (on probabilities).
+
+    Returns
+    -------
+    dense : torch.Tensor
+        [kv_heads, 1] float32: -inf (pre_softmax) or 0 (post_softmax), every V row read.
+    theta : dict
+        {0.1: ..., 0.3: ...}, [kv_heads, 1] float32 each: the threshold at the 90th (70th)
+        percentile of the group-maximum scores, or of the group-maximum log-probabilities
+        a - logsumexp(a) of each row returned as a probability (post_softmax), over every
+        sequence (:func:`gap_threshold`): about 10% (30%) of each group's V rows kept.
+
+    Raises
+    ------
+    ValueError
+        ``placement`` is neither of the two.
     """
+    if placement not in ("pre_softmax", "post_softmax"):
+        raise ValueError(f"placement must be 'pre_softmax' or 'post_softmax', got {placement!r}")
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     a = torch.einsum("bkgd,bksd->bkgs", q.float().view(B, Hkv, Hq // Hkv, D), k.float()) * scale

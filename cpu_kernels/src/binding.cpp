@@ -121,6 +121,8 @@ py::dict decode_py(const py::dict& args, int32_t level) {
     r["items"] = c.items;
     r["units"] = c.units;
     r["splits_max"] = c.splits_max;
+    r["k_walks"] = c.k_walks;
+    r["pv_walks"] = c.pv_walks;
     r["threads"] = c.threads_used;
     r["runtime"] = c.runtime == 2 ? "openmp" : (c.runtime == 1 ? "pool" : "inline");
     r["simd"] = simd_level_name(level == kLevelAuto ? best_simd_level() : level);

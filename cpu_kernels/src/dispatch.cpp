@@ -242,6 +242,7 @@ void build_plan(Plan& pl, const Params& P) {
     pl.acc.resize(I * G * dpad);
     pl.vs.assign(P.vmc == kVmcComputed ? I * dpad : 0, 0.0f);
     for (auto* v : {&pl.k_rows, &pl.v_rows, &pl.vm_rows}) v->assign(I, 0);
+    pl.walked.assign(pl.unit_first.size() - 1, 0);
     if (pl.two_phase) {
         if (pl.ws.size() < size_t(ws)) pl.ws.resize(size_t(ws));
         pl.pair_m.assign(size_t(B * Hkv) * G, 0.0f);
@@ -341,7 +342,10 @@ Counters decode(const Params& P, int32_t level) {
                     else combine_pair(pl, pair);
                 }
             };
-            if (walked) unit_scores(pl, &pl.order[size_t(first)], end - first, sc);
+            if (walked) {
+                unit_scores(pl, &pl.order[size_t(first)], end - first, sc);
+                pl.walked[size_t(u)] |= 1;
+            }
             for (int64_t t = first; t < end; ++t) {
                 const int64_t i = pl.order[size_t(t)];
                 run_item(pl, i, phase, sc, walked ? sc.scored[size_t(t - first)] : nullptr,
@@ -349,7 +353,7 @@ Counters decode(const Params& P, int32_t level) {
                 if (!walked_pv) done(i);
             }
             if (walked_pv) {
-                unit_pv(pl, &pl.order[size_t(first)], end - first, sc);
+                if (unit_pv(pl, &pl.order[size_t(first)], end - first, sc)) pl.walked[size_t(u)] |= 2;
                 for (int64_t t = first; t < end; ++t) done(pl.order[size_t(t)]);
             }
         }, P.use_openmp != 0);
@@ -367,6 +371,10 @@ Counters decode(const Params& P, int32_t level) {
     }
     c.items = I;
     c.units = int64_t(pl.unit_first.size()) - 1;
+    for (const uint8_t w : pl.walked) {
+        c.k_walks += w & 1;
+        c.pv_walks += w >> 1 & 1;
+    }
     for (int64_t p = 0; p < pairs; ++p) c.splits_max = std::max(c.splits_max, pl.pair_count[size_t(p)]);
     c.threads_used = threads;
     c.runtime = (threads <= 1 || I <= 1) ? 0 : (P.use_openmp && openmp_runtime()[0] ? 2 : 1);

@@ -40,6 +40,7 @@ struct Plan {
     std::vector<float> pair_m, pair_logz;        // [pairs][G] global max / log-sum (two-phase)
     std::vector<float> ws;                       // two-phase scores workspace
     std::vector<int64_t> k_rows, v_rows, vm_rows;  // [items] counters
+    std::vector<uint8_t> walked;                 // [units] bit 0: K rows walked, bit 1: V rows
 
     int64_t pairs() const { return P->batch * P->num_kv_heads; }
 };
@@ -140,8 +141,8 @@ bool pv_walk(const Plan& plan);
 // P.V of the n items of one unit after run_item left their kept lists in unit_list(sc, k, ...)
 // (k the item's place in the unit): where every list holds more than 3/4 of the range, the V
 // rows of all of them read in one walk over the range, else item_pv item by item; fills each
-// item's plan.acc.
-void unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc);
+// item's plan.acc. Returns whether it walked.
+bool unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc);
 // combine.cpp
 void combine_lse(Plan& plan, int64_t pair);
 void combine_pair(Plan& plan, int64_t pair);

@@ -63,7 +63,7 @@ void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
 
 bool pv_walk(const Plan& plan) { return !plan.P->kv_packed && plan.ops->pv_pf; }
 
-void unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
+bool unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
     const Params& P = *plan.P;
     const Item& first = plan.items[size_t(items[0])];
     const int64_t len = first.hi - first.lo, b = first.b;
@@ -74,7 +74,7 @@ void unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
     for (int64_t k = 0; k < n; ++k)
         if (4 * plan.uni[size_t(items[k])] <= 3 * len) {
             for (int64_t j = 0; j < n; ++j) item_pv(plan, items[j], sc, unit_list(sc, j, len, G));
-            return;
+            return false;
         }
     for (int64_t k = 0; k < n; ++k)
         std::memset(&plan.acc[size_t(items[k] * G * dpad)], 0, sizeof(float) * size_t(G * dpad));
@@ -125,6 +125,7 @@ void unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
         std::swap(from, ahead);
         std::swap(cnt, cnt_next);
     }
+    return true;
 }
 
 }  // namespace topth_cpu

@@ -54,6 +54,8 @@ struct Counters {
     int64_t items = 0;        // work items (sequence x KV head x split)
     int64_t units = 0;        // scheduled units (an item, or the items of every KV head of a range)
     int64_t splits_max = 0;   // largest number of splits of one (sequence, KV head)
+    int64_t k_walks = 0;      // units whose K rows were read in one walk (unit_scores)
+    int64_t pv_walks = 0;     // units whose V rows were read in one walk (unit_pv)
     int64_t threads_used = 0;
     int32_t runtime = 0;      // 0: caller's thread only, 1: own pool, 2: the loaded OpenMP runtime
 };

@@ -72,6 +72,16 @@ def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, pl
             assert counters["units"] <= sum(1 for n in LENS if n) - 1 + -(-max(LENS) // 2048), counters
     if level == "avx2" and split == "0" and threads == 2:  # one sequence holds most positions: split
         assert counters["splits_max"] > 1, counters
+    # which walks ran: the K walk on every unit of several items of the avx2 level; the P.V walk
+    # only where every list of a unit holds more than 3/4 of its range (never for "half")
+    if level == "avx2":
+        assert counters["k_walks"] > 0, counters
+        if keep[1] <= 0.6:
+            assert counters["pv_walks"] == 0, counters
+        elif split == "0":  # "most" rows kept: the long sequence's units walk their V rows
+            assert counters["pv_walks"] > 0, counters
+    else:
+        assert counters["k_walks"] == 0 and counters["pv_walks"] == 0, counters
     want = case.oracle()
     rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[dtype])
     assert rep is None, rep
