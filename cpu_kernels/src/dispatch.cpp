@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -43,17 +44,32 @@ constexpr int64_t kMinSplit = 256;       // fewest positions per KV split
 constexpr int64_t kItemsPerThread = 8;   // split until there are about this many items per thread
 constexpr int64_t kInlineWork = 1 << 15;  // K elements below which one thread does everything
 // Units whose K rows unit_scores walks (unit_walk.cpp) span this many positions (fewer where the
-// threads need more units: build_plan, never below the L2 rule's length): the walk
+// threads need more units, never below the L2 rule's length; whole sequences for post_softmax
+// where build_plan allows it): the walk
 // prefetches each chunk of a unit while reading the one before, so a unit's first chunk comes
 // unprefetched, and the units of a few hundred positions that the L2 rule below gives on a
 // small L2 pay that often (docs/cpu.md, "Paged NHD: units for the walk, and the P.V walk").
 constexpr int64_t kWalkUnit = 2048;
 // Caches whose KV heads are interleaved inside each slot (paged NHD): the items of one range
 // for all KV heads run back to back on one thread (one unit), and ranges are cut so that the
-// K and V rows of all heads fit in one core's L2 (unit_bytes, below): the lines the
-// hardware prefetchers bring in for the other heads are then still there when those heads'
-// items read them. Measured on the Xeon (2 MiB L2; docs/cpu.md): a quarter of L2 left dense
-// NHD ~10% slower and f = 0.1 up to 10% slower than the whole L2.
+// K and V rows of all heads fit in one core's L2 (unit_bytes, below; longer where the walk
+// runs: kWalkUnit): the lines the hardware prefetchers bring in for the other heads are then
+// still there when those heads' items read them. Measured on the Xeon (2 MiB L2; docs/cpu.md): a quarter of
+// L2 left dense NHD ~10% slower and f = 0.1 up to 10% slower than the whole L2.
+
+// Whether whole sequences of lengths n (0: none) share threads about as evenly as ranges
+// would: the longest thread's positions, sequences handed out longest first to the least
+// loaded thread (as the pool takes units), at most 10% above an even share.
+bool whole_sequences_balance(const std::vector<int64_t>& n, int64_t threads) {
+    std::vector<int64_t> lens(n), load(size_t(threads), 0);
+    std::sort(lens.begin(), lens.end(), std::greater<int64_t>());
+    int64_t total = 0;
+    for (const int64_t x : lens) {
+        *std::min_element(load.begin(), load.end()) += x;
+        total += x;
+    }
+    return 10 * threads * *std::max_element(load.begin(), load.end()) <= 11 * total;
+}
 
 // One element of the query as float32 (exact for half and bfloat16).
 float load_scalar(const uint8_t* p, int32_t dtype) {
@@ -172,13 +188,10 @@ void build_plan(Plan& pl, const Params& P) {
         if (threads > 1) want = std::min(want, total / Hkv / (4 * threads));  // total: positions x Hkv
         // post_softmax: a sequence cut into ranges takes two phases (the row's max and exponent
         // sum before any selection), and the scores of every item go out to memory in between;
-        // whole sequences keep one phase where a sequence's scores fit in L2, every thread
-        // still gets two sequences and none more than its share of the positions (docs/cpu.md,
-        // "post_softmax on paged NHD")
-        const int64_t seqs = units / Hkv;
+        // whole sequences keep one phase where a sequence's scores fit in L2 and the threads
+        // stay about as balanced (docs/cpu.md, "post_softmax on paged NHD")
         const bool fits = longest_n * Hkv * pl.G * int64_t(sizeof(float)) <= unit_bytes();
-        if (P.placement == kPost && fits &&
-            (threads == 1 || (seqs >= 2 * threads && longest_n * threads <= total / Hkv)))
+        if (P.placement == kPost && fits && (threads == 1 || whole_sequences_balance(pl.n, threads)))
             want = longest_n;
         fit = std::max(fit_l2, want);
     }
