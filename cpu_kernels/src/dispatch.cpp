@@ -183,6 +183,7 @@ void build_plan(Plan& pl, const Params& P) {
     // units the walk reads: kWalkUnit positions, shorter where that would leave a thread fewer
     // than 4 units' worth of the batch's positions (longest first then evens the rest out)
     int64_t fit = fit_l2;
+    bool whole = false;  // post_softmax: whole sequences as units (below)
     if (interleaved && unit_walk(pl)) {
         int64_t want = kWalkUnit;
         if (threads > 1) want = std::min(want, total / Hkv / (4 * threads));  // total: positions x Hkv
@@ -191,14 +192,14 @@ void build_plan(Plan& pl, const Params& P) {
         // whole sequences keep one phase where a sequence's scores fit in L2 and the threads
         // stay about as balanced (docs/cpu.md, "post_softmax on paged NHD")
         const bool fits = longest_n * Hkv * pl.G * int64_t(sizeof(float)) <= unit_bytes();
-        if (P.placement == kPost && fits && (threads == 1 || whole_sequences_balance(pl.n, threads)))
-            want = longest_n;
+        whole = P.placement == kPost && fits && (threads == 1 || whole_sequences_balance(pl.n, threads));
+        if (whole) want = longest_n;
         fit = std::max(fit_l2, want);
     }
     if (P.split_len > 0) {
         split = P.split_len;
     } else {
-        if (threads > 1 && units < 4 * threads)
+        if (threads > 1 && units < 4 * threads && !whole)  // whole: balance checked above
             split = std::max(kMinSplit, (total + kItemsPerThread * threads - 1) / (kItemsPerThread * threads));
         if (interleaved) split = std::min(split, fit);
     }

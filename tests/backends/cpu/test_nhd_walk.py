@@ -98,6 +98,7 @@ def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, pl
     ((12000, 100, 200, 300), 2, False),       # one sequence past a thread's share: split
     ((12000, 11600, 12400), 2, False),        # three on two threads: 1.3x an even share
     ((12000, 12000, 12000, 1), 2, False),     # four, but the fourth is empty in effect
+    ((12000, 11000), 2, True),                # one each: balanced, fewer units than threads x 4
     ((6000, 100), 1, True),                   # one thread: whole where the scores fit
 ])
 def test_post_softmax_whole_sequences(lens, threads, whole):
