@@ -54,8 +54,8 @@ constexpr int64_t kWalkUnit = 2048;
 // for all KV heads run back to back on one thread (one unit), and ranges are cut so that the
 // K and V rows of all heads fit in one core's L2 (unit_bytes, below; longer where the walk
 // runs: kWalkUnit): the lines the hardware prefetchers bring in for the other heads are then
-// still there when those heads' items read them. Measured on the Xeon (2 MiB L2; docs/cpu.md): a quarter of
-// L2 left dense NHD ~10% slower and f = 0.1 up to 10% slower than the whole L2.
+// still there when those heads' items read them. Measured on the Xeon (2 MiB L2; docs/cpu.md):
+// a quarter of L2 left dense NHD ~10% slower and f = 0.1 up to 10% slower than the whole L2.
 
 // Whether whole sequences of lengths n (0: none) share threads about as evenly as ranges
 // would: the longest thread's positions, sequences handed out longest first to the least
