@@ -290,7 +290,8 @@ void item_pv(Plan& plan, int64_t i, Scratch& sc, const UnitList& list) {
     // prefetch runs ahead across it
     if (kept > 0 && P.kv_packed && ops.pv_packed) {  // vLLM's AMX cache, read in place
         packed_value_pointers(P, b, g, it.lo, list.idx, kept, rows);
-        ops.pv_packed(rows, kept, D, dpad, P.block_size * 32, list.wk, ldw, G, acc, int32_t(4 * kept <= 3 * len));
+        ops.pv_packed(rows, kept, D, dpad, P.block_size * 32, list.wk, ldw, G, acc,
+                      int32_t(scattered_list(kept, len)));
     } else if (kept > 0 && P.kv_packed) {  // vLLM's AMX cache: the kept rows unpacked, kChunk at a time
         for (int64_t c = 0; c < kept; c += kChunk) {
             const int64_t cnt = kept - c < kChunk ? kept - c : kChunk;
@@ -299,11 +300,9 @@ void item_pv(Plan& plan, int64_t i, Scratch& sc, const UnitList& list) {
         }
     } else if (kept > 0) {
         listed_rows(P, P.value, P.v_s, b, g, it.lo, list.idx, kept, rows);
-        // a sparse subset (at most 3/4 of the range) is visited in a strided order; the dense
-        // mode and nearly dense lists stream in ascending order (the hardware prefetchers
-        // then read only rows that are used)
+        // a sparse subset is visited in a strided order, denser lists stream (scattered_list)
         ops.pv(rows, kept, P.dtype, P.v_s[3], D, dpad, list.wk, ldw, G, acc, sc.tile.data(),
-               int32_t(4 * kept <= 3 * len));
+               int32_t(scattered_list(kept, len)));
     }
 }
 

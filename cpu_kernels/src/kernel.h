@@ -71,6 +71,11 @@ enum Phase : int32_t { kFull = 0, kScores = 1, kSelect = 2 };
 // sums are then 0 and exp(a - 0) never turns -inf - -inf into NaN).
 inline float safe_max(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
 
+// Whether a kept list of `kept` of a range's `len` rows is a sparse subset (at most 3/4 of
+// the range): its P.V visits the rows in a strided order and is never walked (unit_pv); denser
+// lists stream in ascending order, so the hardware prefetchers read only rows that are used.
+inline bool scattered_list(int64_t kept, int64_t len) { return 4 * kept <= 3 * len; }
+
 // ln Z of a head's exponent sum, the log-sum of its post_softmax log-probabilities
 // a - M - ln Z: +inf where Z is 0 (every valid score -inf), so that each of those
 // log-probabilities is -inf (never kept, and no NaN in the group maximum) instead of

@@ -72,7 +72,7 @@ bool unit_pv(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
     // list is read item by item, in the strided visit of the P.V stage for 256 rows or more
     // (pv_visit.h), which keeps the hardware prefetchers off the unkept rows.
     for (int64_t k = 0; k < n; ++k)
-        if (4 * plan.uni[size_t(items[k])] <= 3 * len) {
+        if (scattered_list(plan.uni[size_t(items[k])], len)) {
             for (int64_t j = 0; j < n; ++j) item_pv(plan, items[j], sc, unit_list(sc, j, len, G));
             return false;
         }
