@@ -230,7 +230,10 @@ def oracle_decode(
                 o = w @ vals[keep] if keep.any() else np.zeros(D)
                 if vmc:
                     mu = vmean[b, g] if vmean is not None else vals.mean(axis=0)
-                    o = o + beta * mu
+                    # IEEE products, as the kernels compute them: beta 0 with an infinite mean
+                    # (a non-finite V row in the sequence) gives NaN
+                    with np.errstate(invalid="ignore"):
+                        o = o + beta * mu
                 out[b, h] = o
                 kept_count[b, h] = int(keep.sum())
                 dropped[b, h] = beta
