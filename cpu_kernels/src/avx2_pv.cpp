@@ -7,8 +7,9 @@
 // accumulators, which GCC keeps in registers; 12 spill; float32 keeps 3 x 32, see pv_block)
 // with the block's rows re-read from L1, so no row is fetched from memory twice. A
 // scattered list is visited in a strided order (pv_visit.h, visit_stride, explains why).
-// Every list but one run of short rows is prefetched at two distances, spread over the rows
-// of each block (pv_direct); pv_pf takes the rows to put into L2 from its caller instead.
+// Every list is prefetched at two distances, spread over the rows of each block, but one run
+// of short rows, only the next block (pv_direct); pv_pf takes the rows to put into L2 from its
+// caller instead.
 // Other rows are converted to a float32 tile first. Also the V-row sum for the VMC mean
 // (value_mean absent).
 #include "avx2_common.h"
@@ -120,8 +121,8 @@ inline void pv_heads(const uint8_t* const* rb, int64_t R, int32_t nch, const flo
 
 // Rows `rows` (head_dim d a multiple of 16, contiguous) in visit order, kRowBlock at a time,
 // the next block prefetched into L1 and the rows about 12 KiB ahead into L2, one row ahead per
-// row of a block (pv_rows); a list that is one run of short rows is left to the hardware
-// prefetchers (one_run). pf_list given (unit_pv; stride 1): pf_list[t] (t < pf_count) goes
+// row of a block (pv_rows); for a list that is one run of short rows (one_run) only the next
+// block, into L2 and L1. pf_list given (unit_pv; stride 1): pf_list[t] (t < pf_count) goes
 // into L2 while row t is read, instead of the rows further down this list.
 template <int DT>
 void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
@@ -134,6 +135,7 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
     int64_t tv = 0;                              // row of the next step
     rows_ahead::VisitAhead<kRowBlock> ahead(rows, count, stride, far);
     const bool prefetch = pf_list || stride != 1 || !one_run(rows, count, row_bytes);
+    const bool run = !prefetch;  // one run of short rows: only the next block, into L2 and L1
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
         for (int64_t t = 0; t < R; ++t) {
@@ -143,7 +145,7 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
         }
         const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
         const uint8_t* const* pf;
-        ahead.block(k0, R, prefetch, prefetch && !pf_list, &pn, &pf);
+        ahead.block(k0, R, prefetch || run, prefetch && !pf_list, &pn, &pf);
         if (pf_list && k0 < pf_count) {  // past pf_count: its last row again (a harmless repeat)
             for (int64_t t = 0; t < R; ++t) given[t] = pf_list[k0 + t < pf_count ? k0 + t : pf_count - 1];
             pf = given;

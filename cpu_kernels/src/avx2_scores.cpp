@@ -146,7 +146,8 @@ const float* query_for(const float* q, int32_t G, int32_t dpad, float* buf) {
 }
 
 // Rows [0, count). pf null: the stage prefetches its own list, the rows `far` ahead into L2
-// and the next tile's into L1 (none for one contiguous run). pf given (unit_scores): pf[t]
+// and the next tile's into L1 (for one contiguous run of short rows only the next tile's,
+// into L2 and L1). pf given (unit_scores): pf[t]
 // (t < pf_count) into L2 while row t is read, and the next tile of this call's rows into L1.
 template <int DT>
 void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_list, int64_t pf_count, int32_t d,
@@ -155,7 +156,9 @@ void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_
     const int64_t row_bytes = int64_t(d) * es, far = far_rows(row_bytes);
     const float* qs = query_for<DT>(q, G, dpad, qbuf);
     constexpr int64_t kStep = kTile;
-    const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
+    // one contiguous run of short rows (BNSD): only the next tile's rows, into L2 and L1
+    const bool run = !pf_list && one_run(rows, count, row_bytes);
+    const bool prefetch = pf_list || !run;
     const uint8_t* pfar[kTile];
     const uint8_t* pnear[kTile];
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {
@@ -167,7 +170,7 @@ void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_
         } else if (!pf_list && prefetch) {
             pf = ahead_rows(rows, t0, count, far, kTile, pfar);
         }
-        const uint8_t* const* pn = prefetch ? ahead_rows(rows, t0, count, kStep, kTile, pnear) : nullptr;
+        const uint8_t* const* pn = prefetch || run ? ahead_rows(rows, t0, count, kStep, kTile, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         tile_scores<DT>(rows + t0, T, d / 16, qs, dpad, G, S + t0, ldS, pf, pn);
     }

@@ -28,12 +28,14 @@ inline void visit_rows(const uint8_t* const* rows, int64_t count, int64_t stride
 // loads (one line ahead per line loaded), not in a burst before it: on AMD Zen 4 a burst of a
 // 16-row tile's prefetches (8 KiB of 512-byte rows) stalled the stage, and spreading them made
 // the op 1.4-2.2x faster end to end on BNSD and HND128 caches of 512-byte rows (docs/cpu.md,
-// "Software prefetch"). out[t] (t < n) is the row `dist` rows after row t0 + t of a list of
-// count rows; past the list, its last row (a harmless repeat). Returns out, or nullptr when
-// even the first of them lies past the list.
+// "Software prefetch"). Element t (t < n) of the result is the row `dist` rows after row
+// t0 + t of a list of count rows; past the list, its last row (a harmless repeat), written to
+// out. Returns rows + t0 + dist where all n lie in the list (nothing copied), else out, or
+// nullptr when even the first of them lies past the list.
 inline const uint8_t* const* ahead_rows(const uint8_t* const* rows, int64_t t0, int64_t count, int64_t dist,
                                         int64_t n, const uint8_t** out) {
     if (t0 + dist >= count) return nullptr;
+    if (t0 + dist + n <= count) return rows + t0 + dist;  // all of them in the list: no copy
     int64_t t = t0 + dist;
     visit_rows(rows, count, 1, t0 + dist, n, &t, out);
     return out;
@@ -70,13 +72,14 @@ struct VisitAhead {
 };
 
 // Whether the count rows of a list, rows of at most kRunMaxBytes, lie back to back as one
-// contiguous run, as far as its ends tell (a BNSD range). The stages then issue no software
-// prefetch: the hardware prefetchers stream such a run and the prefetch instructions only cost
-// time. Runs broken by block boundaries keep them, and so do longer rows and strided runs (not
-// measured). On AMD Zen 4 with the prefetches spread (ahead_rows), BNSD runs of 256-byte rows
-// were 1.15x faster with them (llama8b's shape, dense; 1.3x at f = 0.1) and runs of 128-byte
-// rows 0.95-1.0x (docs/cpu.md, "Software prefetch"; the AVX2 level the same way, measured on
-// that Zen 4 running it: "AVX2 stages"). Only the speed depends on the answer.
+// contiguous run, as far as its ends tell (a BNSD range). The AVX-512 stages then issue no
+// software prefetch, the AVX2 stages only the next tile's or block's rows (not those about
+// 12 KiB ahead): the hardware prefetchers stream such a run. Runs broken by block boundaries
+// keep both distances, and so do longer rows and strided runs (not measured). On AMD Zen 4
+// with the prefetches spread (ahead_rows), BNSD runs of 256-byte rows were 1.15x faster with
+// them (llama8b's shape, dense; 1.3x at f = 0.1) and runs of 128-byte rows 0.95-1.0x; on AMD
+// Zen 3 the AVX2 stages' next-tile prefetch made such runs 1.01-1.25x faster (docs/cpu.md,
+// "Software prefetch", "AVX2 stages"). Only the speed depends on the answer.
 constexpr int64_t kRunMaxBytes = 128;
 
 inline bool one_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes) {
