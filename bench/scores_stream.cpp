@@ -73,7 +73,8 @@ int main(int argc, char** argv) {
     const bool with_v = argc > 1 && atoi(argv[1]) == 1, shuffle = getenv("SHUF") != nullptr;
     const bool prefetch = getenv("PF") != nullptr;
     if (N < 16 || items < 2 || reps < 1) {
-        std::fprintf(stderr, "NROWS must be at least 16 and at most %lld\n", (long long)(bytes / rb / 2));
+        std::fprintf(stderr, "NROWS must be at least 16 and at most %lld (MB=%zu), REPS at least 1\n",
+                     (long long)(bytes / rb / 2), bytes >> 20);
         return 2;
     }
     std::vector<uint8_t> k(bytes + 64, 0x3c), v(with_v ? bytes + 64 : 64, 0x3c);
@@ -109,9 +110,10 @@ int main(int argc, char** argv) {
     }
     std::sort(ts.begin(), ts.end());
     std::sort(ps.begin(), ps.end());
+    const double t_med = ts[ts.size() / 2], p_med = ps[ps.size() / 2];
     std::printf("items of %lld rows%s%s%s: scores %.2f ns/row, %.1f GB/s of K; probe %.1f GB/s; %.0f%% (%ld)\n",
-                (long long)N, with_v ? ", V read between items" : "", shuffle ? ", shuffled" : "", prefetch ? ", prefetched" : "",
-                ts[ts.size() / 2] / double(items * N) * 1e9, double(bytes) / ts[ts.size() / 2] / 1e9, double(bytes) / ps[ps.size() / 2] / 1e9,
-                100.0 * ps[ps.size() / 2] / ts[ts.size() / 2], sink & 1);
+                (long long)N, with_v ? ", V read between items" : "", shuffle ? ", shuffled" : "",
+                prefetch ? ", prefetched" : "", t_med / double(items * N) * 1e9, double(bytes) / t_med / 1e9,
+                double(bytes) / p_med / 1e9, 100.0 * p_med / t_med, sink & 1);
     return 0;
 }
