@@ -6,8 +6,9 @@
 // shape; 1 GiB, or MB=<MiB>) is cut into items of N rows, scored in order (one call per item,
 // like one work item of the op) or in a shuffled order (SHUF=1); with argument 1 a V buffer's
 // item is read between two items (as the op's P.V does), its time not counted. PF=1 swaps the
-// last two rows of each item, so the stage does not take the item for one contiguous run and
-// issues its software prefetches. Each repeat also reads the whole K buffer with plain loads
+// last two rows of each item, so the stage does not take the item for one contiguous run: the
+// avx512bf16 level then issues its software prefetches (none for a run), the avx2 level both
+// distances (only the next tile for a run). Each repeat also reads the whole K buffer with plain loads
 // (the probe). Median of REPS repeats (default 5).
 //
 //   avx512bf16 level:

@@ -134,8 +134,8 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
     int64_t vis[kRowBlock];
     int64_t tv = 0;                              // row of the next step
     rows_ahead::VisitAhead<kRowBlock> ahead(rows, count, stride, far);
+    // every list but one run of short rows: also the rows about 12 KiB ahead (or pf_list) into L2
     const bool prefetch = pf_list || stride != 1 || !one_run(rows, count, row_bytes);
-    const bool run = !prefetch;  // one run of short rows: only the next block, into L2 and L1
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
         for (int64_t t = 0; t < R; ++t) {
@@ -145,7 +145,7 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
         }
         const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
         const uint8_t* const* pf;
-        ahead.block(k0, R, prefetch || run, prefetch && !pf_list, &pn, &pf);
+        ahead.block(k0, R, true, prefetch && !pf_list, &pn, &pf);  // the next block: always
         if (pf_list && k0 < pf_count) {  // past pf_count: its last row again (a harmless repeat)
             for (int64_t t = 0; t < R; ++t) given[t] = pf_list[k0 + t < pf_count ? k0 + t : pf_count - 1];
             pf = given;

@@ -78,7 +78,7 @@ struct VisitAhead {
 // keep both distances, and so do longer rows and strided runs (not measured). On AMD Zen 4
 // with the prefetches spread (ahead_rows), BNSD runs of 256-byte rows were 1.15x faster with
 // them (llama8b's shape, dense; 1.3x at f = 0.1) and runs of 128-byte rows 0.95-1.0x; on AMD
-// Zen 3 the AVX2 stages' next-tile prefetch made such runs 1.01-1.25x faster (docs/cpu.md,
+// Zen 3 the AVX2 stages' next-tile prefetch made such runs 1.01-1.22x faster (docs/cpu.md,
 // "Software prefetch", "AVX2 stages"). Only the speed depends on the answer.
 constexpr int64_t kRunMaxBytes = 128;
 
