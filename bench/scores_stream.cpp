@@ -8,8 +8,8 @@
 // item is read between two items (as the op's P.V does), its time not counted. PF=1 swaps the
 // last two rows of each item, so the stage does not take the item for one contiguous run: the
 // avx512bf16 level then issues its software prefetches (none for a run), the avx2 level both
-// distances (only the next tile for a run). Each repeat also reads the whole K buffer with plain loads
-// (the probe). Median of REPS repeats (default 5).
+// distances (only the next tile for a run). Each repeat also reads the whole K buffer with
+// plain loads (the probe). Median of REPS repeats (default 5).
 //
 //   avx512bf16 level:
 //   g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c

@@ -147,8 +147,8 @@ const float* query_for(const float* q, int32_t G, int32_t dpad, float* buf) {
 
 // Rows [0, count). pf null: the stage prefetches its own list, the rows `far` ahead into L2
 // and the next tile's into L1 (for one contiguous run of short rows only the next tile's,
-// into L2 and L1). pf given (unit_scores): pf[t]
-// (t < pf_count) into L2 while row t is read, and the next tile of this call's rows into L1.
+// into L2 and L1). pf given (unit_scores): pf[t] (t < pf_count) into L2 while row t is read,
+// and the next tile of this call's rows into L1.
 template <int DT>
 void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_list, int64_t pf_count, int32_t d,
             int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* qbuf) {
@@ -158,7 +158,6 @@ void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_
     constexpr int64_t kStep = kTile;
     // one contiguous run of short rows (BNSD): only the next tile's rows, into L2 and L1
     const bool run = !pf_list && one_run(rows, count, row_bytes);
-    const bool prefetch = pf_list || !run;
     const uint8_t* pfar[kTile];
     const uint8_t* pnear[kTile];
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {
@@ -167,11 +166,11 @@ void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_
         if (pf_list && t0 < pf_count) {  // past pf_count: its last row again (a harmless repeat)
             for (int64_t t = 0; t < kTile; ++t) pfar[t] = pf_list[t0 + t < pf_count ? t0 + t : pf_count - 1];
             pf = pfar;
-        } else if (!pf_list && prefetch) {
+        } else if (!pf_list && !run) {
             pf = ahead_rows(rows, t0, count, far, kTile, pfar);
         }
-        const uint8_t* const* pn = prefetch || run ? ahead_rows(rows, t0, count, kStep, kTile, pnear) : nullptr;
-        if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
+        const uint8_t* const* pn = ahead_rows(rows, t0, count, kStep, kTile, pnear);  // the next tile: always
+        if (!pf) pf = pn;  // a run, or near rows left only (the end of the list): into L2 as well
         tile_scores<DT>(rows + t0, T, d / 16, qs, dpad, G, S + t0, ldS, pf, pn);
     }
 }
