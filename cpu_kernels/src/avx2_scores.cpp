@@ -178,7 +178,8 @@ void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_
 }  // namespace
 
 void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
-               int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile) {
+               int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile,
+               const uint16_t*, float) {
     if (count <= 0) return;
     // tile: 16 * dpad floats of converted rows, then the split query (G * dpad floats, scratch
     // of 40 * dpad + 1024 floats: Scratch::reserve) for groups of up to 16 heads
@@ -211,7 +212,7 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
             const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
-    scores_pf(rows, count, nullptr, 0, dtype, sdim, d, dpad, q, G, S, ldS, tile);
+    scores_pf(rows, count, nullptr, 0, dtype, sdim, d, dpad, q, G, S, ldS, tile, nullptr, 0.0f);
 }
 
 namespace {

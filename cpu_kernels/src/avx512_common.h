@@ -24,6 +24,11 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
         const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered);
 void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
           float* sum, float* tile);
+void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
+               int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile,
+               const uint16_t* qraw, float scale);
+void pv_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
+           int64_t sdim, int32_t d, int32_t dpad, const float* wk, int64_t ldw, int32_t G, float* acc, float* tile);
 void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
                const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count);
 void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,
@@ -42,6 +47,7 @@ namespace avx512_level {
 namespace {
 
 using rows_ahead::ahead_rows;
+using rows_ahead::given_rows;
 using rows_ahead::one_run;
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }

@@ -7,8 +7,9 @@
 // addressed from its first row (RowRun, avx512_common.h); rows with a strided head_dim are
 // converted a tile of 32 rows at a time to float32 in L1 first (no software prefetch;
 // scattered lists in the same strided order, their weights gathered per tile). The caller
-// passes the whole kept list of an item at once, so prefetching runs across it. Also the
-// V-row sum for the VMC mean (value_mean absent).
+// passes the whole kept list of an item at once, so prefetching runs across it; pv_pf takes the
+// rows to put into L2 from its caller instead (the P.V walk of unit_walk.cpp). Also the V-row
+// sum for the VMC mean (value_mean absent).
 #include "avx512_common.h"
 #include "pv_visit.h"
 
@@ -221,9 +222,12 @@ inline void pv_heads_all(A rb, int64_t R, int64_t k0, const int64_t* vis, int64_
 // dense BNSD range of rows up to 128 bytes) gets no software prefetch and relies on the
 // hardware prefetchers alone. The first `far` rows of a list get no software prefetch into L2.
 // The prefetches of a block are spread over its rows (pv_rows), not issued before it.
+// pf_list given (unit_pv; an ascending list): pf_list[t] (t < pf_count) goes into L2 while
+// row t is read, instead of the rows further down this list.
 template <int DT>
 void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, const float* wk, int64_t ldw,
-                   int32_t G, float* acc, bool scattered, int64_t cstride) {
+                   int32_t G, float* acc, bool scattered, int64_t cstride, const uint8_t* const* pf_list = nullptr,
+                   int64_t pf_count = 0) {
     constexpr int64_t es = DT == kF32 ? 4 : 2;
     const int64_t stride = scattered ? visit_stride(count) : 1;
     const int64_t row_bytes = int64_t(d) * es;
@@ -235,7 +239,9 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
     float wbuf[4 * kRowBlock];
     int64_t tv = 0;                                    // row of the next step (scattered)
     rows_ahead::VisitAhead<kRowBlock> ahead(rows, count, stride, far);
-    const bool prefetch = scattered || !one_run(rows, count, row_bytes);  // one run: the hardware prefetchers
+    // one run: the hardware prefetchers
+    const bool prefetch = !pf_list && (scattered || !one_run(rows, count, row_bytes));
+    const uint8_t* given[kRowBlock];
     for (int64_t k0 = 0; k0 < count; k0 += kRowBlock) {
         const int64_t R = count - k0 < kRowBlock ? count - k0 : kRowBlock;
         const uint8_t* const* blk = rows + k0;  // an ascending list's block: its rows in place
@@ -250,6 +256,7 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
         const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
         const uint8_t* const* pf;
         ahead.block(k0, R, scattered, prefetch, &pn, &pf);
+        if (pf_list) pf = given_rows(pf_list, k0, pf_count, given);
         const int64_t st = !scattered && R == kRowBlock ? tile_stride(rows + k0) : 0;
         if (st)
             pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride,
@@ -268,23 +275,23 @@ inline void load_tile(const uint8_t* const* rows, int64_t t0, int64_t T, int64_t
     for (int64_t t = 0; t < T; ++t) load_row(rows[t0 + t], dtype, sdim, d, dpad, tile + t * dpad);
 }
 
-}  // namespace
-
-void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
+// Every row path of pv and pv_pf (pf_list only for ascending lists).
+void pv_any(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered,
+            const uint8_t* const* pf, int64_t pf_count) {
     if (count <= 0) return;
     const bool sc = scattered != 0;
     if (sdim == 1) {
         if (dtype == kF32) {
-            pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
+            pv_direct_all<kF32>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0, pf, pf_count);
         } else if (dtype == kBF16 && d % 32 == 0) {
             split_order(acc, G, d, dpad, true);
-            pv_direct_all<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
+            pv_direct_all<kSplit>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0, pf, pf_count);
             split_order(acc, G, d, dpad, false);
         } else if (dtype == kBF16) {
-            pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
+            pv_direct_all<kBF16>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0, pf, pf_count);
         } else {
-            pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0);
+            pv_direct_all<kF16>(rows, count, d, dpad, wk, ldw, G, acc, sc, 0, pf, pf_count);
         }
         return;
     }
@@ -319,6 +326,18 @@ void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, 
             }
         }
     }
+}
+
+}  // namespace
+
+void pv(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+        const float* wk, int64_t ldw, int32_t G, float* acc, float* tile, int32_t scattered) {
+    pv_any(rows, count, dtype, sdim, d, dpad, wk, ldw, G, acc, tile, scattered, nullptr, 0);
+}
+
+void pv_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
+           int64_t sdim, int32_t d, int32_t dpad, const float* wk, int64_t ldw, int32_t G, float* acc, float* tile) {
+    pv_any(rows, count, dtype, sdim, d, dpad, wk, ldw, G, acc, tile, 0, pf_count > 0 ? pf : nullptr, pf_count);
 }
 
 void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,

@@ -124,8 +124,11 @@ inline void tile_groups(const void* const* r, int64_t T, const float* q, int32_t
 
 }  // namespace
 
-void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t*, float) {
+// pf_list given (unit_scores' walk): pf_list[t] (t < pf_count) into L2 while row t is read,
+// instead of the rows `far` further down this list; the next tile into L1 as without it.
+void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_list, int64_t pf_count,
+               int32_t dtype, int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS,
+               float* tile, const uint16_t*, float) {
     const bool direct = sdim == 1;
     // direct rows: d elements (the last chunk masked); tile rows: dpad floats, zero padded
     const int32_t nfull = direct ? d / 16 : dpad / 16;
@@ -138,7 +141,9 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     const bool near = row_bytes >= kNearMinBytes;
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
-        const uint8_t* const* pf = row_bytes ? ahead_rows(rows, t0, count, far, 16, pfar) : nullptr;
+        const uint8_t* const* pf = !row_bytes ? nullptr
+                                   : pf_list  ? given_rows(pf_list, t0, pf_count, pfar)
+                                              : ahead_rows(rows, t0, count, far, 16, pfar);
         const uint8_t* const* pn = row_bytes && near ? ahead_rows(rows, t0, count, 16, 16, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         if (direct) {
@@ -154,6 +159,11 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
         else
             tile_groups<kF32>(r, T, q, dpad, nfull, last, G, S + t0, ldS, pf, pn);
     }
+}
+
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale) {
+    scores_pf(rows, count, nullptr, 0, dtype, sdim, d, dpad, q, G, S, ldS, tile, qraw, scale);
 }
 
 void max_bad(const float* S, int64_t len, float* m_out, int32_t* bad_out) {
@@ -185,7 +195,8 @@ float sum_exp(const float* S, int64_t len, float mref) {
 const SimdOps* ops_avx512() {
     static const SimdOps ops = {"avx512", avx512_level::scores, avx512_level::max_bad, avx512_level::sum_exp,
                                 avx512_level::select, avx512_level::pv, avx512_level::vsum,
-                                nullptr, avx512_level::pv_packed, avx512_level::scores_kt};
+                                nullptr, avx512_level::pv_packed, avx512_level::scores_kt,
+                                avx512_level::scores_pf, avx512_level::pv_pf};
     return &ops;
 }
 

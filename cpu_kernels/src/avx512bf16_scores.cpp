@@ -11,8 +11,9 @@
 // subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). A tile of 16 equally
 // spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
 // prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
-// which gets no software prefetch (one_run; rows_ahead.h). Every other stage, and
-// other dtypes or strided rows, run the avx512 level's code.
+// which gets no software prefetch (one_run; rows_ahead.h); scores_pf puts the caller's rows
+// into L2 instead (the K walk of unit_walk.cpp). Every other stage, and other dtypes or
+// strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
 // when the CPU reports AVX512-BF16 (dispatch.cpp).
@@ -28,6 +29,7 @@ using avx512_level::far_rows;
 using avx512_level::kNearMinBytes;
 using avx512_level::one_run;
 using avx512_level::ahead_rows;
+using avx512_level::given_rows;
 using avx512_level::prefetch_l1;
 using avx512_level::prefetch_l2;
 using avx512_level::RowPtrs;
@@ -112,17 +114,20 @@ inline void tile_npf(int npf, A r, int hb, int64_t T, const uint16_t* qh, int32_
 
 }  // namespace
 
-void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
-            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale) {
+// pf_list given (unit_scores' walk): as the avx512 level's scores_pf (pf_list into L2, also for
+// a contiguous run).
+void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_list, int64_t pf_count,
+               int32_t dtype, int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS,
+               float* tile, const uint16_t* qraw, float scale) {
     if (dtype != kBF16 || sdim != 1 || qraw == nullptr) {
-        avx512_level::scores(rows, count, dtype, sdim, d, dpad, q, G, S, ldS, tile, qraw, scale);
+        avx512_level::scores_pf(rows, count, pf_list, pf_count, dtype, sdim, d, dpad, q, G, S, ldS, tile, qraw, scale);
         return;
     }
     const int32_t nfull = d / 32;
     const __mmask32 last = d % 32 ? __mmask32((1u << (d % 32)) - 1u) : __mmask32(0);
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
-    const bool prefetch = !one_run(rows, count, row_bytes);
+    const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
     const uint8_t* r[16];
     const uint8_t* pfar[16];
     const uint8_t* pnear[16];
@@ -130,7 +135,9 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;
-        const uint8_t* const* pf = prefetch ? ahead_rows(rows, t0, count, far, 16, pfar) : nullptr;
+        const uint8_t* const* pf = !prefetch ? nullptr
+                                   : pf_list ? given_rows(pf_list, t0, pf_count, pfar)
+                                             : ahead_rows(rows, t0, count, far, 16, pfar);
         const uint8_t* const* pn = near ? ahead_rows(rows, t0, count, 16, 16, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well
         if (!st)
@@ -147,6 +154,11 @@ void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sd
     }
 }
 
+void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
+            const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale) {
+    scores_pf(rows, count, nullptr, 0, dtype, sdim, d, dpad, q, G, S, ldS, tile, qraw, scale);
+}
+
 }  // namespace avx512bf16_level
 
 // Constant-initialised (no code of this translation unit runs before the CPU check).
@@ -154,7 +166,7 @@ const SimdOps* ops_avx512bf16() {
     static const SimdOps ops = {"avx512bf16", avx512bf16_level::scores, avx512_level::max_bad,
                                 avx512_level::sum_exp, avx512_level::select, avx512_level::pv,
                                 avx512_level::vsum, nullptr, avx512_level::pv_packed,
-                                avx512_level::scores_kt};
+                                avx512_level::scores_kt, avx512bf16_level::scores_pf, avx512_level::pv_pf};
     return &ops;
 }
 

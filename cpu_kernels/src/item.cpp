@@ -104,6 +104,10 @@ const float* group_query(const Plan& plan, int64_t b, int64_t g) {
     return plan.q.data() + (b * plan.P->num_q_heads + g * plan.G) * plan.dpad;
 }
 
+const uint16_t* group_qraw(const Plan& plan, int64_t b, int64_t g) {
+    return plan.qraw.empty() ? nullptr : plan.qraw.data() + (b * plan.P->num_q_heads + g * plan.G) * plan.dpad;
+}
+
 namespace {
 
 // Scores of positions lo .. lo + count - 1 of (b, g) from a cache whose K is stored transposed
@@ -192,7 +196,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored, in
 
     if (phase != kSelect) {
         const float* q = group_query(plan, b, g);
-        const uint16_t* qraw = plan.qraw.empty() ? nullptr : plan.qraw.data() + (b * P.num_q_heads + g * G) * dpad;
+        const uint16_t* qraw = group_qraw(plan, b, g);
         if (scored) {
             // computed by unit_scores
         } else if (P.kv_packed && ops.scores_packed && qraw && G <= 16) {  // vLLM's AMX cache, native

@@ -114,6 +114,9 @@ void listed_rows(const Params& P, const void* base, const int64_t* s, int64_t b,
 bool key_transposed(const Params& P, const SimdOps& ops);
 // scale * query of the G heads of KV group g of sequence b ([G][dpad] floats).
 const float* group_query(const Plan& plan, int64_t b, int64_t g);
+// The query of those heads as given ([G][dpad] 16-bit values, zero padded) for bfloat16 caches,
+// else null.
+const uint16_t* group_qraw(const Plan& plan, int64_t b, int64_t g);
 // The kept list ([ldw] indices) and weights ([G][ldw]) of item k of a unit whose P.V unit_pv
 // walks; ldw = the item's length + slack. Grows the scratch, keeping earlier items' lists.
 struct UnitList {

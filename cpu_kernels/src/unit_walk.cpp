@@ -50,10 +50,11 @@ void unit_scores(Plan& plan, const int64_t* items, int64_t n, Scratch& sc) {
         for (int64_t k = 0; k < n; ++k)
             for (int64_t r = 0; r < next; ++r) slots[r * n + k] = nxt[k * next + r];
         for (int64_t k = 0; k < n; ++k) {
-            const float* q = group_query(plan, b, plan.items[size_t(items[k])].g);
+            const int64_t g = plan.items[size_t(items[k])].g;
             const int64_t pf_count = std::max<int64_t>(0, std::min(cnt, n * next - k * cnt));
-            plan.ops->scores_pf(cur + k * cnt, cnt, slots + k * cnt, pf_count, P.dtype, P.k_s[3], plan.D, dpad, q,
-                                G, sc.scored[size_t(k)] + c, len, sc.tile.data());
+            plan.ops->scores_pf(cur + k * cnt, cnt, slots + k * cnt, pf_count, P.dtype, P.k_s[3], plan.D, dpad,
+                                group_query(plan, b, g), G, sc.scored[size_t(k)] + c, len, sc.tile.data(),
+                                group_qraw(plan, b, g), P.scale);
         }
         std::swap(cur, nxt);
         c += cnt;

@@ -121,14 +121,13 @@ struct SimdOps {
     void (*scores_kt)(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
                       const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next,
                       int64_t next_count) = nullptr;
-    // scores as above for levels whose scores take neither qraw nor scale, with the caller
-    // choosing what goes into L2 while the rows are read: pf[t] (t < pf_count, may be null)
-    // while row t is, instead of the rows the stage would find further down its own list
-    // (the walk over the KV heads of a paged NHD range: kernel.h, unit_scores). Null on
-    // levels without it.
+    // scores as above with the caller choosing what goes into L2 while the rows are read: pf[t]
+    // (t < pf_count, may be null) while row t is, instead of the rows the stage would find
+    // further down its own list (the walk over the KV heads of a paged NHD range: kernel.h,
+    // unit_scores). Null on levels without it.
     void (*scores_pf)(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count,
                       int32_t dtype, int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S,
-                      int64_t ldS, float* tile) = nullptr;
+                      int64_t ldS, float* tile, const uint16_t* qraw, float scale) = nullptr;
     // pv over rows in the given order (never the strided visit) with the caller choosing what
     // goes into L2 while the rows are read: pf[t] (t < pf_count, may be null) while row t is read
     // (the walk over the KV heads of a paged NHD range: kernel.h, unit_pv). Null on levels

@@ -19,6 +19,8 @@ from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_rep
 from .env_run import run_with_env
 
 LEVELS = cpu_backend.cpu_module().simd_levels()
+# the levels with scores_pf and pv_pf stages (the generic level and amx's bfloat16 scores walk nothing)
+WALKS = {"avx2", "avx512", "avx512bf16"}
 L2_BYTES = cpu_backend.cpu_module().l2_bytes()  # the scheduler's L2 size
 
 # (KV heads, query heads per KV head, head_dim, dtype, block size)
@@ -64,15 +66,15 @@ def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, pl
     assert counters["simd"] == level
     # the KV heads of a range share a unit, so the walk has something to walk
     assert counters["units"] < counters["items"], counters
-    if level == "avx2" and split == "0" and threads == 1:
+    if level in WALKS and split == "0" and threads == 1:
         if placement == "post_softmax" and max(LENS) * num_kv * group * 4 <= L2_BYTES:
             # whole sequences (their scores fit in L2): one phase, no split
             assert counters["units"] == sum(1 for n in LENS if n) and counters["splits_max"] == 1, counters
         else:  # the walk's units: 2048 positions
             assert counters["units"] <= sum(1 for n in LENS if n) - 1 + -(-max(LENS) // 2048), counters
-    # which walks ran: the K walk on every unit of several items of the avx2 level; the P.V walk
-    # only where every list of a unit holds more than 3/4 of its range (never for "half")
-    if level == "avx2":
+    # which walks ran: the K walk on every unit of several items of a level in WALKS; the P.V
+    # walk only where every list of a unit holds more than 3/4 of its range (never for "half")
+    if level in WALKS:
         assert counters["k_walks"] > 0, counters
         if keep[1] <= 0.6:
             assert counters["pv_walks"] == 0, counters
@@ -88,11 +90,12 @@ def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, pl
     assert counters["k_rows"] == sum(LENS) * num_kv
 
 
-# post_softmax on the walk's level: whole sequences as units (one phase) where a sequence's scores
+# post_softmax on the levels with the walks: whole sequences as units (one phase) where a sequence's scores
 # fit in L2 and, handed out longest first, they load no thread more than 10% above an even
 # share; else ranges in two phases. The unbalanced cases' long sequences exceed any range the
 # scheduler cuts (at most 8 MiB of L2 / 768 bytes per position here), so they must be split.
-@pytest.mark.skipif("avx2" not in LEVELS, reason="the K walk runs on the avx2 level; this CPU lacks AVX2")
+@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv in WALKS] or
+                         [pytest.param("avx2", marks=pytest.mark.skip(reason="no level with the walks on this CPU"))])
 @pytest.mark.parametrize("lens,threads,whole", [
     ((3000, 2900, 3100, 2500), 2, True),      # balanced: one phase on two threads
     ((12000, 100, 200, 300), 2, False),       # one sequence past a thread's share: split
@@ -101,7 +104,7 @@ def test_nhd_units_match_oracle(level, num_kv, group, head_dim, dtype, block, pl
     ((12000, 11000), 2, True),                # one each: balanced, fewer units than threads x 4
     ((6000, 100), 1, True),                   # one thread: whole where the scores fit
 ])
-def test_post_softmax_whole_sequences(lens, threads, whole):
+def test_post_softmax_whole_sequences(level, lens, threads, whole):
     shape = Shape(lens, 9, 3, 64, max(lens))
     case = random_case("nhd-post", shape, torch.bfloat16, placement="post_softmax", selection="group", vmc=True,
                        keep_range=(0.3, 0.6), seed=11)
@@ -109,7 +112,7 @@ def test_post_softmax_whole_sequences(lens, threads, whole):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: "avx2", cpu_backend.ENV_SPLIT: "0"})
+        out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: level, cpu_backend.ENV_SPLIT: "0"})
     finally:
         torch.set_num_threads(saved)
     assert counters["threads"] == threads, counters
