@@ -4,7 +4,8 @@ walk: chunks of 48 positions, head after head, the next chunk prefetched slot by
 levels with a ``pv_pf`` stage, units whose kept lists are all nearly dense read their V rows
 the same way (docs/cpu.md, "Paged NHD"). Checked against the float64 oracle on every SIMD
 level of this machine, the levels without the walks included: 2, 3 and 8 KV heads, lengths on
-both sides of a chunk and longer than one unit, head dims of the direct and the tile paths,
+both sides of a chunk and longer than one unit, head dims of the direct and the tile paths
+(and masked last chunks),
 both placements, half and most rows kept, with and without split-KV (two phases for
 post_softmax; whole sequences in one phase where L2 and the threads allow), one and two
 threads, and caches whose slots are padded (views of a wider tensor)."""
@@ -27,9 +28,11 @@ L2_BYTES = cpu_backend.cpu_module().l2_bytes()  # the scheduler's L2 size
 SHAPES = [
     (3, 3, 64, torch.bfloat16, 32),    # SmolLM2's decode shape
     (8, 4, 128, torch.float16, 16),    # llama 8B's
-    (2, 2, 40, torch.float32, 48),     # head_dim not a multiple of 16: the tile path
+    (2, 2, 40, torch.float32, 48),     # head_dim not a multiple of 16: the avx2 level's tile path
     (3, 1, 16, torch.bfloat16, 5),     # MHA, blocks shorter than a chunk
-    (2, 17, 32, torch.bfloat16, 16),   # a group past 16: bfloat16 scores take the tile path
+    (2, 17, 32, torch.bfloat16, 16),   # a group past 16: the avx2 level's bfloat16 scores take the tile path
+    (2, 3, 40, torch.float16, 16),     # float16, head_dim not a multiple of 16 (AVX-512: a masked last chunk)
+    (4, 2, 48, torch.bfloat16, 32),    # bfloat16, head_dim past 32 and not a multiple of it
 ]
 # one sequence per interesting length: under, at and past a chunk of 48, and long enough for
 # several units (ranges are cut to what fits one core's L2, and to 2048 positions on one thread
