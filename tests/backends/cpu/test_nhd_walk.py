@@ -3,12 +3,12 @@ of a range into one unit and (on levels with a ``scores_pf`` stage) reads their 
 walk: chunks of 48 positions, head after head, the next chunk prefetched slot by slot; on
 levels with a ``pv_pf`` stage, units whose kept lists are all nearly dense read their V rows
 the same way (docs/cpu.md, "Paged NHD"). Checked against the float64 oracle on every SIMD
-level of this machine, the levels without the walks included: 2, 3 and 8 KV heads, lengths on
-both sides of a chunk and longer than one unit, head dims of the direct and the tile paths
-(and masked last chunks),
-both placements, half and most rows kept, with and without split-KV (two phases for
-post_softmax; whole sequences in one phase where L2 and the threads allow), one and two
-threads, and caches whose slots are padded (views of a wider tensor)."""
+level of this machine, the levels without the walks included: 2, 3, 4 and 8 KV heads,
+lengths on both sides of a chunk and longer than one unit, head dims of the direct and the
+tile paths and with masked last chunks, both placements, half and most rows kept, with and
+without split-KV (two phases for post_softmax; whole sequences in one phase where L2 and the
+threads allow), one and two threads, and caches whose slots are padded (views of a wider
+tensor)."""
 
 import pytest
 import torch
