@@ -10,9 +10,9 @@
 // applied once to the dot product instead of to the query, and that the instruction treats
 // subnormal inputs and results as zero (docs/cpu.md, "SIMD levels"). A tile of 16 equally
 // spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
-// prefetched one line per line loaded (ahead_rows), except that a contiguous run of short rows
-// gets only the next tile's, into L2 and L1 (one_run; rows_ahead.h); scores_pf puts the
-// caller's rows into L2 instead (the K walk of unit_walk.cpp). Every other stage, and other dtypes or
+// prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
+// which gets no software prefetch (one_run; rows_ahead.h); scores_pf puts the caller's rows
+// into L2 instead (the K walk of unit_walk.cpp). Every other stage, and other dtypes or
 // strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
@@ -127,13 +127,11 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
     const __mmask32 last = d % 32 ? __mmask32((1u << (d % 32)) - 1u) : __mmask32(0);
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
-    // one contiguous run of short rows (BNSD): only the next tile, into L2 and L1
-    const bool run = !pf_list && one_run(rows, count, row_bytes);
-    const bool prefetch = !run;
+    const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
     const uint8_t* r[16];
     const uint8_t* pfar[16];
     const uint8_t* pnear[16];
-    const bool near = run || row_bytes >= kNearMinBytes;
+    const bool near = prefetch && row_bytes >= kNearMinBytes;
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;

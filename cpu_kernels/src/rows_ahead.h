@@ -84,18 +84,14 @@ struct VisitAhead {
 };
 
 // Whether the count rows of a list, rows of at most kRunMaxBytes, lie back to back as one
-// contiguous run, as far as its ends tell (a BNSD range). The AVX-512 P.V and the amx
-// scores then issue no software prefetch; the avx512bf16 scores and the AVX2 stages only the
-// next tile's or block's rows, into L2 and L1 (not those about 12 KiB ahead): the hardware
-// prefetchers stream such a run (the avx512 level's scores, every dtype there and float16
-// and float32 rows on avx512bf16, prefetch as for any list). Runs broken by block boundaries,
-// longer rows and strided runs are prefetched as any list (not measured). On AMD Zen 4 with the
-// prefetches spread (ahead_rows), BNSD runs of 256-byte rows were 1.15x faster with them
-// (llama8b's shape, dense; 1.3x at f = 0.1) and runs of 128-byte rows 0.95-1.0x with the far
-// prefetch alone, 1.10-1.12x on one thread with the avx512bf16 scores' next tile alone (the
-// AVX-512 P.V's next block: 0.95-1.01x); on AMD Zen 3 the AVX2 stages' next-tile prefetch
-// made such runs 1.01-1.22x faster (docs/cpu.md, "Software prefetch", "AVX2 stages"). Only
-// the speed depends on the answer.
+// contiguous run, as far as its ends tell (a BNSD range). The AVX-512 stages then issue no
+// software prefetch, the AVX2 stages only the next tile's or block's rows (not those about
+// 12 KiB ahead): the hardware prefetchers stream such a run. Runs broken by block boundaries
+// keep both distances, and so do longer rows and strided runs (not measured). On AMD Zen 4
+// with the prefetches spread (ahead_rows), BNSD runs of 256-byte rows were 1.15x faster with
+// them (llama8b's shape, dense; 1.3x at f = 0.1) and runs of 128-byte rows 0.95-1.0x; on AMD
+// Zen 3 the AVX2 stages' next-tile prefetch made such runs 1.01-1.22x faster (docs/cpu.md,
+// "Software prefetch", "AVX2 stages"). Only the speed depends on the answer.
 constexpr int64_t kRunMaxBytes = 128;
 
 inline bool one_run(const uint8_t* const* rows, int64_t count, int64_t row_bytes) {
