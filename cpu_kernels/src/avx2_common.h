@@ -41,6 +41,7 @@ void vsum(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim
 namespace {
 
 using rows_ahead::ahead_rows;
+using rows_ahead::given_rows;
 using rows_ahead::one_run;
 
 constexpr int kSplit = 3;  // pseudo dtype: bfloat16 widened pairwise ([8 even | 8 odd])

@@ -146,10 +146,8 @@ void pv_direct(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
         const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
         const uint8_t* const* pf;
         ahead.block(k0, R, true, prefetch && !pf_list, &pn, &pf);  // the next block: always
-        if (pf_list && k0 < pf_count) {  // past pf_count: its last row again (a harmless repeat)
-            for (int64_t t = 0; t < R; ++t) given[t] = pf_list[k0 + t < pf_count ? k0 + t : pf_count - 1];
-            pf = given;
-        }
+        // the caller's rows; past pf_count the next block's, as without pf_list
+        if (const uint8_t* const* g = given_rows(pf_list, k0, pf_count, kRowBlock, given)) pf = g;
         pv_block<DT>(rb, R, d / 16, wk, ldw, k0, vis, stride, G, acc, dpad, pf, pn);
     }
 }

@@ -162,13 +162,9 @@ void direct(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_
     const uint8_t* pnear[kTile];
     for (int64_t t0 = 0; t0 < count; t0 += kStep) {
         const int64_t T = count - t0 < kStep ? count - t0 : kStep;
-        const uint8_t* const* pf = nullptr;
-        if (pf_list && t0 < pf_count) {  // past pf_count: its last row again (a harmless repeat)
-            for (int64_t t = 0; t < kTile; ++t) pfar[t] = pf_list[t0 + t < pf_count ? t0 + t : pf_count - 1];
-            pf = pfar;
-        } else if (!pf_list && !run) {
-            pf = ahead_rows(rows, t0, count, far, kTile, pfar);
-        }
+        const uint8_t* const* pf = pf_list ? given_rows(pf_list, t0, pf_count, kTile, pfar)  // null past pf_count
+                                   : run   ? nullptr
+                                           : ahead_rows(rows, t0, count, far, kTile, pfar);
         const uint8_t* const* pn = ahead_rows(rows, t0, count, kStep, kTile, pnear);  // the next tile: always
         if (!pf) pf = pn;  // a run, or near rows left only (the end of the list): into L2 as well
         tile_scores<DT>(rows + t0, T, d / 16, qs, dpad, G, S + t0, ldS, pf, pn);

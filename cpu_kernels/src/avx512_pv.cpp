@@ -256,7 +256,7 @@ void pv_direct_all(const uint8_t* const* rows, int64_t count, int32_t d, int32_t
         const uint8_t* const* pn;  // the rows to prefetch, one per row of this block
         const uint8_t* const* pf;
         ahead.block(k0, R, scattered, prefetch, &pn, &pf);
-        if (pf_list) pf = given_rows(pf_list, k0, pf_count, given);
+        if (pf_list) pf = given_rows(pf_list, k0, pf_count, kRowBlock, given);
         const int64_t st = !scattered && R == kRowBlock ? tile_stride(rows + k0) : 0;
         if (st)
             pv_heads_all<DT>(RowRun{rows[k0], st}, R, k0, vis, stride, d, dpad, nct, wk, ldw, G, acc, wbuf, cstride,

@@ -142,7 +142,7 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         const uint8_t* const* pf = !row_bytes ? nullptr
-                                   : pf_list  ? given_rows(pf_list, t0, pf_count, pfar)
+                                   : pf_list  ? given_rows(pf_list, t0, pf_count, 16, pfar)
                                               : ahead_rows(rows, t0, count, far, 16, pfar);
         const uint8_t* const* pn = row_bytes && near ? ahead_rows(rows, t0, count, 16, 16, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well

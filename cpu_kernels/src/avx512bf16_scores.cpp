@@ -136,7 +136,7 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
         const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;
         const uint8_t* const* pf = !prefetch ? nullptr
-                                   : pf_list ? given_rows(pf_list, t0, pf_count, pfar)
+                                   : pf_list ? given_rows(pf_list, t0, pf_count, 16, pfar)
                                              : ahead_rows(rows, t0, count, far, 16, pfar);
         const uint8_t* const* pn = near ? ahead_rows(rows, t0, count, 16, 16, pnear) : nullptr;
         if (!pf) pf = pn;  // near rows left only (the end of the list): into L2 as well

@@ -41,15 +41,15 @@ inline const uint8_t* const* ahead_rows(const uint8_t* const* rows, int64_t t0, 
     return out;
 }
 
-// The caller's rows to prefetch while rows [t0, t0 + 16) of a stage's list are read (the walks
+// The caller's rows to prefetch while rows [t0, t0 + n) of a stage's list are read (the walks
 // of unit_walk.cpp hand the stage the next chunk's rows, pf_count of them): given + t0 where all
-// 16 lie in the list (nothing copied), else its rows padded with the last one (a harmless
-// repeat) in out, or nullptr when none is left.
-inline const uint8_t* const* given_rows(const uint8_t* const* given, int64_t t0, int64_t pf_count,
+// n lie in the list (nothing copied), else its rows padded with the last one (a harmless
+// repeat) in out (n entries), or nullptr when none is left.
+inline const uint8_t* const* given_rows(const uint8_t* const* given, int64_t t0, int64_t pf_count, int64_t n,
                                         const uint8_t** out) {
     if (!given || t0 >= pf_count) return nullptr;
-    if (t0 + 16 <= pf_count) return given + t0;
-    for (int64_t t = 0; t < 16; ++t) out[t] = given[t0 + t < pf_count ? t0 + t : pf_count - 1];
+    if (t0 + n <= pf_count) return given + t0;
+    for (int64_t t = 0; t < n; ++t) out[t] = given[t0 + t < pf_count ? t0 + t : pf_count - 1];
     return out;
 }
 
