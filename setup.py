@@ -81,7 +81,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         ("TOPTH_HAVE_AVX512", AVX512_FLAGS,
          [str(CPU_SRC / f) for f in ("avx512_scores.cpp", "avx512_kt.cpp", "avx512_select.cpp", "avx512_pv.cpp")], None),
         # reuses every stage of the AVX-512 level but the bfloat16 scores
-        ("TOPTH_HAVE_AVX512BF16", AVX512_FLAGS + ["-mavx512bf16"], [str(CPU_SRC / "avx512bf16_scores.cpp")],
+        ("TOPTH_HAVE_AVX512BF16", AVX512_FLAGS + ["-mavx512bf16"], [str(CPU_SRC / f) for f in ("avx512bf16_scores.cpp", "avx512bf16_kt.cpp")],
          "TOPTH_HAVE_AVX512"),
         # the avx512bf16 level with the bfloat16 scores on AMX tiles
         ("TOPTH_HAVE_AMX", AVX512_FLAGS + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"],

@@ -58,7 +58,8 @@ int main(int argc, char** argv) {
                 const uint8_t* k = item + b * block_bytes;
                 const int64_t n = std::min(bs, N - b * bs), next_n = std::min(bs, N - (b + 1) * bs);
                 avx2_level::scores_kt(k, n, bs * es, dtype, d, d, q.data(), G, St.data() + b * bs, ldS,
-                                      next_n > 0 ? k + block_bytes : nullptr, next_n > 0 ? next_n : 0);
+                                      next_n > 0 ? k + block_bytes : nullptr, next_n > 0 ? next_n : 0, nullptr,
+                                      1.0f);
             }
         } else if (v == 1) {
             for (int64_t t = 0; t < N; ++t) rows[size_t(t)] = item + t * d * es;

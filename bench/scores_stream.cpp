@@ -14,7 +14,7 @@
 //   avx512bf16 level:
 //   g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
 //       -Icpu_kernels/include -Icpu_kernels/src cpu_kernels/src/avx512_{scores,select,pv,kt}.cpp
-//       cpu_kernels/src/avx512bf16_scores.cpp bench/scores_stream.cpp -o /tmp/scores_stream
+//       cpu_kernels/src/avx512bf16_{scores,kt}.cpp bench/scores_stream.cpp -o /tmp/scores_stream
 //   avx2 level:
 //   g++ -O3 -DSTREAM_AVX2 -mavx2 -mfma -mf16c -Icpu_kernels/include -Icpu_kernels/src
 //       cpu_kernels/src/avx2_{scores,select,pv}.cpp bench/scores_stream.cpp -o /tmp/scores_stream2

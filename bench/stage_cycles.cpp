@@ -12,7 +12,7 @@
 //   AVX-512 levels (bfloat16 scores by the avx512bf16 level's vdpbf16ps, the rest avx512):
 //   g++ -O3 -DSTAGE_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c \
 //       -Icpu_kernels/include -Icpu_kernels/src cpu_kernels/src/avx512_{scores,select,pv,kt}.cpp \
-//       cpu_kernels/src/avx512bf16_scores.cpp bench/stage_cycles.cpp -o /tmp/stage_cycles512
+//       cpu_kernels/src/avx512bf16_{scores,kt}.cpp bench/stage_cycles.cpp -o /tmp/stage_cycles512
 //
 //   taskset -c 1 /tmp/stage_cycles [G] [head_dim] [dtype: 0 fp16, 1 bf16, 2 fp32] [N] [C]
 //

@@ -216,7 +216,7 @@ const SimdOps* ops_amx() {
     static const SimdOps ops = {"amx", amx_level::scores, avx512_level::max_bad, avx512_level::sum_exp,
                                 avx512_level::select, avx512_level::pv, avx512_level::vsum,
                                 amx_level::scores_packed, avx512_level::pv_packed,
-                                avx512_level::scores_kt};
+                                avx512bf16_level::scores_kt};
     return &ops;
 }
 

@@ -27,7 +27,8 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
                int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS, float* tile,
                const uint16_t* qraw, float scale);
 void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
-               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count);
+               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count,
+               const uint16_t* qraw, float scale);
 void max_bad(const float* S, int64_t len, float* m, int32_t* bad);
 float sum_exp(const float* S, int64_t len, float m);
 int64_t select(const SelectArgs& a);

@@ -347,7 +347,8 @@ void kt_group(const uint8_t* k, int64_t count, int64_t dstride, int32_t d, const
 }  // namespace
 
 void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
-               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count) {
+               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count,
+               const uint16_t*, float) {
     if (count <= 0) return;
     if (dtype == kBF16) kt_group<kSplit>(k, count, dstride, d, q, dpad, G, S, ldS, next, next_count);
     else if (dtype == kF16) kt_group<kF16>(k, count, dstride, d, q, dpad, G, S, ldS, next, next_count);

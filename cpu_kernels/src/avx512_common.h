@@ -30,7 +30,8 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
 void pv_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf, int64_t pf_count, int32_t dtype,
            int64_t sdim, int32_t d, int32_t dpad, const float* wk, int64_t ldw, int32_t G, float* acc, float* tile);
 void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
-               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count);
+               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count,
+               const uint16_t* qraw, float scale);
 void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride, const float* wk,
                int64_t ldw, int32_t G, float* acc, int32_t scattered);
 
@@ -41,6 +42,9 @@ void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
 namespace avx512bf16_level {
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
             const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
+void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
+               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count,
+               const uint16_t* qraw, float scale);
 }  // namespace avx512bf16_level
 
 namespace avx512_level {

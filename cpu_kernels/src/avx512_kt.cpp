@@ -7,6 +7,7 @@
 // read, one row of a chunk's lines per iteration: the hardware prefetchers do not follow the
 // row-strided walk, and a burst of prefetches at the start of a chunk would leave most of the
 // walk unhidden (docs/cpu.md, "K stored transposed").
+// bfloat16 on the avx512bf16 and amx levels: avx512bf16_kt.cpp (vdpbf16ps on pairs of rows).
 // Compiled with the AVX-512 flags (setup.py), one of the avx512_*.cpp files.
 #include "avx512_common.h"
 
@@ -68,7 +69,8 @@ inline void chunk_heads(const uint8_t* k, int64_t dstride, int32_t dtype, int64_
 }  // namespace
 
 void scores_kt(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
-               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count) {
+               const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next, int64_t next_count,
+               const uint16_t*, float) {
     const int64_t es = dtype == kF32 ? 4 : 2;
     // up to 64 slots per chunk: 4 16-slot vectors per head, HB x 4 independent accumulators
     // (16 for groups of 4 heads and more), so FMA latency is covered

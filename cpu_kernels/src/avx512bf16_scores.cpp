@@ -166,7 +166,8 @@ const SimdOps* ops_avx512bf16() {
     static const SimdOps ops = {"avx512bf16", avx512bf16_level::scores, avx512_level::max_bad,
                                 avx512_level::sum_exp, avx512_level::select, avx512_level::pv,
                                 avx512_level::vsum, nullptr, avx512_level::pv_packed,
-                                avx512_level::scores_kt, avx512bf16_level::scores_pf, avx512_level::pv_pf};
+                                avx512bf16_level::scores_kt, avx512bf16_level::scores_pf,
+                                avx512_level::pv_pf};
     return &ops;
 }
 

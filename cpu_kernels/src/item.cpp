@@ -114,7 +114,7 @@ namespace {
 // per block (slots contiguous, head_dim strided: vLLM's vector-ISA CPU cache), one call of the
 // stage per block segment, each told where the next segment starts (it prefetches that one).
 void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64_t g, int64_t lo, int64_t count,
-                           const float* q, int32_t G, int32_t dpad, float* S, int64_t ldS) {
+                           const float* q, const uint16_t* qraw, int32_t G, int32_t dpad, float* S, int64_t ldS) {
     const int64_t es = elem_size(P.dtype), dstride = P.k_s[3] * es;
     const uint8_t* p0 = static_cast<const uint8_t*>(P.key);
     const auto at = [&](int64_t bi, int64_t slot) {
@@ -124,7 +124,7 @@ void transposed_key_scores(const Params& P, const SimdOps& ops, int64_t b, int64
         const int64_t next_count = std::min(count - t - run, P.block_size);
         const uint8_t* next = next_count > 0 ? at(bi + 1, 0) : nullptr;
         ops.scores_kt(at(bi, slot), run, dstride, P.dtype, int32_t(P.head_dim), dpad, q, G, S + t, ldS, next,
-                      next_count);
+                      next_count, qraw, P.scale);
     });
 }
 
@@ -209,7 +209,7 @@ void run_item(Plan& plan, int64_t i, Phase phase, Scratch& sc, float* scored, in
                 ops.scores(rows, cnt, P.dtype, 1, D, dpad, q, G, S + c, len, sc.tile.data(), qraw, P.scale);
             }
         } else if (key_transposed(P, ops)) {
-            transposed_key_scores(P, ops, b, g, it.lo, len, q, G, dpad, S, len);
+            transposed_key_scores(P, ops, b, g, it.lo, len, q, qraw, G, dpad, S, len);
         } else {
             // the whole range in one call (Scratch::rows holds len pointers): the stage prefetches
             // ahead across blocks and pages

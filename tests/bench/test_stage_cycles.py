@@ -17,7 +17,8 @@ LEVELS = {
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ["avx2_scores.cpp", "avx2_select.cpp", "avx2_pv.cpp"], ["avx2"]),
     "avx512": (["-DSTAGE_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
                 "-mf16c"],
-               ["avx512_scores.cpp", "avx512_select.cpp", "avx512_pv.cpp", "avx512_kt.cpp", "avx512bf16_scores.cpp"],
+               ["avx512_scores.cpp", "avx512_select.cpp", "avx512_pv.cpp", "avx512_kt.cpp", "avx512bf16_scores.cpp",
+                "avx512bf16_kt.cpp"],
                ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"]),
 }
 

@@ -115,12 +115,13 @@ struct SimdOps {
     void (*pv_packed)(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpad, int64_t gstride,
                       const float* wk, int64_t ldw, int32_t G, float* acc, int32_t scattered) = nullptr;
     // Scores of K stored transposed (vLLM's vector-ISA CPU cache: element i of slot t at byte
-    // k + i * dstride + t * elem_size): count consecutive slots, S[h * ldS + t] = <q_h, k_t>, q
-    // as in scores. next (may be null): the next segment's first slot, next_count slots,
+    // k + i * dstride + t * elem_size): count consecutive slots, S[h * ldS + t] = <q_h, k_t>, q,
+    // qraw and scale as in scores (the avx512bf16 and amx levels take scale * <qraw_h, k_t> for
+    // bfloat16). next (may be null): the next segment's first slot, next_count slots,
     // prefetched while this one is read. Null on levels without it (rows read element-wise).
     void (*scores_kt)(const uint8_t* k, int64_t count, int64_t dstride, int32_t dtype, int32_t d, int32_t dpad,
                       const float* q, int32_t G, float* S, int64_t ldS, const uint8_t* next,
-                      int64_t next_count) = nullptr;
+                      int64_t next_count, const uint16_t* qraw, float scale) = nullptr;
     // scores as above with the caller choosing what goes into L2 while the rows are read: pf[t]
     // (t < pf_count, may be null) while row t is, instead of the rows the stage would find
     // further down its own list (the walk over the KV heads of a paged NHD range: kernel.h,

@@ -1,12 +1,13 @@
 """The ``cpu`` kernel on caches whose K is stored transposed per block (vLLM's CPU cache for
 its vector ISAs: one region per block and KV head, K as ``[head_dim, block_size]`` then V as
 rows; passed as ``"HND"`` views with K strides (slot 1, dim block_size)). That layout has its
-own scores stage (``scores_kt``: avx512_kt.cpp, stages_portable.inc). Fuzzed against the
-float64 oracle over SIMD levels, dtypes, GQA groups, head dims, block sizes (powers of two or
+own scores stage (``scores_kt``: avx512_kt.cpp, avx512bf16_kt.cpp, stages_portable.inc).
+Fuzzed against the float64 oracle over SIMD levels, dtypes, GQA groups, head dims, block sizes (powers of two or
 not), ragged lengths with partial last blocks, both placements and selections, VMC and forced
 split-KV; the region around each block's used slots is NaN, so a read past a segment shows."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,3 +68,35 @@ def test_transposed_key_cache_keeps_what_the_rows_layout_keeps():
     np.testing.assert_array_equal(a[1].kept.numpy(), b[1].kept.numpy())
     np.testing.assert_array_equal(a[1].v_rows.numpy(), b[1].v_rows.numpy())
     np.testing.assert_allclose(a[0].float().numpy(), b[0].float().numpy(), atol=2e-2, rtol=2e-2)
+
+
+BF16_LEVELS = [lv for lv in ("avx512bf16", "amx") if lv in LEVELS]
+
+
+@pytest.mark.skipif(not BF16_LEVELS, reason="the CPU has neither AVX512-BF16 nor AMX: their bfloat16 "
+                                             "transposed-K stage (avx512bf16_kt.cpp) cannot run here")
+@pytest.mark.parametrize("head_dim", [2, 33, 64, 80, 127, 128, 256])
+@pytest.mark.parametrize("block", [7, 32, 100, 128])
+def test_bfloat16_pairs_stage_matches_oracle(head_dim, block):
+    """The avx512bf16 / amx levels' transposed-K stage (pairs of head_dim rows per vdpbf16ps) on
+    bfloat16 caches: odd head_dims (the last row is paired with zeros; here the row after it is
+    NaN, as are the unused slots of each block), segments shorter than a chunk and ragged last
+    blocks, every group size of its head blocks (1-4 and over 4), against the float64 oracle."""
+    for i, level in enumerate(BF16_LEVELS):
+        for group in (1, 3, 4, 7):
+            base = random_case("kt_bf16", Shape((1, 31, 64, 333), 2 * group, 2, head_dim, 333), torch.bfloat16,
+                               placement="post_softmax", selection="head", vmc=False, keep_range=(0.3, 0.5),
+                               seed=head_dim * 131 + block * 7 + group + i)
+            case = paged_case(base, block, "HND", seed=block)
+            kw = dict(case.kwargs)
+            k = kw["key_cache"]
+            nb, hkv, bs, d = k.shape
+            buf = torch.full((nb, hkv, d + 1, bs), float("nan"), dtype=k.dtype)  # a NaN row after K's last
+            buf[:, :, :d].copy_(k.transpose(2, 3))
+            kw["key_cache"] = buf[:, :, :d].transpose(2, 3)
+            out, stats, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: level})
+            assert counters["simd"] == level
+            want = case.oracle()
+            rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[torch.bfloat16])
+            assert rep is None, f"{level} G {group}: {rep}"
+            assert exact_report("v_rows", to_numpy(stats.v_rows), want.v_rows) is None
