@@ -80,7 +80,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         ("TOPTH_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"], [str(CPU_SRC / f) for f in ("avx2_scores.cpp", "avx2_select.cpp", "avx2_pv.cpp")], None),
         ("TOPTH_HAVE_AVX512", AVX512_FLAGS,
          [str(CPU_SRC / f) for f in ("avx512_scores.cpp", "avx512_kt.cpp", "avx512_select.cpp", "avx512_pv.cpp")], None),
-        # reuses every stage of the AVX-512 level but the bfloat16 scores
+        # reuses every stage of the AVX-512 level but the bfloat16 scores (rows and transposed K)
         ("TOPTH_HAVE_AVX512BF16", AVX512_FLAGS + ["-mavx512bf16"], [str(CPU_SRC / f) for f in ("avx512bf16_scores.cpp", "avx512bf16_kt.cpp")],
          "TOPTH_HAVE_AVX512"),
         # the avx512bf16 level with the bfloat16 scores on AMX tiles

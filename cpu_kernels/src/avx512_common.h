@@ -1,5 +1,5 @@
 // Helpers of the AVX-512 level (row loads with dtype conversion, exp, prefetch, row
-// addressing). Only the avx512_*.cpp, avx512bf16_scores.cpp and amx_scores.cpp files include
+// addressing). Only the avx512_*.cpp, avx512bf16_*.cpp and amx_scores.cpp files include
 // this, all compiled with at least the AVX-512 flags; every helper has
 // internal linkage (anonymous namespace), so no AVX-512 code can leak into the generic path.
 #pragma once
@@ -37,8 +37,10 @@ void pv_packed(const uint8_t* const* rows, int64_t count, int32_t d, int32_t dpa
 
 }  // namespace avx512_level
 
-// The avx512bf16 level's own stage (avx512bf16_scores.cpp, compiled with -mavx512bf16), also
-// used by the amx level; every other stage of the avx512bf16 level is the avx512 level's.
+// The avx512bf16 level's own stages, the bfloat16 scores of rows (avx512bf16_scores.cpp) and of
+// K stored transposed (avx512bf16_kt.cpp), compiled with -mavx512bf16; the amx level uses the
+// second and falls back on the first; every other stage of the avx512bf16 level is the avx512
+// level's.
 namespace avx512bf16_level {
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,
             const float* q, int32_t G, float* S, int64_t ldS, float* tile, const uint16_t* qraw, float scale);
