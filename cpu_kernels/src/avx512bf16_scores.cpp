@@ -20,8 +20,6 @@
 #include "avx512_common.h"
 
 namespace topth_cpu {
-int g_tr_mode = 0, g_tr_maxch = 4;
-extern "C" __attribute__((visibility("default"))) void topth_tr_set(int mode, int maxch) { g_tr_mode = mode; g_tr_maxch = maxch; }
 namespace avx512bf16_level {
 namespace {
 
@@ -37,7 +35,6 @@ using avx512_level::prefetch_l2;
 using avx512_level::RowPtrs;
 using avx512_level::RowRun;
 using avx512_level::tile_stride;
-using avx512_level::tail_mask;
 
 inline __m512bh bf16_chunk(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh bf16_chunk(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
@@ -94,91 +91,6 @@ inline void tile_heads(A r, int64_t T, const uint16_t* q, int32_t dpad, int32_t 
     }
 }
 
-// The query pairs of HB heads laid out for tr_tile: for head h, chunk c (32 elements) and
-// j = 0..3, 16 dwords whose 128-bit lane L holds pair 16c + 4L + j four times (pairs past
-// head_dim are zero).
-inline void build_q4(const uint16_t* q, int32_t dpad, int hb, int32_t nch, int32_t nfull, __mmask32 last,
-                     uint32_t* Q4) {
-    for (int h = 0; h < hb; ++h)
-        for (int32_t c = 0; c < nch; ++c) {
-            const uint16_t* qc = q + h * dpad + 32 * c;
-            const __m512i v = c < nfull ? _mm512_loadu_si512(qc) : _mm512_maskz_loadu_epi16(last, qc);
-            uint32_t* dst = Q4 + (int64_t(h) * nch + c) * 64;
-            _mm512_storeu_si512(dst, _mm512_shuffle_epi32(v, _MM_PERM_AAAA));
-            _mm512_storeu_si512(dst + 16, _mm512_shuffle_epi32(v, _MM_PERM_BBBB));
-            _mm512_storeu_si512(dst + 32, _mm512_shuffle_epi32(v, _MM_PERM_CCCC));
-            _mm512_storeu_si512(dst + 48, _mm512_shuffle_epi32(v, _MM_PERM_DDDD));
-        }
-}
-
-// 16 rows x HB heads with the rows transposed in groups of four instead of a reduction per
-// dot product: the chunk c of rows 4g .. 4g + 3 is interleaved (vpunpck{l,h}dq, then
-// {l,h}qdq) into T_j, whose 128-bit lane L holds pair 16c + 4L + j of the four rows, and
-// vdpbf16ps with Q4 adds it into acc[h][g] (lane L, slot r: row 4g + r). The interleave is
-// shared by the HB heads; what is left per head is a sum over the four 128-bit lanes of
-// four vectors (9 instructions per 16 rows, against a 16-way tree per 16 dot products).
-// Rows past T repeat a row the tile holds (the caller's pointers); only T scores are stored.
-template <int HB, int NPF, class A>
-inline void tr_tile(A r, int64_t T, const uint32_t* Q4, int32_t nfull, __mmask32 last, __m512 scale, float* S,
-                    int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
-    const int32_t nch = nfull + (last ? 1 : 0);
-    __m512 acc[HB][4];
-#pragma GCC unroll 4
-    for (int h = 0; h < HB; ++h)
-#pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) acc[h][g] = _mm512_setzero_ps();
-    for (int32_t c = 0; c < nch; ++c) {
-        const bool tail = c == nfull;
-#pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-            __m512i a[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) {
-                const int t = 4 * g + i;
-                if constexpr (NPF >= 1) prefetch_l2(pf[t] + 64 * c);
-                if constexpr (NPF >= 2) prefetch_l1(pn[t] + 64 * c);
-                const uint16_t* p = u16(r.at(t)) + 32 * c;
-                a[i] = tail ? _mm512_maskz_loadu_epi16(last, p) : _mm512_loadu_si512(p);
-            }
-            const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
-            const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
-            const __m512i tj[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                                   _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; ++j)
-#pragma GCC unroll 4
-                for (int h = 0; h < HB; ++h)
-                    acc[h][g] = _mm512_dpbf16_ps(acc[h][g], (__m512bh)tj[j],
-                                                 (__m512bh)_mm512_loadu_si512(Q4 + ((int64_t(h) * nch + c) * 4 + j) * 16));
-        }
-    }
-    const __mmask16 m = tail_mask(T);
-#pragma GCC unroll 4
-    for (int h = 0; h < HB; ++h) {
-        const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(acc[h][0], acc[h][1], 0x88),
-                                       _mm512_shuffle_f32x4(acc[h][0], acc[h][1], 0xDD));
-        const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(acc[h][2], acc[h][3], 0x88),
-                                       _mm512_shuffle_f32x4(acc[h][2], acc[h][3], 0xDD));
-        const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-        _mm512_mask_storeu_ps(S + h * ldS, m, _mm512_mul_ps(v, scale));
-    }
-}
-
-template <class A>
-inline void tr_npf(int npf, A r, int hb, int64_t T, const uint32_t* Q4, int32_t nfull, __mmask32 last, __m512 sc,
-                   float* Sh, int64_t ldS, const uint8_t* const* pf, const uint8_t* const* pn) {
-#define TOPTH_TR(HB)                                                                             \
-    if (npf == 2) tr_tile<HB, 2>(r, T, Q4, nfull, last, sc, Sh, ldS, pf, pn);                    \
-    else if (npf == 1) tr_tile<HB, 1>(r, T, Q4, nfull, last, sc, Sh, ldS, pf, pn);               \
-    else tr_tile<HB, 0>(r, T, Q4, nfull, last, sc, Sh, ldS, pf, pn);
-    switch (hb) {
-        case 2: { TOPTH_TR(2) } break;
-        case 3: { TOPTH_TR(3) } break;
-        default: { TOPTH_TR(4) } break;
-    }
-#undef TOPTH_TR
-}
-
 // One block of hb heads (1-4) of a tile, with NPF streams of prefetches (0: none, 1: pf
 // into L2, 2: also pn into L1).
 template <int NPF, class A>
@@ -215,14 +127,10 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
     const __mmask32 last = d % 32 ? __mmask32((1u << (d % 32)) - 1u) : __mmask32(0);
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
+    const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
     const uint8_t* r[16];
     const uint8_t* pfar[16];
     const uint8_t* pnear[16];
-    const int32_t nch = nfull + (last ? 1 : 0);
-    alignas(64) uint32_t Q4[4096];
-    const bool tr = !(g_tr_mode & 1) && G >= 3 && nch <= g_tr_maxch && int64_t(G) * nch * 64 <= 4096;
-    if (tr) build_q4(qraw, dpad, G, nch, nfull, last, Q4);
-    const bool prefetch = pf_list || !one_run(rows, count, row_bytes) || (g_tr_mode & 2);
     const bool near = prefetch && row_bytes >= kNearMinBytes;
     for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const int64_t T = count - t0 < 16 ? count - t0 : 16;
@@ -239,13 +147,6 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
             float* Sh = S + h0 * ldS + t0;
             const int hb = G - h0 < 4 ? G - h0 : 4;
             const int npf = h0 ? 0 : pn ? 2 : pf ? 1 : 0;  // the first head block prefetches
-            if (tr && hb >= 3) {
-                const uint32_t* Qh = Q4 + int64_t(h0) * nch * 64;
-                if (st) tr_npf(npf, RowRun{rows[t0], st}, hb, T, Qh, nfull, last, sc, Sh, ldS, pf, pn);
-                else tr_npf(npf, RowPtrs{r}, hb, T, Qh, nfull, last, sc, Sh, ldS, pf, pn);
-                h0 += hb;
-                continue;
-            }
             if (st) tile_npf(npf, RowRun{rows[t0], st}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
             else tile_npf(npf, RowPtrs{r}, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
             h0 += hb;
