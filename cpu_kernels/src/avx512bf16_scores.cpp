@@ -12,8 +12,9 @@
 // spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
 // prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
 // which gets no software prefetch (one_run; rows_ahead.h); scores_pf puts the caller's rows
-// into L2 instead (the K walk of unit_walk.cpp). Every other stage, and other dtypes or
-// strided rows, run the avx512 level's code.
+// into L2 instead (the K walk of unit_walk.cpp). Such a run of rows of head_dim 32 or 64 (a
+// BNSD range) is not cut into tiles at all: run_scores reads it block after block from its
+// first row. Every other stage, and other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
 // when the CPU reports AVX512-BF16 (dispatch.cpp).
@@ -91,6 +92,78 @@ inline void tile_heads(A r, int64_t T, const uint16_t* q, int32_t dpad, int32_t 
     }
 }
 
+// Whether rows[t] == rows[0] + t * rb for every t < count.
+inline bool contiguous(const uint8_t* const* rows, int64_t count, int64_t rb) {
+    const __m512i step = _mm512_set1_epi64(8 * rb);
+    __m512i want = _mm512_add_epi64(_mm512_set1_epi64(reinterpret_cast<int64_t>(rows[0])),
+                                    _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_epi64(rb)));
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8, want = _mm512_add_epi64(want, step))
+        if (_mm512_cmpneq_epi64_mask(_mm512_loadu_si512(rows + t), want)) return false;
+    for (; t < count; ++t)
+        if (rows[t] != rows[0] + t * rb) return false;
+    return true;
+}
+
+// HB heads over count rows of one contiguous run (row t at base + t * rb): blocks of RB rows,
+// each block's HB x RB dot products reduced at once as in tile_heads, the query's NC chunks
+// of 32 elements (head_dim = 32 NC) held in registers. The last block repeats its last row
+// up to RB rows (only T scores are stored).
+template <int HB, int RB, int NC>
+inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad, __m512 sc,
+                      float* S, int64_t ldS) {
+    __m512bh qv[HB][NC];
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 2
+        for (int c = 0; c < NC; ++c) qv[h][c] = bf16_chunk(q + h * dpad + 32 * c);
+    const auto block = [&](int64_t r0, int64_t T) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+        for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 16
+            for (int t = 0; t < RB; ++t) {
+                const __m512bh k = bf16_chunk(u16(base + (r0 + (t < T ? t : T - 1)) * rb) + 32 * c);
+#pragma GCC unroll 4
+                for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h][c], k);
+            }
+        store_block<HB, RB>(_mm512_mul_ps(reduce16(acc), sc), S + r0, ldS, T);
+    };
+    int64_t r0 = 0;
+    for (; r0 + RB <= count; r0 += RB) block(r0, RB);
+    if (r0 < count) block(r0, count - r0);
+}
+
+constexpr int64_t kRunChunk = 128;  // rows per pass of every head block when G > 4
+
+// Scores of one contiguous run of rows of head_dim 32 NC (the rows of a BNSD range, which the
+// tile loop reads 16 rows at a time from their pointers): one pass over the run for up to 4
+// heads; more heads take it kRunChunk rows at a time, every head block per chunk, so that each
+// row comes from memory once. Fewer instructions per row than the tile loop (no per-tile
+// addressing, a compile-time chunk count, the query in registers), and more of the memory
+// stream hidden behind them where measured (docs/cpu.md, "One contiguous run").
+template <int NC>
+inline void run_scores(int32_t G, const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad,
+                       __m512 sc, float* S, int64_t ldS) {
+    const int64_t chunk = G <= 4 ? count : kRunChunk;
+    for (int64_t c0 = 0; c0 < count; c0 += chunk) {
+        const int64_t n = count - c0 < chunk ? count - c0 : chunk;
+        for (int32_t h0 = 0; h0 < G;) {
+            const uint8_t* b = base + c0 * rb;
+            const uint16_t* qh = q + int64_t(h0) * dpad;
+            float* Sh = S + h0 * ldS + c0;
+            switch (G - h0) {
+                case 1: run_heads<1, 16, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 1; break;
+                case 2: run_heads<2, 8, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 2; break;
+                case 3: run_heads<3, 4, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 3; break;
+                default: run_heads<4, 4, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 4; break;
+            }
+        }
+    }
+}
+
 // One block of hb heads (1-4) of a tile, with NPF streams of prefetches (0: none, 1: pf
 // into L2, 2: also pn into L1).
 template <int NPF, class A>
@@ -128,6 +201,11 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
     const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
+    if (!prefetch && (d == 32 || d == 64) && contiguous(rows, count, row_bytes)) {
+        if (d == 32) run_scores<1>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
+        else run_scores<2>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
+        return;
+    }
     const uint8_t* r[16];
     const uint8_t* pfar[16];
     const uint8_t* pnear[16];

@@ -1,0 +1,60 @@
+"""The ``avx512bf16`` level's scores over one contiguous run of rows (a BNSD range of bfloat16 K
+rows of head_dim 32 or 64: ``run_scores`` in avx512bf16_scores.cpp), against the float64
+oracle. Groups of 1-12 query heads per KV head (one pass over the run for up to 4 heads, runs of
+128 rows per pass of every head block for more), lengths around the 4-, 8- and 16-row blocks and
+the 128-row runs, ranges starting inside a sequence (forced split-KV), both placements and
+selections. The cache past each sequence's length is NaN, so a read past the run shows; a
+cache whose rows are not back to back (a strided view) takes the tile loop instead and is
+checked the same way."""
+
+import pytest
+import torch
+
+from topth_ops.backends import cpu as cpu_backend
+from topth_ops.conformance.cases import Shape, random_case
+from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_report, to_numpy
+
+from .env_run import run_with_env
+
+LEVELS = cpu_backend.cpu_module().simd_levels()
+LENS = (1, 2, 3, 5, 16, 17, 129, 300)
+
+
+@pytest.mark.skipif("avx512bf16" not in LEVELS, reason="the CPU lacks AVX512-BF16: the avx512bf16 level (its "
+                                                       "contiguous-run scores) cannot run here")
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 12])
+@pytest.mark.parametrize("split", ["0", "7", "100"])
+def test_contiguous_run_scores_match_oracle(head_dim, group, split):
+    for i, (placement, selection) in enumerate((("post_softmax", "group"), ("pre_softmax", "head"))):
+        case = random_case("run", Shape(LENS, 2 * group, 2, head_dim, 320), torch.bfloat16, placement=placement,
+                           selection=selection, keep_range=(0.2, 0.6),
+                           seed=head_dim * 1009 + group * 31 + int(split) + i)
+        out, stats, counters = run_with_env(case.kwargs, {cpu_backend.ENV_SIMD: "avx512bf16",
+                                                          cpu_backend.ENV_SPLIT: split})
+        assert counters["simd"] == "avx512bf16"
+        want = case.oracle()
+        rep, _ = mismatch_report("out", to_numpy(out), want.out, **TOLERANCES[torch.bfloat16])
+        assert rep is None, f"G {group} {placement}: {rep}"
+        ok = ~want.nonfinite.any(-1)
+        assert exact_report("kept", to_numpy(stats.kept)[ok], want.kept[ok]) is None
+        assert exact_report("v_rows", to_numpy(stats.v_rows), want.v_rows) is None
+
+
+@pytest.mark.skipif("avx512bf16" not in LEVELS, reason="the CPU lacks AVX512-BF16: the avx512bf16 level cannot "
+                                                       "run here")
+@pytest.mark.parametrize("group", [3, 5])
+def test_rows_not_back_to_back_take_the_tile_loop(group):
+    """K rows with a gap between them (a view of every other row of a longer cache) are not
+    one run: the stage must not read them as if they were."""
+    case = random_case("gap", Shape(LENS, 2 * group, 2, 64, 320), torch.bfloat16, placement="post_softmax",
+                       selection="group", keep_range=(0.2, 0.6), seed=group)
+    kw = dict(case.kwargs)
+    k = kw["key_cache"]
+    wide = torch.full((k.shape[0], k.shape[1], 2 * k.shape[2], k.shape[3]), float("nan"), dtype=k.dtype)
+    wide[:, :, ::2].copy_(k)
+    kw["key_cache"] = wide[:, :, ::2]
+    out, _, counters = run_with_env(kw, {cpu_backend.ENV_SIMD: "avx512bf16"})
+    assert counters["simd"] == "avx512bf16"
+    rep, _ = mismatch_report("out", to_numpy(out), case.oracle().out, **TOLERANCES[torch.bfloat16])
+    assert rep is None, rep
