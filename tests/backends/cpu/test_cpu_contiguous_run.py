@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from topth_ops.backends import cpu as cpu_backend
-from topth_ops.conformance.cases import Shape, random_case
+from topth_ops.conformance.cases import Shape, paged_case, random_case
 from topth_ops.conformance.compare import TOLERANCES, exact_report, mismatch_report, to_numpy
 
 from .env_run import run_with_env
@@ -58,3 +58,19 @@ def test_rows_not_back_to_back_take_the_tile_loop(group):
     assert counters["simd"] == "avx512bf16"
     rep, _ = mismatch_report("out", to_numpy(out), case.oracle().out, **TOLERANCES[torch.bfloat16])
     assert rep is None, rep
+
+
+@pytest.mark.skipif("avx512bf16" not in LEVELS, reason="the CPU lacks AVX512-BF16: the avx512bf16 level cannot "
+                                                       "run here")
+@pytest.mark.parametrize("group", [1, 3, 7, 12])
+def test_run_and_tile_loops_give_the_same_bits(group):
+    """The contiguous-run loop (BNSD) and the tile loop (the same rows paged HND in blocks of
+    128, which sequences longer than a block cross) add the same products in the same order:
+    the outputs are bitwise equal."""
+    base = random_case("bits", Shape((300, 129, 17, 5), 2 * group, 2, 64, 320), torch.bfloat16,
+                       placement="post_softmax", selection="group", seed=group)
+    paged = paged_case(base, 128, "HND", seed=1)
+    env = {cpu_backend.ENV_SIMD: "avx512bf16", cpu_backend.ENV_SPLIT: "8192"}
+    a, _, _ = run_with_env(base.kwargs, env)
+    b, _, _ = run_with_env(paged.kwargs, env)
+    assert torch.equal(a, b)
