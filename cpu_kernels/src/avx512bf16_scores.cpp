@@ -20,6 +20,8 @@
 // when the CPU reports AVX512-BF16 (dispatch.cpp).
 #include "avx512_common.h"
 
+#include <type_traits>
+
 namespace topth_cpu {
 namespace avx512bf16_level {
 namespace {
@@ -105,19 +107,37 @@ inline bool contiguous(const uint8_t* const* rows, int64_t count, int64_t rb) {
     return true;
 }
 
+// The number of rows from rows[0] on that lie back to back (rows[t] == rows[0] + t * rb).
+inline int64_t run_length(const uint8_t* const* rows, int64_t count, int64_t rb) {
+    const __m512i step = _mm512_set1_epi64(8 * rb);
+    __m512i want = _mm512_add_epi64(_mm512_set1_epi64(reinterpret_cast<int64_t>(rows[0])),
+                                    _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_epi64(rb)));
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8, want = _mm512_add_epi64(want, step)) {
+        const __mmask8 bad = _mm512_cmpneq_epi64_mask(_mm512_loadu_si512(rows + t), want);
+        if (bad) return t + __builtin_ctz(bad);
+    }
+    for (; t < count; ++t)
+        if (rows[t] != rows[0] + t * rb) return t;
+    return count;
+}
+
+constexpr int64_t kMinRun = 32;
+
 // HB heads over count rows of one contiguous run (row t at base + t * rb): blocks of RB rows,
 // each block's HB x RB dot products reduced at once as in tile_heads, the query's NC chunks
 // of 32 elements (head_dim = 32 NC) held in registers. The last block repeats its last row
-// up to RB rows (only T scores are stored).
+// up to RB rows (only T scores are stored). With row t < nfl, one line of fl[t] per line
+// loaded goes into L2.
 template <int HB, int RB, int NC>
 inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad, __m512 sc,
-                      float* S, int64_t ldS) {
+                      float* S, int64_t ldS, const uint8_t* const* fl, int64_t nfl) {
     __m512bh qv[HB][NC];
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h)
 #pragma GCC unroll 2
         for (int c = 0; c < NC; ++c) qv[h][c] = bf16_chunk(q + h * dpad + 32 * c);
-    const auto block = [&](int64_t r0, int64_t T) {
+    const auto block = [&](int64_t r0, int64_t T, auto pf) {
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -125,6 +145,7 @@ inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint
         for (int c = 0; c < NC; ++c)
 #pragma GCC unroll 16
             for (int t = 0; t < RB; ++t) {
+                if constexpr (decltype(pf)::value) prefetch_l2(fl[r0 + t] + 64 * c);
                 const __m512bh k = bf16_chunk(u16(base + (r0 + (t < T ? t : T - 1)) * rb) + 32 * c);
 #pragma GCC unroll 4
                 for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h][c], k);
@@ -132,21 +153,24 @@ inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint
         store_block<HB, RB>(_mm512_mul_ps(reduce16(acc), sc), S + r0, ldS, T);
     };
     int64_t r0 = 0;
-    for (; r0 + RB <= count; r0 += RB) block(r0, RB);
-    if (r0 < count) block(r0, count - r0);
+    for (; r0 + RB <= count && r0 + RB <= nfl; r0 += RB) block(r0, RB, std::true_type{});
+    for (; r0 + RB <= count; r0 += RB) block(r0, RB, std::false_type{});
+    if (r0 < count) block(r0, count - r0, std::false_type{});
 }
 
 constexpr int64_t kRunChunk = 128;  // rows per pass of every head block when G > 4
 
-// Scores of one contiguous run of rows of head_dim 32 NC (the rows of a BNSD range, which the
-// tile loop reads 16 rows at a time from their pointers): one pass over the run for up to 4
-// heads; more heads take it kRunChunk rows at a time, every head block per chunk, so that each
-// row comes from memory once. Fewer instructions per row than the tile loop (no per-tile
-// addressing, a compile-time chunk count, the query in registers), and more of the memory
-// stream hidden behind them where measured (docs/cpu.md, "One contiguous run").
+// Scores of one contiguous run of rows of head_dim 32 NC (a BNSD range, or the rows of one
+// paged HND block, which the tile loop reads 16 rows at a time from their pointers): one pass
+// over the run for up to 4 heads; more heads take it kRunChunk rows at a time, every head
+// block per chunk, so that each row comes from memory once. Fewer instructions per row than the
+// tile loop (no per-tile addressing, a compile-time chunk count, the query in registers), and
+// more of the memory stream hidden behind them where measured (docs/cpu.md, "One contiguous
+// run"). fl[t], t < nfl: a row to prefetch into L2 with row t (the list's rows far ahead, which
+// for a paged list lie in the next blocks); the first head block issues them.
 template <int NC>
 inline void run_scores(int32_t G, const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad,
-                       __m512 sc, float* S, int64_t ldS) {
+                       __m512 sc, float* S, int64_t ldS, const uint8_t* const* fl = nullptr, int64_t nfl = 0) {
     const int64_t chunk = G <= 4 ? count : kRunChunk;
     for (int64_t c0 = 0; c0 < count; c0 += chunk) {
         const int64_t n = count - c0 < chunk ? count - c0 : chunk;
@@ -154,11 +178,13 @@ inline void run_scores(int32_t G, const uint8_t* base, int64_t count, int64_t rb
             const uint8_t* b = base + c0 * rb;
             const uint16_t* qh = q + int64_t(h0) * dpad;
             float* Sh = S + h0 * ldS + c0;
+            const int64_t pn = fl && h0 == 0 ? nfl - c0 : 0;  // the first head block prefetches
+            const uint8_t* const* pfl = pn > 0 ? fl + c0 : nullptr;
             switch (G - h0) {
-                case 1: run_heads<1, 16, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 1; break;
-                case 2: run_heads<2, 8, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 2; break;
-                case 3: run_heads<3, 4, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 3; break;
-                default: run_heads<4, 4, NC>(b, n, rb, qh, dpad, sc, Sh, ldS); h0 += 4; break;
+                case 1: run_heads<1, 16, NC>(b, n, rb, qh, dpad, sc, Sh, ldS, pfl, pn); h0 += 1; break;
+                case 2: run_heads<2, 8, NC>(b, n, rb, qh, dpad, sc, Sh, ldS, pfl, pn); h0 += 2; break;
+                case 3: run_heads<3, 4, NC>(b, n, rb, qh, dpad, sc, Sh, ldS, pfl, pn); h0 += 3; break;
+                default: run_heads<4, 4, NC>(b, n, rb, qh, dpad, sc, Sh, ldS, pfl, pn); h0 += 4; break;
             }
         }
     }
@@ -205,6 +231,24 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
         if (d == 32) run_scores<1>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
         else run_scores<2>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
         return;
+    }
+    if (!pf_list && (d == 32 || d == 64)) {
+        // runs of at least kMinRun rows (paged HND blocks, or more): each in one loop, rows far
+        // ahead in the list (the next blocks) prefetched into L2 unless the whole list is one
+        // run (BNSD: the hardware streams it); the list from the first shorter run on goes
+        // through the tile loop
+        int64_t t0 = 0;
+        while (t0 < count) {
+            const int64_t len = run_length(rows + t0, count - t0, row_bytes);
+            if (len < kMinRun && t0 + len < count) break;
+            const int64_t nfl = count - t0 - far;
+            const uint8_t* const* fl = nfl > 0 ? rows + t0 + far : nullptr;
+            if (d == 32) run_scores<1>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
+            else run_scores<2>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
+            t0 += len;
+        }
+        if (t0 == count) return;
+        rows += t0; count -= t0; S += t0;
     }
     const uint8_t* r[16];
     const uint8_t* pfar[16];

@@ -1,11 +1,12 @@
-"""The ``avx512bf16`` level's scores over one contiguous run of rows (a BNSD range of bfloat16 K
-rows of head_dim 32 or 64: ``run_scores`` in avx512bf16_scores.cpp), against the float64
-oracle. Groups of 1-12 query heads per KV head (one pass over the run for up to 4 heads, runs of
-128 rows per pass of every head block for more), lengths around the 4-, 8- and 16-row blocks and
-the 128-row runs, ranges starting inside a sequence (forced split-KV), both placements and
-selections. The cache past each sequence's length is NaN, so a read past the run shows; a
-cache whose rows are not back to back (a strided view) takes the tile loop instead and is
-checked the same way."""
+"""The ``avx512bf16`` level's scores over contiguous runs of rows (a BNSD range, or the rows of
+each paged HND block, of bfloat16 K rows of head_dim 32 or 64: ``run_scores`` in
+avx512bf16_scores.cpp), against the float64 oracle. Groups of 1-12 query heads per KV head (one
+pass over a run for up to 4 heads, 128 rows per pass of every head block for more), lengths
+around the 4-, 8- and 16-row blocks and the 128-row passes, HND blocks of 32, 100 and 128 rows
+(ragged last blocks; a range starting inside a block), forced split-KV, both placements and
+selections. The cache past each sequence's length is NaN, so a read past a run shows; a cache
+whose rows are not back to back (a strided view) takes the tile loop instead and is checked
+the same way."""
 
 import pytest
 import torch
@@ -25,11 +26,14 @@ LENS = (1, 2, 3, 5, 16, 17, 129, 300)
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 12])
 @pytest.mark.parametrize("split", ["0", "7", "100"])
-def test_contiguous_run_scores_match_oracle(head_dim, group, split):
+@pytest.mark.parametrize("layout", ["BNSD", "HND32", "HND100", "HND128"])
+def test_contiguous_run_scores_match_oracle(head_dim, group, split, layout):
     for i, (placement, selection) in enumerate((("post_softmax", "group"), ("pre_softmax", "head"))):
         case = random_case("run", Shape(LENS, 2 * group, 2, head_dim, 320), torch.bfloat16, placement=placement,
                            selection=selection, keep_range=(0.2, 0.6),
                            seed=head_dim * 1009 + group * 31 + int(split) + i)
+        if layout != "BNSD":
+            case = paged_case(case, int(layout[3:]), "HND", seed=group + i)
         out, stats, counters = run_with_env(case.kwargs, {cpu_backend.ENV_SIMD: "avx512bf16",
                                                           cpu_backend.ENV_SPLIT: split})
         assert counters["simd"] == "avx512bf16"
@@ -65,11 +69,11 @@ def test_rows_not_back_to_back_take_the_tile_loop(group):
 @pytest.mark.parametrize("group", [1, 3, 7, 12])
 def test_run_and_tile_loops_give_the_same_bits(group):
     """The contiguous-run loop (BNSD) and the tile loop (the same rows paged HND in blocks of
-    128, which sequences longer than a block cross) add the same products in the same order:
-    the outputs are bitwise equal."""
+    16, shorter than the runs the loop takes) add the same products in the same order: the
+    outputs are bitwise equal."""
     base = random_case("bits", Shape((300, 129, 17, 5), 2 * group, 2, 64, 320), torch.bfloat16,
                        placement="post_softmax", selection="group", seed=group)
-    paged = paged_case(base, 128, "HND", seed=1)
+    paged = paged_case(base, 16, "HND", seed=1)
     env = {cpu_backend.ENV_SIMD: "avx512bf16", cpu_backend.ENV_SPLIT: "8192"}
     a, _, _ = run_with_env(base.kwargs, env)
     b, _, _ = run_with_env(paged.kwargs, env)
