@@ -12,9 +12,12 @@
 // spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
 // prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
 // which gets no software prefetch (one_run; rows_ahead.h); scores_pf puts the caller's rows
-// into L2 instead (the K walk of unit_walk.cpp). Such a run of rows of head_dim 32 or 64 (a
-// BNSD range) is not cut into tiles at all: run_scores reads it block after block from its
-// first row. Every other stage, and other dtypes or strided rows, run the avx512 level's code.
+// into L2 instead (the K walk of unit_walk.cpp). Rows of head_dim 32 or 64 that lie back to
+// back are not cut into tiles at all: run_scores reads such a run block after block from its
+// first row, the whole list when it is one run (a BNSD range), else each run of at least
+// kMinRun rows (the blocks of a paged HND list) with the list's rows far ahead prefetched,
+// and the shorter runs between them through the tile loop (tile_range). Every other stage,
+// and other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
 // when the CPU reports AVX512-BF16 (dispatch.cpp).
@@ -127,8 +130,8 @@ constexpr int64_t kMinRun = 32;
 // HB heads over count rows of one contiguous run (row t at base + t * rb): blocks of RB rows,
 // each block's HB x RB dot products reduced at once as in tile_heads, the query's NC chunks
 // of 32 elements (head_dim = 32 NC) held in registers. The last block repeats its last row
-// up to RB rows (only T scores are stored). With row t < nfl, one line of fl[t] per line
-// loaded goes into L2.
+// up to RB rows (only T scores are stored). In the full blocks of rows t < nfl, one line of
+// fl[t] per line loaded goes into L2 (the tail block prefetches nothing).
 template <int HB, int RB, int NC>
 inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad, __m512 sc,
                       float* S, int64_t ldS, const uint8_t* const* fl, int64_t nfl) {
@@ -211,51 +214,21 @@ inline void tile_npf(int npf, A r, int hb, int64_t T, const uint16_t* qh, int32_
     else tile_block<0>(r, hb, T, qh, dpad, nfull, last, sc, Sh, ldS, pf, pn);
 }
 
-}  // namespace
-
-// pf_list given (unit_scores' walk): as the avx512 level's scores_pf (pf_list into L2, also for
-// a contiguous run).
-void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_list, int64_t pf_count,
-               int32_t dtype, int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS,
-               float* tile, const uint16_t* qraw, float scale) {
-    if (dtype != kBF16 || sdim != 1 || qraw == nullptr) {
-        avx512_level::scores_pf(rows, count, pf_list, pf_count, dtype, sdim, d, dpad, q, G, S, ldS, tile, qraw, scale);
-        return;
-    }
+// The tile loop over list positions [b, e) of rows[0 .. count): 16 rows at a time through
+// their pointers (RowRun where a tile is equally spaced), the prefetches looking ahead in the
+// whole list (pf_list given: the caller's rows into L2).
+void tile_range(const uint8_t* const* rows, int64_t count, int64_t b, int64_t e, const uint8_t* const* pf_list,
+                int64_t pf_count, bool prefetch, int32_t d, int32_t dpad, int32_t G, float* S, int64_t ldS,
+                const uint16_t* qraw, __m512 sc) {
     const int32_t nfull = d / 32;
     const __mmask32 last = d % 32 ? __mmask32((1u << (d % 32)) - 1u) : __mmask32(0);
-    const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
-    const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
-    if (!prefetch && (d == 32 || d == 64) && contiguous(rows, count, row_bytes)) {
-        if (d == 32) run_scores<1>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
-        else run_scores<2>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
-        return;
-    }
-    if (!pf_list && (d == 32 || d == 64)) {
-        // runs of at least kMinRun rows (paged HND blocks, or more): each in one loop, rows far
-        // ahead in the list (the next blocks) prefetched into L2 unless the whole list is one
-        // run (BNSD: the hardware streams it); the list from the first shorter run on goes
-        // through the tile loop
-        int64_t t0 = 0;
-        while (t0 < count) {
-            const int64_t len = run_length(rows + t0, count - t0, row_bytes);
-            if (len < kMinRun && t0 + len < count) break;
-            const int64_t nfl = count - t0 - far;
-            const uint8_t* const* fl = nfl > 0 ? rows + t0 + far : nullptr;
-            if (d == 32) run_scores<1>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
-            else run_scores<2>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
-            t0 += len;
-        }
-        if (t0 == count) return;
-        rows += t0; count -= t0; S += t0;
-    }
     const uint8_t* r[16];
     const uint8_t* pfar[16];
     const uint8_t* pnear[16];
     const bool near = prefetch && row_bytes >= kNearMinBytes;
-    for (int64_t t0 = 0; t0 < count; t0 += 16) {
-        const int64_t T = count - t0 < 16 ? count - t0 : 16;
+    for (int64_t t0 = b; t0 < e; t0 += 16) {
+        const int64_t T = e - t0 < 16 ? e - t0 : 16;
         const int64_t st = T == 16 ? tile_stride(rows + t0) : 0;
         const uint8_t* const* pf = !prefetch ? nullptr
                                    : pf_list ? given_rows(pf_list, t0, pf_count, 16, pfar)
@@ -274,6 +247,50 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
             h0 += hb;
         }
     }
+}
+
+}  // namespace
+
+// pf_list given (unit_scores' walk): as the avx512 level's scores_pf (pf_list into L2, also for
+// a contiguous run).
+void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* pf_list, int64_t pf_count,
+               int32_t dtype, int64_t sdim, int32_t d, int32_t dpad, const float* q, int32_t G, float* S, int64_t ldS,
+               float* tile, const uint16_t* qraw, float scale) {
+    if (dtype != kBF16 || sdim != 1 || qraw == nullptr) {
+        avx512_level::scores_pf(rows, count, pf_list, pf_count, dtype, sdim, d, dpad, q, G, S, ldS, tile, qraw, scale);
+        return;
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
+    const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
+    if (pf_list || (d != 32 && d != 64)) {
+        tile_range(rows, count, 0, count, pf_list, pf_count, prefetch, d, dpad, G, S, ldS, qraw, sc);
+        return;
+    }
+    if (!prefetch && contiguous(rows, count, row_bytes)) {  // one run (BNSD): the hardware streams it
+        if (d == 32) run_scores<1>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
+        else run_scores<2>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
+        return;
+    }
+    // Runs of at least kMinRun rows (the blocks of a paged HND list) each in one loop, with the
+    // list's rows far ahead (the next blocks) prefetched into L2; the shorter runs between them
+    // (blocks of fewer rows, a range starting late in a block) through the tile loop.
+    int64_t t0 = 0, s0 = 0;  // [s0, t0): short runs not scored yet
+    while (t0 < count) {
+        const int64_t len = run_length(rows + t0, count - t0, row_bytes);
+        if (len < kMinRun) {
+            t0 += len;
+            continue;
+        }
+        if (s0 < t0) tile_range(rows, count, s0, t0, nullptr, 0, true, d, dpad, G, S, ldS, qraw, sc);
+        const int64_t nfl = count - t0 - far;
+        const uint8_t* const* fl = nfl > 0 ? rows + t0 + far : nullptr;
+        if (d == 32) run_scores<1>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
+        else run_scores<2>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
+        t0 += len;
+        s0 = t0;
+    }
+    if (s0 < count) tile_range(rows, count, s0, count, nullptr, 0, true, d, dpad, G, S, ldS, qraw, sc);
 }
 
 void scores(const uint8_t* const* rows, int64_t count, int32_t dtype, int64_t sdim, int32_t d, int32_t dpad,

@@ -8,6 +8,11 @@ selections. The cache past each sequence's length is NaN, so a read past a run s
 whose rows are not back to back (a strided view) takes the tile loop instead and is checked
 the same way."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -26,7 +31,7 @@ LENS = (1, 2, 3, 5, 16, 17, 129, 300)
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 12])
 @pytest.mark.parametrize("split", ["0", "7", "100"])
-@pytest.mark.parametrize("layout", ["BNSD", "HND32", "HND100", "HND128"])
+@pytest.mark.parametrize("layout", ["BNSD", "HND32", "HND33", "HND100", "HND128"])
 def test_contiguous_run_scores_match_oracle(head_dim, group, split, layout):
     for i, (placement, selection) in enumerate((("post_softmax", "group"), ("pre_softmax", "head"))):
         case = random_case("run", Shape(LENS, 2 * group, 2, head_dim, 320), torch.bfloat16, placement=placement,
@@ -78,3 +83,51 @@ def test_run_and_tile_loops_give_the_same_bits(group):
     a, _, _ = run_with_env(base.kwargs, env)
     b, _, _ = run_with_env(paged.kwargs, env)
     assert torch.equal(a, b)
+
+
+GUARD_SCRIPT = textwrap.dedent("""
+    import ctypes, mmap, os, sys
+    import torch
+    from topth_ops import decode_attention
+    from topth_ops.conformance.cases import Shape, random_case
+    from topth_ops.conformance.compare import TOLERANCES, mismatch_report, to_numpy
+
+    def guarded(t):  # a copy of t whose last byte is followed by a PROT_NONE page
+        nbytes, page = t.numel() * t.element_size(), mmap.PAGESIZE
+        total = ((nbytes + page - 1) // page + 1) * page
+        m = mmap.mmap(-1, total)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mprotect(ctypes.c_void_p(base + total - page), ctypes.c_size_t(page), 0) == 0
+        g = torch.frombuffer(m, dtype=t.dtype, count=t.numel(), offset=total - page - nbytes).view(t.shape)
+        g.copy_(t)
+        return g, m
+
+    keep = []
+    for group in (1, 3, 4, 7):
+        for d in (32, 64):
+            for lens in ((5, 300, 320), (320,), (33, 320)):
+                case = random_case("guard", Shape(lens, 2 * group, 2, d, 320), torch.bfloat16,
+                                   placement="post_softmax", selection="group", keep_range=(0.2, 0.6),
+                                   seed=group * 7 + d + len(lens))
+                kw = dict(case.kwargs)
+                kw["key_cache"], m = guarded(kw["key_cache"].contiguous())
+                keep.append(m)
+                out = decode_attention(**kw, backend="cpu")
+                rep, _ = mismatch_report("out", to_numpy(out), case.oracle().out, **TOLERANCES[torch.bfloat16])
+                assert rep is None, (group, d, lens, rep)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif("avx512bf16" not in LEVELS, reason="the CPU lacks AVX512-BF16: the avx512bf16 level cannot "
+                                                       "run here")
+@pytest.mark.parametrize("split", ["0", "7"])
+def test_run_loop_reads_nothing_past_the_last_row(split):
+    """BNSD K caches whose last row ends at an unreadable page (the last sequence is full
+    length): a read past a run's last row faults. Run in a child process so that a fault fails
+    this test instead of the session."""
+    env = dict(os.environ, **{cpu_backend.ENV_SIMD: "avx512bf16", cpu_backend.ENV_SPLIT: split})
+    res = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stderr[-2000:])
