@@ -2,7 +2,7 @@
 each paged HND block, of bfloat16 K rows of head_dim 32 or 64: ``run_scores`` in
 avx512bf16_scores.cpp), against the float64 oracle. Groups of 1-12 query heads per KV head (one
 pass over a run for up to 4 heads, 128 rows per pass of every head block for more), lengths
-around the 4-, 8- and 16-row blocks and the 128-row passes, HND blocks of 32, 100 and 128 rows
+around the 4-, 8- and 16-row blocks and the 128-row passes, HND blocks of 32, 33, 100 and 128 rows
 (ragged last blocks; a range starting inside a block), forced split-KV, both placements and
 selections. The cache past each sequence's length is NaN, so a read past a run shows; a cache
 whose rows are not back to back (a strided view) takes the tile loop instead and is checked
