@@ -30,7 +30,10 @@ read; the measured fraction is reported), ``f=0.3`` (the same at the 70th percen
 ``sdpa`` (torch's ``scaled_dot_product_attention`` with
 ``enable_gqa`` on BNSD), ``vllm-kernel`` (vLLM's ``cpu_attention_with_kv_cache`` on its own
 layout, block 128, written by its own ``cpu_attn_reshape_and_cache``) when vLLM's CPU build
-imports.
+imports, and ``K read``: a plain read of the layer's K bytes as this layout stores them (torch
+float32 sums over the cache's K regions, in address order: one contiguous region per block
+and KV head where they are split by V regions, as in vLLM's cache). It is what the machine
+itself gives for the bytes of the K pass in that layout (docs/cpu.md, "Where it stands").
 
 Every layout and variant of the ``cpu`` kernel is checked once against the torch reference
 (output within the dtype tolerance, V rows exact) before anything is timed.
@@ -134,6 +137,41 @@ def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, g
         return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
     s = kc.stride()  # vector ISA: K region [head_dim, block_size]
     return kc.as_strided(kc.shape, (s[0], s[1], 1, bs)), vc, {"block_table": table, "kv_layout": "HND"}
+
+
+def k_regions(kc: torch.Tensor) -> Optional[torch.Tensor]:
+    """The bytes of a K cache as float32 (for a plain read), or None for an unknown layout.
+
+    Parameters
+    ----------
+    kc : torch.Tensor
+        A K cache as the op takes it: contiguous (BNSD, paged NHD or HND), or 4-D
+        ``[blocks, kv_heads, a, b]`` whose last two dimensions span one contiguous region of
+        ``a * b`` elements per block and head (vLLM's K transposed per block, strides
+        ``(slot 1, dim block_size)``, or its AMX-packed regions); float16, bfloat16 or float32.
+
+    Returns
+    -------
+    torch.Tensor or None
+        float32 over the same storage: flat for a contiguous cache, ``[blocks, kv_heads,
+        region]`` otherwise (the V regions between are not part of it); None when the cache
+        is neither or its regions do not split into whole float32 words.
+    """
+    es = kc.element_size()
+    f = 4 // es if es in (2, 4) else 0
+    if not f or kc.dim() != 4:
+        return None
+    n, h, a, b = kc.shape
+    s = kc.stride()
+    if kc.is_contiguous():
+        counts, size, stride = (kc.numel(),), (kc.numel() // f,), (1,)
+    elif (s[2], s[3]) in ((b, 1), (1, a)):
+        counts, size, stride = (a * b, s[0], s[1]), (n, h, a * b // f), (s[0] // f, s[1] // f, 1)
+    else:
+        return None
+    if any(x % f for x in (*counts, kc.storage_offset())):
+        return None
+    return torch.empty(0, dtype=torch.float32).set_(kc.untyped_storage(), kc.storage_offset() // f, size, stride)
 
 
 def thresholds(q: torch.Tensor, k: torch.Tensor, scale: float, placement: str):
@@ -287,6 +325,9 @@ def run_shape(name: str, threads: list[int], mach: Machine, rounds: int, layouts
             calls = [lambda c=c, t=th: decode_attention(q, c[0], c[1], lens, t, scale=scale, placement=placement,
                                                         selection="group", backend="cpu", **c[2]) for c in caches]
             timed.append((layout, variant, read, frac, calls, ""))
+        regions = [k_regions(c[0]) for c in caches]
+        if all(r is not None for r in regions):
+            timed.append((layout, "K read", regions[0].numel() * 4, 0.0, [r.sum for r in regions], "plain read of K"))
     sdpa = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, scale=scale, enable_gqa=True) for k, v in layers]
     timed.append(("BNSD", "sdpa", kv_bytes, 1.0, sdpa, ""))

@@ -21,9 +21,35 @@ def test_every_layout_runs_checked_on_a_tiny_shape(monkeypatch, placement):
         want = {"dense": 1.0, "f=0.1": 0.1, "f=0.3": 0.3}[r.variant]
         assert abs(r.v_rows_frac - want) < 0.03, r
     assert any(r.variant == "sdpa" for r in rows) and any(r.variant == "vllm-kernel" for r in rows)
+    kread = {r.layout: r for r in rows if r.variant == "K read"}
+    assert set(kread) == set(cpu_cold.LAYOUTS) and all(r.gbps > 0 for r in kread.values())
+    assert kread["BNSD"].gb_read * 1e9 == 2 * 2 * 512 * 64 * 2  # exactly the K bytes
     probe = [r for r in rows if r.variant == "read probe"]
     assert len(probe) == 1 and probe[0].gbps > 0 and all(r.probe_gbps == probe[0].gbps for r in ours)
     assert "read probe" in cpu_cold.format_rows(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", cpu_cold.LAYOUTS)
+def test_k_regions_cover_the_k_bytes_and_no_v_byte(layout, dtype):
+    gen = torch.Generator().manual_seed(1)
+    B, H, S, D = 2, 2, 300, 64
+    k = torch.randn(B, H, S, D, generator=gen).to(dtype)
+    v = torch.full((B, H, S, D), 4096.0).to(dtype)  # far outside K's values
+    kc, vc, _ = cpu_cold._caches(layout, k, v, torch.tensor([300, 170]), gen)
+    r = cpu_cold.k_regions(kc)
+    assert r is not None and r.dtype == torch.float32
+    assert r.numel() * 4 == kc.numel() * kc.element_size()
+    mine = r.reshape(-1).view(dtype) if r.is_contiguous() else r.contiguous().view(dtype)
+    assert torch.equal(mine.reshape(-1).sort().values, kc.reshape(-1).sort().values)  # the same elements
+    assert float(mine.float().abs().max()) < 100.0  # none of V's
+
+
+def test_k_regions_refuses_unknown_strides():
+    x = torch.zeros(4, 2, 16, 8, dtype=torch.bfloat16)
+    assert cpu_cold.k_regions(x.transpose(1, 2)) is None  # NHD seen as HND: heads interleaved
+    assert cpu_cold.k_regions(x[:, :, :, 1:]) is None  # rows with gaps
+    assert cpu_cold.k_regions(torch.zeros(3, dtype=torch.float64)) is None
 
 
 def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
