@@ -12,11 +12,13 @@
 // spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
 // prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
 // which gets no software prefetch (one_run; rows_ahead.h); scores_pf puts the caller's rows
-// into L2 instead (the K walk of unit_walk.cpp). Rows of head_dim 32 or 64 that lie back to
+// into L2 instead (the K walk of unit_walk.cpp). Rows of head_dim 32, 64 or 128 that lie back to
 // back are not cut into tiles at all: run_scores reads such a run block after block from its
-// first row, the whole list when it is one run (a BNSD range), else each run of at least
-// kMinRun rows (the blocks of a paged HND list) with the list's rows far ahead prefetched,
-// and the shorter runs between them through the tile loop (tile_range). Every other stage,
+// first row: the whole list without software prefetch when it is one run of rows of at most
+// 128 bytes (a BNSD range of head_dim 32 or 64), else each run of at least kMinRun rows (the
+// blocks of a paged HND list; a BNSD range of head_dim 128 is one such run) with the list's
+// rows far ahead prefetched, and the shorter runs between them through the tile loop
+// (tile_range). Every other stage,
 // and other dtypes or strided rows, run the avx512 level's code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
@@ -129,29 +131,36 @@ constexpr int64_t kMinRun = 32;
 
 // HB heads over count rows of one contiguous run (row t at base + t * rb): blocks of RB rows,
 // each block's HB x RB dot products reduced at once as in tile_heads, the query's NC chunks
-// of 32 elements (head_dim = 32 NC) held in registers. The last block repeats its last row
-// up to RB rows (only T scores are stored). In the full blocks of rows t < nfl, one line of
+// of 32 elements (head_dim = 32 NC) held in registers where HB x NC <= 8 (else each chunk is
+// read from the query where it is used: 16 chunks and 16 accumulators would not fit). The
+// last block repeats its last row up to RB rows (only T scores are stored). In the full blocks of rows t < nfl, one line of
 // fl[t] per line loaded goes into L2 (the tail block prefetches nothing).
 template <int HB, int RB, int NC>
 inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad, __m512 sc,
                       float* S, int64_t ldS, const uint8_t* const* fl, int64_t nfl) {
-    __m512bh qv[HB][NC];
+    constexpr bool kInRegs = HB * NC <= 8;  // else each chunk is read from q where it is used
+    __m512bh qv[HB][kInRegs ? NC : 1];
+    if constexpr (kInRegs) {
 #pragma GCC unroll 4
-    for (int h = 0; h < HB; ++h)
-#pragma GCC unroll 2
-        for (int c = 0; c < NC; ++c) qv[h][c] = bf16_chunk(q + h * dpad + 32 * c);
+        for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+            for (int c = 0; c < NC; ++c) qv[h][c] = bf16_chunk(q + h * dpad + 32 * c);
+    }
     const auto block = [&](int64_t r0, int64_t T, auto pf) {
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int c = 0; c < NC; ++c)
 #pragma GCC unroll 16
             for (int t = 0; t < RB; ++t) {
                 if constexpr (decltype(pf)::value) prefetch_l2(fl[r0 + t] + 64 * c);
                 const __m512bh k = bf16_chunk(u16(base + (r0 + (t < T ? t : T - 1)) * rb) + 32 * c);
 #pragma GCC unroll 4
-                for (int h = 0; h < HB; ++h) acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qv[h][c], k);
+                for (int h = 0; h < HB; ++h) {
+                    const __m512bh qc = kInRegs ? qv[h][kInRegs ? c : 0] : bf16_chunk(q + h * dpad + 32 * c);
+                    acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qc, k);
+                }
             }
         store_block<HB, RB>(_mm512_mul_ps(reduce16(acc), sc), S + r0, ldS, T);
     };
@@ -167,7 +176,7 @@ constexpr int64_t kRunChunk = 128;  // rows per pass of every head block when G 
 // paged HND block, which the tile loop reads 16 rows at a time from their pointers): one pass
 // over the run for up to 4 heads; more heads take it kRunChunk rows at a time, every head
 // block per chunk, so that each row comes from memory once. Fewer instructions per row than the
-// tile loop (no per-tile addressing, a compile-time chunk count, the query in registers), and
+// tile loop (no per-tile addressing, a compile-time chunk count, the query in registers up to 8 chunks), and
 // more of the memory stream hidden behind them where measured (docs/cpu.md, "One contiguous
 // run"). fl[t], t < nfl: a row to prefetch into L2 with row t (the list's rows far ahead, which
 // for a paged list lie in the next blocks); the first head block issues them.
@@ -263,7 +272,7 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
     const __m512 sc = _mm512_set1_ps(scale);
     const int64_t row_bytes = int64_t(d) * 2, far = far_rows(row_bytes);
     const bool prefetch = pf_list || !one_run(rows, count, row_bytes);
-    if (pf_list || (d != 32 && d != 64)) {
+    if (pf_list || (d != 32 && d != 64 && d != 128)) {
         tile_range(rows, count, 0, count, pf_list, pf_count, prefetch, d, dpad, G, S, ldS, qraw, sc);
         return;
     }
@@ -286,7 +295,8 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
         const int64_t nfl = count - t0 - far;
         const uint8_t* const* fl = nfl > 0 ? rows + t0 + far : nullptr;
         if (d == 32) run_scores<1>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
-        else run_scores<2>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
+        else if (d == 64) run_scores<2>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
+        else run_scores<4>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
         t0 += len;
         s0 = t0;
     }

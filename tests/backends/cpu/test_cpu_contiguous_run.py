@@ -1,5 +1,5 @@
 """The ``avx512bf16`` level's scores over contiguous runs of rows (a BNSD range, or the rows of
-each paged HND block, of bfloat16 K rows of head_dim 32 or 64: ``run_scores`` in
+each paged HND block, of bfloat16 K rows of head_dim 32, 64 or 128: ``run_scores`` in
 avx512bf16_scores.cpp), against the float64 oracle. Groups of 1-12 query heads per KV head (one
 pass over a run for up to 4 heads, 128 rows per pass of every head block for more), lengths
 around the 4-, 8- and 16-row blocks and the 128-row passes, HND blocks of 32, 33, 100 and 128 rows
@@ -28,7 +28,7 @@ LENS = (1, 2, 3, 5, 16, 17, 129, 300)
 
 @pytest.mark.skipif("avx512bf16" not in LEVELS, reason="the CPU lacks AVX512-BF16: the avx512bf16 level (its "
                                                        "contiguous-run scores) cannot run here")
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 12])
 @pytest.mark.parametrize("split", ["0", "7", "100"])
 @pytest.mark.parametrize("layout", ["BNSD", "HND32", "HND33", "HND100", "HND128"])
@@ -71,12 +71,13 @@ def test_rows_not_back_to_back_take_the_tile_loop(group):
 
 @pytest.mark.skipif("avx512bf16" not in LEVELS, reason="the CPU lacks AVX512-BF16: the avx512bf16 level cannot "
                                                        "run here")
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 7, 12])
-def test_run_and_tile_loops_give_the_same_bits(group):
+def test_run_and_tile_loops_give_the_same_bits(group, head_dim):
     """The contiguous-run loop (BNSD) and the tile loop (the same rows paged HND in blocks of
     16, shorter than the runs the loop takes) add the same products in the same order: the
     outputs are bitwise equal."""
-    base = random_case("bits", Shape((300, 129, 17, 5), 2 * group, 2, 64, 320), torch.bfloat16,
+    base = random_case("bits", Shape((300, 129, 17, 5), 2 * group, 2, head_dim, 320), torch.bfloat16,
                        placement="post_softmax", selection="group", seed=group)
     paged = paged_case(base, 16, "HND", seed=1)
     env = {cpu_backend.ENV_SIMD: "avx512bf16", cpu_backend.ENV_SPLIT: "8192"}
@@ -105,7 +106,7 @@ GUARD_SCRIPT = textwrap.dedent("""
 
     keep = []
     for group in (1, 3, 4, 7):
-        for d in (32, 64):
+        for d in (32, 64, 128):
             for lens in ((5, 300, 320), (320,), (33, 320)):
                 case = random_case("guard", Shape(lens, 2 * group, 2, d, 320), torch.bfloat16,
                                    placement="post_softmax", selection="group", keep_range=(0.2, 0.6),
