@@ -99,19 +99,6 @@ inline void tile_heads(A r, int64_t T, const uint16_t* q, int32_t dpad, int32_t 
     }
 }
 
-// Whether rows[t] == rows[0] + t * rb for every t < count.
-inline bool contiguous(const uint8_t* const* rows, int64_t count, int64_t rb) {
-    const __m512i step = _mm512_set1_epi64(8 * rb);
-    __m512i want = _mm512_add_epi64(_mm512_set1_epi64(reinterpret_cast<int64_t>(rows[0])),
-                                    _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_epi64(rb)));
-    int64_t t = 0;
-    for (; t + 8 <= count; t += 8, want = _mm512_add_epi64(want, step))
-        if (_mm512_cmpneq_epi64_mask(_mm512_loadu_si512(rows + t), want)) return false;
-    for (; t < count; ++t)
-        if (rows[t] != rows[0] + t * rb) return false;
-    return true;
-}
-
 // The number of rows from rows[0] on that lie back to back (rows[t] == rows[0] + t * rb).
 inline int64_t run_length(const uint8_t* const* rows, int64_t count, int64_t rb) {
     const __m512i step = _mm512_set1_epi64(8 * rb);
@@ -276,7 +263,7 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
         tile_range(rows, count, 0, count, pf_list, pf_count, prefetch, d, dpad, G, S, ldS, qraw, sc);
         return;
     }
-    if (!prefetch && contiguous(rows, count, row_bytes)) {  // one run (BNSD): the hardware streams it
+    if (!prefetch && run_length(rows, count, row_bytes) == count) {  // one run (BNSD): the hardware streams it
         if (d == 32) run_scores<1>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
         else run_scores<2>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
         return;
