@@ -153,9 +153,10 @@ def k_regions(kc: torch.Tensor) -> Optional[torch.Tensor]:
     Returns
     -------
     torch.Tensor or None
-        float32 over the same storage: flat for a contiguous cache, ``[blocks, kv_heads,
-        region]`` otherwise (the V regions between are not part of it); None when the cache
-        is neither or its regions do not split into whole float32 words.
+        float32 over the same storage: flat for a contiguous cache (a paged pool: every block
+        it holds), ``[blocks, kv_heads, region]`` otherwise (the V regions between are not part
+        of it); None when the cache is neither, its regions overlap, or they do not split into
+        whole float32 words.
     """
     es = kc.element_size()
     f = 4 // es if es in (2, 4) else 0
@@ -166,6 +167,11 @@ def k_regions(kc: torch.Tensor) -> Optional[torch.Tensor]:
     if kc.is_contiguous():
         counts, size, stride = (kc.numel(),), (kc.numel() // f,), (1,)
     elif (s[2], s[3]) in ((b, 1), (1, a)):
+        span = a * b  # the regions must not overlap: each outer stride past the span below it
+        for st, size in sorted((st, size) for st, size in ((s[0], n), (s[1], h)) if size > 1):
+            if st < span:
+                return None
+            span = st * size
         counts, size, stride = (a * b, s[0], s[1]), (n, h, a * b // f), (s[0] // f, s[1] // f, 1)
     else:
         return None

@@ -263,7 +263,9 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
         tile_range(rows, count, 0, count, pf_list, pf_count, prefetch, d, dpad, G, S, ldS, qraw, sc);
         return;
     }
-    if (!prefetch && run_length(rows, count, row_bytes) == count) {  // one run (BNSD): the hardware streams it
+    // one run of short rows (BNSD, head_dim 32 or 64: one_run takes rows of at most 128 bytes):
+    // the hardware streams it
+    if (!prefetch && d <= 64 && run_length(rows, count, row_bytes) == count) {
         if (d == 32) run_scores<1>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
         else run_scores<2>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
         return;

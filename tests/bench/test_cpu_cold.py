@@ -50,6 +50,9 @@ def test_k_regions_refuses_unknown_strides():
     assert cpu_cold.k_regions(x.transpose(1, 2)) is None  # NHD seen as HND: heads interleaved
     assert cpu_cold.k_regions(x[:, :, :, 1:]) is None  # rows with gaps
     assert cpu_cold.k_regions(torch.zeros(3, dtype=torch.float64)) is None
+    y = torch.zeros(64 * 16 * 8 * 2, dtype=torch.bfloat16)
+    assert cpu_cold.k_regions(y.as_strided((4, 2, 16, 8), (256, 64, 8, 1))) is None  # regions of 128 overlap
+    assert cpu_cold.k_regions(y.as_strided((4, 2, 16, 8), (256, 128, 8, 1))) is not None
 
 
 def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
