@@ -12,14 +12,14 @@
 // spaced rows is loaded from its first row and the stride (RowRun); the rows ahead are
 // prefetched one line per line loaded (ahead_rows), except a contiguous run of short rows,
 // which gets no software prefetch (one_run; rows_ahead.h); scores_pf puts the caller's rows
-// into L2 instead (the K walk of unit_walk.cpp). Rows of head_dim 32, 64 or 128 that lie back to
-// back are not cut into tiles at all: run_scores reads such a run block after block from its
+// into L2 instead (the K walk of unit_walk.cpp). Rows of head_dim 32, 64 or 128 that lie back
+// to back are not cut into tiles at all: run_scores reads such a run block after block from its
 // first row: the whole list without software prefetch when it is one run of rows of at most
 // 128 bytes (a BNSD range of head_dim 32 or 64), else each run of at least kMinRun rows (the
 // blocks of a paged HND list; a BNSD range of head_dim 128 is one such run) with the list's
 // rows far ahead prefetched, and the shorter runs between them through the tile loop
-// (tile_range). Every other stage,
-// and other dtypes or strided rows, run the avx512 level's code.
+// (tile_range). Every other stage, and other dtypes or strided rows, run the avx512 level's
+// code.
 //
 // Compiled with the AVX-512 flags plus -mavx512bf16 (setup.py); chosen at run time only
 // when the CPU reports AVX512-BF16 (dispatch.cpp).
@@ -120,8 +120,9 @@ constexpr int64_t kMinRun = 32;
 // each block's HB x RB dot products reduced at once as in tile_heads, the query's NC chunks
 // of 32 elements (head_dim = 32 NC) held in registers where HB x NC <= 8 (else each chunk is
 // read from the query where it is used: 16 chunks and 16 accumulators would not fit). The
-// last block repeats its last row up to RB rows (only T scores are stored). In the full blocks of rows t < nfl, one line of
-// fl[t] per line loaded goes into L2 (the tail block prefetches nothing).
+// last block repeats its last row up to RB rows (only T scores are stored). In the full
+// blocks of rows t < nfl, one line of fl[t] per line loaded goes into L2 (the tail block
+// prefetches nothing).
 template <int HB, int RB, int NC>
 inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad, __m512 sc,
                       float* S, int64_t ldS, const uint8_t* const* fl, int64_t nfl) {
@@ -163,9 +164,9 @@ constexpr int64_t kRunChunk = 128;  // rows per pass of every head block when G 
 // paged HND block, which the tile loop reads 16 rows at a time from their pointers): one pass
 // over the run for up to 4 heads; more heads take it kRunChunk rows at a time, every head
 // block per chunk, so that each row comes from memory once. Fewer instructions per row than the
-// tile loop (no per-tile addressing, a compile-time chunk count, the query in registers up to 8 chunks), and
-// more of the memory stream hidden behind them where measured (docs/cpu.md, "One contiguous
-// run"). fl[t], t < nfl: a row to prefetch into L2 with row t (the list's rows far ahead, which
+// tile loop (no per-tile addressing, a compile-time chunk count, up to 8 query chunks in
+// registers), and more of the memory stream hidden behind them where measured (docs/cpu.md,
+// "One contiguous run"). fl[t], t < nfl: a row to prefetch into L2 with row t (the list's rows far ahead, which
 // for a paged list lie in the next blocks); the first head block issues them.
 template <int NC>
 inline void run_scores(int32_t G, const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad,
