@@ -146,7 +146,9 @@ inline void run_heads(const uint8_t* base, int64_t count, int64_t rb, const uint
                 const __m512bh k = bf16_chunk(u16(base + (r0 + (t < T ? t : T - 1)) * rb) + 32 * c);
 #pragma GCC unroll 4
                 for (int h = 0; h < HB; ++h) {
-                    const __m512bh qc = kInRegs ? qv[h][kInRegs ? c : 0] : bf16_chunk(q + h * dpad + 32 * c);
+                    __m512bh qc;
+                    if constexpr (kInRegs) qc = qv[h][c];
+                    else qc = bf16_chunk(q + h * dpad + 32 * c);
                     acc[h * RB + t] = _mm512_dpbf16_ps(acc[h * RB + t], qc, k);
                 }
             }
@@ -166,8 +168,8 @@ constexpr int64_t kRunChunk = 128;  // rows per pass of every head block when G 
 // block per chunk, so that each row comes from memory once. Fewer instructions per row than the
 // tile loop (no per-tile addressing, a compile-time chunk count, up to 8 query chunks in
 // registers), and more of the memory stream hidden behind them where measured (docs/cpu.md,
-// "One contiguous run"). fl[t], t < nfl: a row to prefetch into L2 with row t (the list's rows far ahead, which
-// for a paged list lie in the next blocks); the first head block issues them.
+// "One contiguous run"). fl[t], t < nfl: a row to prefetch into L2 with row t (the list's rows
+// far ahead, which for a paged list lie in the next blocks); the first head block issues them.
 template <int NC>
 inline void run_scores(int32_t G, const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q, int32_t dpad,
                        __m512 sc, float* S, int64_t ldS, const uint8_t* const* fl = nullptr, int64_t nfl = 0) {
@@ -188,6 +190,15 @@ inline void run_scores(int32_t G, const uint8_t* base, int64_t count, int64_t rb
             }
         }
     }
+}
+
+// run_scores for head_dim d = 32 NC, NC in {1, 2, 4} (the caller checks d).
+inline void run_scores_d(int32_t d, int32_t G, const uint8_t* base, int64_t count, int64_t rb, const uint16_t* q,
+                         int32_t dpad, __m512 sc, float* S, int64_t ldS, const uint8_t* const* fl = nullptr,
+                         int64_t nfl = 0) {
+    if (d == 32) run_scores<1>(G, base, count, rb, q, dpad, sc, S, ldS, fl, nfl);
+    else if (d == 64) run_scores<2>(G, base, count, rb, q, dpad, sc, S, ldS, fl, nfl);
+    else run_scores<4>(G, base, count, rb, q, dpad, sc, S, ldS, fl, nfl);
 }
 
 // One block of hb heads (1-4) of a tile, with NPF streams of prefetches (0: none, 1: pf
@@ -267,8 +278,7 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
     // one run of short rows (BNSD, head_dim 32 or 64: one_run takes rows of at most 128 bytes):
     // the hardware streams it
     if (!prefetch && d <= 64 && run_length(rows, count, row_bytes) == count) {
-        if (d == 32) run_scores<1>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
-        else run_scores<2>(G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
+        run_scores_d(d, G, rows[0], count, row_bytes, qraw, dpad, sc, S, ldS);
         return;
     }
     // Runs of at least kMinRun rows (the blocks of a paged HND list) each in one loop, with the
@@ -284,9 +294,7 @@ void scores_pf(const uint8_t* const* rows, int64_t count, const uint8_t* const* 
         if (s0 < t0) tile_range(rows, count, s0, t0, nullptr, 0, true, d, dpad, G, S, ldS, qraw, sc);
         const int64_t nfl = count - t0 - far;
         const uint8_t* const* fl = nfl > 0 ? rows + t0 + far : nullptr;
-        if (d == 32) run_scores<1>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
-        else if (d == 64) run_scores<2>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
-        else run_scores<4>(G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
+        run_scores_d(d, G, rows[t0], len, row_bytes, qraw, dpad, sc, S + t0, ldS, fl, nfl);
         t0 += len;
         s0 = t0;
     }
