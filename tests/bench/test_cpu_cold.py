@@ -4,7 +4,7 @@ variant runs, is checked against the torch reference, and reports the bytes it r
 import pytest
 import torch
 
-from topth_ops.bench import cpu_cold
+from topth_ops.bench import cold_layouts, cpu_cold
 
 
 @pytest.mark.parametrize("placement", ["post_softmax", "pre_softmax"])
@@ -36,8 +36,8 @@ def test_k_regions_cover_the_k_bytes_and_no_v_byte(layout, dtype):
     B, H, S, D = 2, 2, 300, 64
     k = torch.randn(B, H, S, D, generator=gen).to(dtype)
     v = torch.full((B, H, S, D), 4096.0).to(dtype)  # far outside K's values
-    kc, vc, _ = cpu_cold._caches(layout, k, v, torch.tensor([300, 170]), gen)
-    r = cpu_cold.k_regions(kc)
+    kc, vc, _ = cold_layouts.layer_caches(layout, k, v, torch.tensor([300, 170]), gen)
+    r = cold_layouts.k_regions(kc)
     assert r is not None and r.dtype == torch.float32
     assert r.numel() * 4 == kc.numel() * kc.element_size()
     mine = r.reshape(-1).view(dtype) if r.is_contiguous() else r.contiguous().view(dtype)
@@ -47,12 +47,12 @@ def test_k_regions_cover_the_k_bytes_and_no_v_byte(layout, dtype):
 
 def test_k_regions_refuses_unknown_strides():
     x = torch.zeros(4, 2, 16, 8, dtype=torch.bfloat16)
-    assert cpu_cold.k_regions(x.transpose(1, 2)) is None  # NHD seen as HND: heads interleaved
-    assert cpu_cold.k_regions(x[:, :, :, 1:]) is None  # rows with gaps
-    assert cpu_cold.k_regions(torch.zeros(3, dtype=torch.float64)) is None
+    assert cold_layouts.k_regions(x.transpose(1, 2)) is None  # NHD seen as HND: heads interleaved
+    assert cold_layouts.k_regions(x[:, :, :, 1:]) is None  # rows with gaps
+    assert cold_layouts.k_regions(torch.zeros(3, dtype=torch.float64)) is None
     y = torch.zeros(64 * 16 * 8 * 2, dtype=torch.bfloat16)
-    assert cpu_cold.k_regions(y.as_strided((4, 2, 16, 8), (256, 64, 8, 1))) is None  # regions of 128 overlap
-    assert cpu_cold.k_regions(y.as_strided((4, 2, 16, 8), (256, 128, 8, 1))) is not None
+    assert cold_layouts.k_regions(y.as_strided((4, 2, 16, 8), (256, 64, 8, 1))) is None  # regions of 128 overlap
+    assert cold_layouts.k_regions(y.as_strided((4, 2, 16, 8), (256, 128, 8, 1))) is not None
 
 
 def test_a_wrong_kernel_result_stops_the_benchmark(monkeypatch):
