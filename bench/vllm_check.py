@@ -4,7 +4,9 @@ Parts (``--parts``, default all):
 
 - ``equiv``: thresholds at -inf through the Top-Theta backend vs vLLM's own CPU attention,
   greedy, token for token on HumanEval prompts; each difference is reported with the
-  logprob gap of the two best tokens where the runs split (a near-tie when tiny).
+  logprob gap of the two best tokens where the runs split (a near-tie when tiny). Both
+  engines run in ``--dtype`` (float32 by default; in bfloat16 the two best logits are often
+  exactly equal, and such a tie follows the last bit of the attention).
 - ``file``: a threshold file (``--thresholds``, e.g. k=16 post-softmax) with VMC through
   vLLM vs the transformers ``topth`` path (same file, same prompts, prefill dense as in
   the backend, and also thresholded prefill, the transformers default), greedy
@@ -35,11 +37,12 @@ else:
     from . import vllm_common as vc
 
 
-def part_equiv(model, ids, max_tokens, workdir) -> dict:
+def part_equiv(model, ids, max_tokens, workdir, dtype: str = "float32") -> dict:
     dense_file = vc.write_threshold_file(model, os.path.join(workdir, "dense.safetensors"), kind="dense")
-    base = vc.run_llm(model, ids, max_tokens)
+    base = vc.run_llm(model, ids, max_tokens, dtype=dtype)
     mine = vc.run_llm(model, ids, max_tokens, topth={"thresholds": dense_file,
-                                                      "stats_file": os.path.join(workdir, "equiv_stats.json")})
+                                                      "stats_file": os.path.join(workdir, "equiv_stats.json")},
+                      dtype=dtype)
     cmp = vc.compare_tokens(base["tokens"], mine["tokens"], base["top"], mine["top"])
     rep = json.load(open(os.path.join(workdir, "equiv_stats.json")))
     return {"compare_cpu_attn_vs_topth_neg_inf": cmp, "v_rows_fraction": rep["v_rows_fraction"],
@@ -86,17 +89,19 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--parts", default="equiv,file")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="model and KV-cache dtype of both engines in the 'equiv' part")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if "file" in parts and not args.thresholds:
         ap.error("the 'file' part needs --thresholds")
     ids = vc.tokenize(args.model, vc.humaneval_prompts(args.prompts))
-    res = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens,
+    res = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "dtype": args.dtype,
            "prompt_tokens": [len(x) for x in ids], "load_avg_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as wd:
         if "equiv" in parts:
-            res["equiv"] = part_equiv(args.model, ids, args.max_tokens, wd)
+            res["equiv"] = part_equiv(args.model, ids, args.max_tokens, wd, args.dtype)
             c = res["equiv"]["compare_cpu_attn_vs_topth_neg_inf"]
             print(f"equiv: {c['identical']}/{c['prompts']} prompts identical to vLLM's CPU attention; "
                   f"diffs {c['diffs']}", flush=True)
