@@ -45,7 +45,7 @@ def part_equiv(model, ids, max_tokens, workdir, dtype: str = "float32") -> dict:
                       dtype=dtype)
     cmp = vc.compare_tokens(base["tokens"], mine["tokens"], base["top"], mine["top"])
     rep = json.load(open(os.path.join(workdir, "equiv_stats.json")))
-    return {"compare_cpu_attn_vs_topth_neg_inf": cmp, "v_rows_fraction": rep["v_rows_fraction"],
+    return {"dtype": dtype, "compare_cpu_attn_vs_topth_neg_inf": cmp, "v_rows_fraction": rep["v_rows_fraction"],
             "gen_s": {"cpu_attn": base["gen_s"], "topth_neg_inf": mine["gen_s"]},
             "load_s": {"cpu_attn": base["load_s"], "topth_neg_inf": mine["load_s"]},
             "tokens": {"cpu_attn": base["tokens"], "topth_neg_inf": mine["tokens"]}}
@@ -90,14 +90,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--parts", default="equiv,file")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                    help="model and KV-cache dtype of both engines in the 'equiv' part")
+                    help="model and KV-cache dtype of both engines in the 'equiv' part (default float32; "
+                         "the 'file' part always runs float32)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if "file" in parts and not args.thresholds:
         ap.error("the 'file' part needs --thresholds")
+    if args.dtype != "float32" and "equiv" not in parts:
+        ap.error(f"--dtype {args.dtype} applies to the 'equiv' part only, which --parts leaves out")
     ids = vc.tokenize(args.model, vc.humaneval_prompts(args.prompts))
-    res = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "dtype": args.dtype,
+    res = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens,
            "prompt_tokens": [len(x) for x in ids], "load_avg_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as wd:
         if "equiv" in parts:

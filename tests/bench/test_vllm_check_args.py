@@ -1,6 +1,7 @@
 """bench/vllm_check's equivalence part with fake engines: ``--dtype`` reaches both engines
-(vLLM's own attention and the backend at -inf thresholds), float32 by default, and the
-comparison of their tokens is reported. (The real engines run it in tests/serving.)"""
+(vLLM's own attention and the backend at -inf thresholds), float32 by default, is recorded
+with that part's results, and is refused where that part does not run; the comparison of
+their tokens is reported. (The real engines run it in tests/serving.)"""
 
 import json
 import os
@@ -38,7 +39,7 @@ def test_equiv_runs_both_engines_in_the_dtype_asked(fake_engines, tmp_path, argv
     assert [c["dtype"] for c in fake_engines] == [dtype, dtype]
     assert [c["topth"] for c in fake_engines] == [False, True]
     res = json.loads(out.read_text())
-    assert res["dtype"] == dtype
+    assert res["equiv"]["dtype"] == dtype and "dtype" not in res  # the file part runs float32
     cmp = res["equiv"]["compare_cpu_attn_vs_topth_neg_inf"]
     assert cmp["prompts"] == 2 and cmp["identical"] == 1, cmp
 
@@ -47,3 +48,10 @@ def test_dtype_outside_the_choices_is_refused(fake_engines, capsys):
     with pytest.raises(SystemExit):
         vllm_check.main(["--model", "m", "--parts", "equiv", "--dtype", "int8"])
     assert "--dtype" in capsys.readouterr().err
+
+
+def test_dtype_without_the_equiv_part_is_refused(fake_engines, capsys):
+    with pytest.raises(SystemExit):
+        vllm_check.main(["--model", "m", "--parts", "file", "--thresholds", "t", "--dtype", "bfloat16"])
+    assert "'equiv' part only" in capsys.readouterr().err
+    assert fake_engines == []
