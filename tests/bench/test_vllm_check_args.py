@@ -4,7 +4,6 @@ with that part's results, and is refused where that part does not run; the compa
 their tokens is reported. (The real engines run it in tests/serving.)"""
 
 import json
-import os
 
 import pytest
 
