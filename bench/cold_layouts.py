@@ -16,6 +16,8 @@ import torch
 
 from topth_ops.paged import to_paged
 
+from .cpu import vllm_paged_cache
+
 
 def layer_caches(layout: str, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, gen: torch.Generator):
     """One layer's caches in a benchmark layout, built from BNSD tensors.
@@ -55,25 +57,17 @@ def layer_caches(layout: str, k: torch.Tensor, v: torch.Tensor, lens: torch.Tens
 
 def _vllm_cache(k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, bs: int, gen: torch.Generator):
     """vLLM's own cache of one layer, filled by vLLM's writer, as the op reads it (module doc)."""
-    B, H, S, D = k.shape
+    B, S = k.shape[0], k.shape[2]
+    nb = B * -(-S // bs)
+    table = torch.randperm(nb, generator=gen).to(torch.int32).view(B, nb // B)
     try:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        kc, vc, isa = vllm_paged_cache(k, v, table, bs)
     except ImportError:  # the same layouts, packed here: AMX for bfloat16, else K transposed per block
         if k.dtype == torch.bfloat16:
             kc, vc, table = to_paged(k, v, lens, bs, kv_layout="VLLM_AMX", generator=gen)
             return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
         kc, vc, table = to_paged(k, v, lens, bs, kv_layout="HND", generator=gen)
         return kc.transpose(2, 3).contiguous().transpose(2, 3), vc, {"block_table": table, "kv_layout": "HND"}
-    isa = _get_attn_isa(k.dtype, bs, D, "auto")
-    nb = B * -(-S // bs)
-    kv = torch.zeros(nb, H, bs, 2 * D, dtype=k.dtype)
-    kc, vc = kv.view(nb, H, 2 * bs, D).chunk(2, dim=2)
-    table = torch.randperm(nb, generator=gen).to(torch.int32).view(B, nb // B)
-    pos = torch.arange(S)
-    slots = (table[:, pos // bs].to(torch.int64) * bs + pos % bs).reshape(-1)
-    ops.cpu_attn_reshape_and_cache(k.transpose(1, 2).reshape(B * S, H, D), v.transpose(1, 2).reshape(B * S, H, D),
-                                   kc, vc, slots, isa)
     if isa == "amx":
         return kc, vc, {"block_table": table, "kv_layout": "VLLM_AMX"}
     s = kc.stride()  # vector ISA: K region [head_dim, block_size]

@@ -118,6 +118,52 @@ def _request_amx() -> None:
         raise ImportError(f"vLLM chose its AMX kernel but the AMX tile state is unavailable: {reason}")
 
 
+def vllm_paged_cache(key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor, block_size: int):
+    """BNSD caches copied into vLLM CPU_ATTN's own paged cache by vLLM's own writer.
+
+    The cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``: per block and KV
+    head a K region, then a V region, each laid out by ``cpu_attn_reshape_and_cache`` for the
+    instruction set vLLM picks (``amx``: packed for tiles; otherwise K transposed per block).
+
+    Parameters
+    ----------
+    key, value : torch.Tensor
+        ``[batch, num_kv_heads, seq, head_dim]`` (BNSD), float16, bfloat16 or float32; every
+        position up to ``seq`` is written.
+    block_table : torch.Tensor
+        ``[batch, ceil(seq / block_size)]`` int32, each of the ``num_blocks = block_table.numel()``
+        blocks used once (values in ``[0, num_blocks)``).
+    block_size : int
+        A multiple of 32 (vLLM's CPU attention).
+
+    Returns
+    -------
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, num_kv_heads, block_size, head_dim]`` views of the K and V regions of one
+        cache (its raw layout: for ``amx`` or the vector ISA the elements are packed, not rows).
+    isa : str
+        The instruction set vLLM chose and the regions are packed for.
+
+    Raises
+    ------
+    ImportError
+        vLLM's CPU build is not importable.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    B, H, S, D = key.shape
+    nb = block_table.numel()
+    kv = torch.zeros(nb, H, block_size, 2 * D, dtype=key.dtype)
+    key_cache, value_cache = kv.view(nb, H, 2 * block_size, D).chunk(2, dim=2)
+    pos = torch.arange(S)
+    slots = (block_table[:, pos // block_size].to(torch.int64) * block_size + pos % block_size).reshape(-1)  # [B * S]
+    isa = _get_attn_isa(key.dtype, block_size, D, "auto")
+    ops.cpu_attn_reshape_and_cache(key.transpose(1, 2).reshape(B * S, H, D), value.transpose(1, 2).reshape(B * S, H, D),
+                                   key_cache, value_cache, slots, isa)
+    return key_cache, value_cache, isa
+
+
 def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                 block_size: int = VLLM_BLOCK):
     """vLLM's CPU decode attention (vLLM >= 0.11, the v1 CPU backend's
@@ -156,22 +202,14 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq
         Whatever vLLM raises for a shape it refuses.
     """
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     B, Hq, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     nb = -(-S // block_size)
-    kv = torch.zeros(B * nb, Hkv, block_size, 2 * D, dtype=key.dtype)
-    key_cache, value_cache = kv.view(B * nb, Hkv, 2 * block_size, D).chunk(2, dim=2)
     table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
-    pos = torch.arange(S)
-    slots = (table[:, pos // block_size].to(torch.int64) * block_size + (pos % block_size)).reshape(-1)  # [B * S]
-    isa = _get_attn_isa(key.dtype, block_size, D, "auto")
+    key_cache, value_cache, isa = vllm_paged_cache(key, value, table, block_size)
     if isa == "amx":  # the AMX tile state, which vLLM's CPU worker requests at start (else SIGILL)
         _request_amx()
-    # vLLM's own writer lays each block out for its ISA
-    ops.cpu_attn_reshape_and_cache(key.transpose(1, 2).reshape(B * S, Hkv, D),
-                                   value.transpose(1, 2).reshape(B * S, Hkv, D), key_cache, value_cache, slots, isa)
     lens = seq_lens.to(torch.int32)
     qsl = torch.arange(B + 1, dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(B, Hq, Hkv, D, lens, key.dtype, qsl, True, -1, isa, True)
