@@ -37,7 +37,7 @@ else:
     from . import vllm_common as vc
 
 
-def part_equiv(model, ids, max_tokens, workdir, dtype: str = "float32") -> dict:
+def part_equiv(model, ids, max_tokens, workdir, dtype: str) -> dict:
     dense_file = vc.write_threshold_file(model, os.path.join(workdir, "dense.safetensors"), kind="dense")
     base = vc.run_llm(model, ids, max_tokens, dtype=dtype)
     mine = vc.run_llm(model, ids, max_tokens, topth={"thresholds": dense_file,
